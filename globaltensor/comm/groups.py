@@ -1,0 +1,59 @@
+"""Process groups per (placement, axis), created once per world and cached.
+
+torch.distributed requires every rank of the world to create every group, in the same order.
+Global operations are SPMD, so each rank asks for the same (placement, axis) at the same point
+and we create all groups along that axis together.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch.distributed as dist
+
+from ..placement import Placement
+
+# default process group -> {(placement, axis): {ranks_tuple: ProcessGroup}}
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _world_cache() -> dict:
+    world = dist.distributed_c10d._get_default_group()
+    cache = _CACHE.get(world)
+    if cache is None:
+        cache = {}
+        _CACHE[world] = cache
+    return cache
+
+
+def group_of_ranks(ranks: tuple[int, ...]):
+    """A process group over exactly ``ranks`` (in this order), created on every rank if new.
+
+    Every rank of the world must call this with the same ``ranks`` at the same point.
+    """
+    cache = _world_cache()
+    key = ("ranks", tuple(ranks))
+    pg = cache.get(key)
+    if pg is None:
+        if list(ranks) == list(range(dist.get_world_size())):
+            pg = dist.group.WORLD
+        else:
+            pg = dist.new_group(list(ranks))
+        cache[key] = pg
+    return pg
+
+
+def groups_along(placement: Placement, axis: int) -> dict[tuple[int, ...], object]:
+    """Every group along ``axis`` of ``placement``; created together, on every rank, once."""
+    cache = _world_cache()
+    key = ("axis", placement, axis)
+    groups = cache.get(key)
+    if groups is None:
+        groups = {ranks: group_of_ranks(ranks) for ranks in placement.groups_along(axis)}
+        cache[key] = groups
+    return groups
+
+
+def group_along(placement: Placement, axis: int, coord) -> tuple[object, tuple[int, ...]]:
+    """This coordinate's group along ``axis`` and its ranks (group rank i is ranks[i])."""
+    ranks = placement.group_along(axis, coord)
+    return groups_along(placement, axis)[ranks], ranks

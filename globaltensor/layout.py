@@ -1,0 +1,105 @@
+"""Layout: a placement, one sbp per placement axis, and a global shape.
+
+It answers, for every grid coordinate, which box of the global tensor that rank holds. The
+uneven rule: a dim of size N over k ranks gives each N // k, and the first N % k one more; on an
+n-D grid, placement axes split in order, axis 0 outermost (nested).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import lru_cache
+
+from .errors import SbpError
+from .placement import Placement
+from .sbp import Broadcast, PartialSum, Split, SbpValue, format_sbp, normalize, resolve
+
+
+def split_sizes(n: int, k: int) -> tuple[int, ...]:
+    """Sizes of ``k`` pieces of a dim of size ``n`` (first ``n % k`` pieces one larger)."""
+    q, r = divmod(n, k)
+    return tuple(q + 1 if i < r else q for i in range(k))
+
+
+def split_range(start: int, stop: int, k: int, i: int) -> tuple[int, int]:
+    """The ``i``-th of ``k`` pieces of the index range [start, stop)."""
+    sizes = split_sizes(stop - start, k)
+    lo = start + sum(sizes[:i])
+    return lo, lo + sizes[i]
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    placement: Placement
+    sbp: tuple[SbpValue, ...]
+    shape: tuple[int, ...]
+
+    def __post_init__(self):
+        shape = tuple(int(s) for s in self.shape)
+        object.__setattr__(self, "shape", shape)
+        values = normalize(self.sbp, self.placement.ndim)
+        try:
+            values = resolve(values, len(shape))
+        except SbpError as e:
+            raise SbpError(f"{e} (tensor shape {list(shape)}, sbp {format_sbp(values)})") from None
+        object.__setattr__(self, "sbp", values)
+
+    def __repr__(self):
+        return f"Layout({self.placement!r}, {format_sbp(self.sbp)}, {list(self.shape)})"
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def numel(self) -> int:
+        n = 1
+        for s in self.shape:
+            n *= s
+        return n
+
+    @property
+    def partial_axes(self) -> tuple[int, ...]:
+        return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, PartialSum))
+
+    @property
+    def is_partial(self) -> bool:
+        return bool(self.partial_axes)
+
+    def with_sbp(self, sbp) -> "Layout":
+        return Layout(self.placement, normalize(sbp, self.placement.ndim), self.shape)
+
+    def with_placement(self, placement: Placement, sbp) -> "Layout":
+        return Layout(placement, normalize(sbp, placement.ndim), self.shape)
+
+    def box(self, coord) -> tuple[tuple[int, int], ...]:
+        """The [start, stop) range of every tensor dim held at grid ``coord``."""
+        return _box(self, tuple(coord))
+
+    def slices(self, coord) -> tuple[slice, ...]:
+        return tuple(slice(a, b) for a, b in self.box(coord))
+
+    def local_shape(self, coord) -> tuple[int, ...]:
+        return tuple(b - a for a, b in self.box(coord))
+
+    def local_shape_of_rank(self, rank: int) -> tuple[int, ...]:
+        """This rank's piece shape; ranks outside the placement hold an empty piece."""
+        coord = self.placement.coord_of(rank)
+        if coord is None:
+            return (0,) * self.ndim
+        return self.local_shape(coord)
+
+    def split_axes_of(self, dim: int) -> tuple[int, ...]:
+        """Placement axes that split tensor ``dim``, outermost first."""
+        return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Split) and s.dim == dim)
+
+
+@lru_cache(maxsize=65536)
+def _box(layout: Layout, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
+    ranges = [(0, s) for s in layout.shape]
+    for axis, value in enumerate(layout.sbp):
+        if isinstance(value, Split):
+            lo, hi = ranges[value.dim]
+            ranges[value.dim] = split_range(lo, hi, layout.placement.shape[axis], coord[axis])
+    return tuple(ranges)
+
+
+__all__ = ["Layout", "split_sizes", "split_range", "Broadcast", "PartialSum", "Split"]

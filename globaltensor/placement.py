@@ -1,0 +1,180 @@
+"""Placement: a device type and an n-D grid of distinct global ranks.
+
+Pure: holds no process group and never asks which rank is running.
+"""
+from __future__ import annotations
+
+import itertools
+from functools import cached_property
+
+import numpy as np
+
+from .errors import PlacementError
+
+DEVICE_TYPES = ("cpu", "cuda")
+
+
+def _nested_shape(ranks) -> tuple[int, ...]:
+    """Shape of a nested list of ints, raising on ragged or non-int entries."""
+    if isinstance(ranks, (list, tuple)):
+        if not ranks:
+            raise PlacementError("expected a non-empty list of ranks, found []")
+        shapes = {_nested_shape(r) for r in ranks}
+        if len(shapes) != 1:
+            raise PlacementError(
+                f"expected a rectangular (not ragged) rank grid, found rows of shapes "
+                f"{sorted(shapes)} in {ranks!r}; give every row the same length"
+            )
+        return (len(ranks),) + shapes.pop()
+    return ()
+
+
+def _to_array(ranks) -> np.ndarray:
+    if isinstance(ranks, range):
+        ranks = list(ranks)
+    if isinstance(ranks, np.ndarray):
+        arr = ranks
+    else:
+        if isinstance(ranks, (list, tuple)):
+            _nested_shape(ranks)
+        arr = np.array(ranks, dtype=object)
+    if arr.size == 0:
+        raise PlacementError(f"expected at least one rank, found an empty rank array {ranks!r}")
+    flat = arr.reshape(-1).tolist()
+    for r in flat:
+        if isinstance(r, bool) or not isinstance(r, (int, np.integer)):
+            raise PlacementError(
+                f"expected integer ranks, found {r!r} ({type(r).__name__}) in {ranks!r}"
+            )
+    return np.array([int(r) for r in flat], dtype=np.int64).reshape(arr.shape if arr.ndim else (1,))
+
+
+class Placement:
+    """``gt.placement(type, ranks)``: where a global tensor lives.
+
+    >>> p = placement("cpu", ranks=[[0, 1], [2, 3]])
+    >>> p.shape, p.ndim, p.coord_of(2)
+    ((2, 2), 2, (1, 0))
+    """
+
+    __slots__ = ("type", "shape", "flat_ranks", "__dict__")
+
+    def __init__(self, type: str = "cpu", ranks=None):
+        if ranks is None:
+            raise PlacementError(
+                "expected ranks, e.g. gt.placement('cpu', ranks=[0, 1]); found none "
+                "(use gt.placement.all('cpu') for every rank)"
+            )
+        if not isinstance(type, str) or type.split(":")[0] not in DEVICE_TYPES:
+            raise PlacementError(
+                f"expected a device type in {DEVICE_TYPES}, found {type!r}; "
+                f"'cpu' runs on gloo, 'cuda' on NCCL"
+            )
+        arr = _to_array(ranks)
+        flat = tuple(int(r) for r in arr.reshape(-1))
+        negative = [r for r in flat if r < 0]
+        if negative:
+            raise PlacementError(f"expected ranks >= 0, found {negative} in {arr.tolist()}")
+        if len(set(flat)) != len(flat):
+            dups = sorted({r for r in flat if flat.count(r) > 1})
+            raise PlacementError(
+                f"expected distinct ranks, found {dups} more than once in {arr.tolist()}; "
+                f"each rank may hold one grid cell"
+            )
+        object.__setattr__(self, "type", type.split(":")[0])
+        object.__setattr__(self, "shape", tuple(int(s) for s in arr.shape))
+        object.__setattr__(self, "flat_ranks", flat)
+
+    def __setattr__(self, name, value):
+        raise AttributeError("Placement is immutable")
+
+    @classmethod
+    def all(cls, type: str = "cpu", world_size: int | None = None) -> "Placement":
+        """Every rank of the world, 1-D."""
+        if world_size is None:
+            from . import env
+
+            world_size = env.get_world_size()
+        return cls(type, list(range(world_size)))
+
+    # --- value semantics ---
+    def _key(self):
+        return (self.type, self.shape, self.flat_ranks)
+
+    def __eq__(self, other):
+        return isinstance(other, Placement) and self._key() == other._key()
+
+    def __hash__(self):
+        return hash(self._key())
+
+    def __repr__(self):
+        return f"placement({self.type!r}, ranks={self.ranks.tolist()!r})"
+
+    __str__ = __repr__
+
+    def __reduce__(self):
+        return (Placement, (self.type, self.ranks.tolist()))
+
+    # --- the grid ---
+    @property
+    def ranks(self) -> np.ndarray:
+        return np.array(self.flat_ranks, dtype=np.int64).reshape(self.shape)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return len(self.flat_ranks)
+
+    @cached_property
+    def _coord_map(self) -> dict:
+        return {r: c for r, c in zip(self.flat_ranks, self.coords())}
+
+    def coords(self):
+        """Every grid coordinate, in row-major order (the order of ``flat_ranks``)."""
+        return list(itertools.product(*(range(s) for s in self.shape)))
+
+    def coord_of(self, rank: int):
+        """Grid coordinate of ``rank``, or None if the rank is not in this placement."""
+        return self._coord_map.get(rank)
+
+    def __contains__(self, rank) -> bool:
+        return rank in self._coord_map
+
+    def rank_at(self, coord) -> int:
+        return int(self.ranks[tuple(coord)])
+
+    def group_along(self, axis: int, coord) -> tuple[int, ...]:
+        """The ranks that share every coordinate with ``coord`` except along ``axis``, in axis order."""
+        base = list(coord)
+        out = []
+        for i in range(self.shape[axis]):
+            base[axis] = i
+            out.append(self.rank_at(base))
+        return tuple(out)
+
+    def groups_along(self, axis: int) -> list[tuple[int, ...]]:
+        """Every group of ranks along ``axis``, in a deterministic order (row-major over other axes)."""
+        self.check_axis(axis)
+        others = [range(s) if a != axis else range(1) for a, s in enumerate(self.shape)]
+        return [self.group_along(axis, c) for c in itertools.product(*others)]
+
+    def check_axis(self, axis: int) -> None:
+        if not 0 <= axis < self.ndim:
+            raise PlacementError(
+                f"expected a placement axis in [0, {self.ndim}), found {axis} for {self!r}"
+            )
+
+    def check_world(self, world_size: int) -> None:
+        """Raise if a rank lies beyond a world of ``world_size``."""
+        beyond = [r for r in self.flat_ranks if r >= world_size]
+        if beyond:
+            raise PlacementError(
+                f"expected ranks < world size {world_size}, found {beyond} in {self!r}; "
+                f"launch more processes or use ranks 0..{world_size - 1}"
+            )
+
+
+placement = Placement

@@ -1,0 +1,125 @@
+"""SBP values: how a logical tensor is laid out along one placement axis.
+
+``split(dim)`` (S): each rank along the axis holds a slice of ``dim``;
+``broadcast`` (B): each holds the whole; ``partial_sum`` (P): the value is the sum of the locals.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable, Union
+
+from .errors import SbpError
+
+
+@dataclass(frozen=True, slots=True)
+class Split:
+    dim: int
+
+    def __post_init__(self):
+        if isinstance(self.dim, bool) or not isinstance(self.dim, int):
+            raise SbpError(
+                f"split(dim) expects an int dim, found {self.dim!r} ({type(self.dim).__name__}); "
+                f"write e.g. gt.sbp.split(0)"
+            )
+
+    def __repr__(self):
+        return f"split({self.dim})"
+
+    def __str__(self):
+        return f"S({self.dim})"
+
+    def resolve(self, ndim: int) -> "Split":
+        """This split with a negative dim normalised against a tensor of ``ndim`` dims."""
+        if not -ndim <= self.dim < ndim:
+            raise SbpError(
+                f"split({self.dim}) needs a tensor dim in [{-ndim}, {ndim}), found a tensor with "
+                f"{ndim} dims; pick a dim the tensor has"
+            )
+        return Split(self.dim % ndim) if self.dim < 0 else self
+
+
+@dataclass(frozen=True, slots=True)
+class Broadcast:
+    def __repr__(self):
+        return "broadcast"
+
+    def __str__(self):
+        return "B"
+
+    def resolve(self, ndim: int) -> "Broadcast":
+        return self
+
+
+@dataclass(frozen=True, slots=True)
+class PartialSum:
+    def __repr__(self):
+        return "partial_sum"
+
+    def __str__(self):
+        return "P"
+
+    def resolve(self, ndim: int) -> "PartialSum":
+        return self
+
+
+SbpValue = Union[Split, Broadcast, PartialSum]
+SBP_TYPES = (Split, Broadcast, PartialSum)
+
+broadcast = Broadcast()
+partial_sum = PartialSum()
+# OneFlow spells these as B / P too
+B = broadcast
+P = partial_sum
+
+
+def split(dim: int) -> Split:
+    """``split(dim)``: each rank along the placement axis holds a slice of tensor dim ``dim``."""
+    return Split(dim)
+
+
+def S(dim: int) -> Split:
+    return Split(dim)
+
+
+def _one(value) -> SbpValue:
+    if isinstance(value, SBP_TYPES):
+        return value
+    if value is Broadcast or value is PartialSum:
+        return value()
+    if value is split:
+        raise SbpError("gt.sbp.split needs a dim: write gt.sbp.split(0), not gt.sbp.split")
+    raise SbpError(
+        f"expected an sbp (gt.sbp.split(dim), gt.sbp.broadcast or gt.sbp.partial_sum), "
+        f"found {value!r} ({type(value).__name__})"
+    )
+
+
+def normalize(sbp, ndim: int | None = None) -> tuple[SbpValue, ...]:
+    """One sbp or a list/tuple of them -> a tuple; with ``ndim``, check one entry per placement axis.
+
+    A single sbp given for an n-D placement is an error (ambiguous), except that ``ndim == 1``
+    accepts one value.
+    """
+    if isinstance(sbp, (list, tuple)):
+        values = tuple(_one(v) for v in sbp)
+    else:
+        values = (_one(sbp),)
+    if not values:
+        raise SbpError("expected at least one sbp, found an empty sequence")
+    if ndim is not None and len(values) != ndim:
+        shown = "(" + ", ".join(str(v) for v in values) + ")"
+        raise SbpError(
+            f"expected {ndim} sbp values, one per placement axis, found {len(values)}: {shown}; "
+            f"pass a tuple like ({', '.join(['gt.sbp.broadcast'] * ndim)})"
+        )
+    return values
+
+
+def resolve(values: Iterable[SbpValue], ndim: int) -> tuple[SbpValue, ...]:
+    """Normalise negative split dims against a tensor of ``ndim`` dims."""
+    return tuple(v.resolve(ndim) for v in values)
+
+
+def format_sbp(values) -> str:
+    """Compact form: ``(S(0), B)``."""
+    return "(" + ", ".join(str(v) for v in values) + ")"

@@ -1,0 +1,18 @@
+import os
+
+import pytest
+import torch
+
+torch.set_num_threads(1)
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+
+def pytest_make_parametrize_id(config, val, argname):
+    """Test ids use the compact form: S(0), B, P, (S(0), B)."""
+    from globaltensor.sbp import SBP_TYPES
+
+    if isinstance(val, SBP_TYPES):
+        return str(val)
+    if isinstance(val, tuple) and val and all(isinstance(v, SBP_TYPES) for v in val):
+        return "(" + ",".join(str(v) for v in val) + ")"
+    return None
