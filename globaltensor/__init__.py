@@ -5,9 +5,19 @@ from . import env
 from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement, placement
+from .tensor import GlobalTensor
+from .factories import (arange, empty, empty_like, full, full_like, ones, ones_like, rand,
+                        rand_like, randint, randint_like, randn, randn_like, tensor, zeros,
+                        zeros_like)
+from .random import manual_seed
+from .visualize import visualize
 
 __all__ = [
+    "GlobalTensor",
     "GlobalTensorError",
+    "arange", "empty", "empty_like", "full", "full_like", "manual_seed", "ones", "ones_like",
+    "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "tensor", "visualize",
+    "zeros", "zeros_like",
     "Layout",
     "Placement",
     "env",

@@ -19,6 +19,7 @@ within ``timeout`` seconds fails naming the ranks that are still running.
 from __future__ import annotations
 
 import datetime
+import sys
 import threading
 import time
 import traceback
@@ -109,6 +110,14 @@ def run_ranks(fn, world_size: int, *args, timeout: float = 60.0, backend: str = 
     rank that failed first, or ``RanksHung`` naming the ranks that did not finish within ``timeout``.
     """
     _install()
+    hook = sys.excepthook  # init_process_group wraps it per rank; restore it when done
+    try:
+        return _run(fn, world_size, args, timeout, backend, pass_rank, local_world_size)
+    finally:
+        sys.excepthook = hook
+
+
+def _run(fn, world_size, args, timeout, backend, pass_rank, local_world_size):
     store = dist.HashStore()
     results = [None] * world_size
     failures: dict[int, tuple[float, BaseException, str]] = {}

@@ -1,0 +1,196 @@
+"""Factories: each rank computes only its own piece of the global tensor.
+
+``partial_sum`` layouts: the value sits on coordinate 0 of every partial axis and the other ranks
+hold zeros, so the sum of the pieces is the value.
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from . import env, random
+from .errors import GlobalTensorError
+from .layout import Layout
+from .placement import Placement
+from .sbp import PartialSum, normalize
+from .tensor import GlobalTensor, _check_placement, _device_for
+
+
+def _size(size) -> tuple[int, ...]:
+    if len(size) == 1 and isinstance(size[0], (tuple, list, torch.Size)):
+        size = tuple(size[0])
+    for s in size:
+        if isinstance(s, bool) or not isinstance(s, int) or s < 0:
+            raise GlobalTensorError(
+                f"expected a size of non-negative ints, found {list(size)!r}; e.g. gt.zeros(4, 5, ...)"
+            )
+    return tuple(size)
+
+
+def _layout(size, placement, sbp) -> Layout:
+    if placement is None or sbp is None:
+        raise GlobalTensorError(
+            "global factories need placement= and sbp=, e.g. gt.zeros(4, 5, placement="
+            f"gt.placement('cpu', [0, 1]), sbp=gt.sbp.split(0)); found placement={placement!r}, "
+            f"sbp={sbp!r}"
+        )
+    placement = _check_placement(placement)
+    return Layout(placement, normalize(sbp, placement.ndim), size)
+
+
+def _holds_value(layout: Layout, coord) -> bool:
+    """On partial axes only coordinate 0 holds the value; the others hold zeros."""
+    return all(coord[a] == 0 for a in layout.partial_axes)
+
+
+def _finish(local: torch.Tensor, layout: Layout, coord, requires_grad: bool) -> GlobalTensor:
+    if coord is not None and not _holds_value(layout, coord):
+        local = torch.zeros_like(local)
+    out = GlobalTensor._make(local, layout)
+    return out.requires_grad_(requires_grad) if requires_grad else out
+
+
+def _make(fill, size, placement, sbp, dtype, requires_grad):
+    """``fill(local_shape, dtype, device)`` builds this rank's piece."""
+    layout = _layout(_size(size), placement, sbp)
+    coord = layout.placement.coord_of(env.get_rank())
+    device = _device_for(layout.placement)
+    dtype = dtype or torch.get_default_dtype()
+    shape = layout.local_shape(coord) if coord is not None else (0,) * layout.ndim
+    return _finish(fill(shape, dtype, device), layout, coord, requires_grad)
+
+
+def zeros(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    return _make(lambda s, d, dev: torch.zeros(s, dtype=d, device=dev), size, placement, sbp,
+                 dtype, requires_grad)
+
+
+def ones(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    return _make(lambda s, d, dev: torch.ones(s, dtype=d, device=dev), size, placement, sbp,
+                 dtype, requires_grad)
+
+
+def empty(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    return _make(lambda s, d, dev: torch.empty(s, dtype=d, device=dev), size, placement, sbp,
+                 dtype, requires_grad)
+
+
+def full(size, fill_value, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    if dtype is None and isinstance(fill_value, bool):
+        dtype = torch.bool
+    elif dtype is None and isinstance(fill_value, int):
+        dtype = torch.int64
+    return _make(lambda s, d, dev: torch.full(s, fill_value, dtype=d, device=dev), (tuple(size),),
+                 placement, sbp, dtype, requires_grad)
+
+
+def _random(piece, size, placement, sbp, dtype, requires_grad):
+    layout = _layout(_size(size), placement, sbp)
+    coord = layout.placement.coord_of(env.get_rank())
+    local = piece(layout, coord, dtype or torch.get_default_dtype(), _device_for(layout.placement))
+    return _finish(local, layout, coord, requires_grad)
+
+
+def rand(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """U[0, 1): the same global values for a given gt.manual_seed whatever the placement or sbp."""
+    return _random(random.uniform_piece, size, placement, sbp, dtype, requires_grad)
+
+
+def randn(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """N(0, 1): the same global values for a given gt.manual_seed whatever the placement or sbp."""
+    return _random(random.normal_piece, size, placement, sbp, dtype, requires_grad)
+
+
+def randint(low, high=None, size=None, *, placement=None, sbp=None, dtype=torch.int64,
+            requires_grad=False):
+    """Integers in [low, high) (``randint(high, size, ...)`` also works, as in torch)."""
+    if size is None:
+        low, high, size = 0, low, high
+    if size is None or high is None or high <= low:
+        raise GlobalTensorError(
+            f"randint expects low < high and a size, found low={low}, high={high}, size={size}"
+        )
+
+    def piece(layout, coord, dt, device):
+        return random.randint_piece(low, high, layout, coord, dtype, device)
+
+    return _random(piece, (tuple(size),), placement, sbp, dtype, requires_grad)
+
+
+def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """``arange`` as in torch; each rank computes the values of its own index range."""
+    if end is None:
+        start, end = 0, start
+    if step == 0:
+        raise GlobalTensorError("arange expects a non-zero step, found 0")
+    n = max(0, math.ceil((end - start) / step))
+    layout = _layout((n,), placement, sbp)
+    coord = layout.placement.coord_of(env.get_rank())
+    is_int = all(isinstance(v, int) for v in (start, end, step))
+    dtype = dtype or (torch.int64 if is_int else torch.get_default_dtype())
+    a, b = layout.box(coord)[0] if coord is not None else (0, 0)
+    index = torch.arange(a, b, dtype=torch.int64 if is_int else torch.float64)
+    local = (start + step * index).to(dtype).to(_device_for(layout.placement))
+    return _finish(local, layout, coord, requires_grad)
+
+
+def tensor(data, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """A global tensor from the *full* data, given alike on every rank; each rank keeps its piece."""
+    full_value = torch.as_tensor(data, dtype=dtype)
+    if isinstance(data, torch.Tensor):
+        full_value = full_value.detach()
+    layout = _layout(tuple(full_value.shape), placement, sbp)
+    coord = layout.placement.coord_of(env.get_rank())
+    device = _device_for(layout.placement)
+    if coord is None:
+        local = full_value.new_empty((0,) * full_value.dim())
+    else:
+        local = full_value[layout.slices(coord)].clone()
+    return _finish(local.to(device), layout, coord, requires_grad)
+
+
+def _like(fn, x, placement, sbp, dtype, requires_grad, *args):
+    placement = placement if placement is not None else getattr(x, "placement", None)
+    sbp = sbp if sbp is not None else getattr(x, "sbp", None)
+    return fn(*args, tuple(x.shape), placement=placement, sbp=sbp, dtype=dtype or x.dtype,
+              requires_grad=requires_grad)
+
+
+def zeros_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    return _like(zeros, x, placement, sbp, dtype, requires_grad)
+
+
+def ones_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    return _like(ones, x, placement, sbp, dtype, requires_grad)
+
+
+def empty_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    return _like(empty, x, placement, sbp, dtype, requires_grad)
+
+
+def rand_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    return _like(rand, x, placement, sbp, dtype, requires_grad)
+
+
+def randn_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    return _like(randn, x, placement, sbp, dtype, requires_grad)
+
+
+def full_like(x, fill_value, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    placement = placement if placement is not None else getattr(x, "placement", None)
+    sbp = sbp if sbp is not None else getattr(x, "sbp", None)
+    return full(tuple(x.shape), fill_value, placement=placement, sbp=sbp, dtype=dtype or x.dtype,
+                requires_grad=requires_grad)
+
+
+def randint_like(x, low, high=None, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    placement = placement if placement is not None else getattr(x, "placement", None)
+    sbp = sbp if sbp is not None else getattr(x, "sbp", None)
+    return randint(low, high, tuple(x.shape), placement=placement, sbp=sbp,
+                   dtype=dtype or x.dtype, requires_grad=requires_grad)
+
+
+__all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "tensor",
+           "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "full_like",
+           "randint_like", "Placement"]
