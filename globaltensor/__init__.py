@@ -10,6 +10,7 @@ from .factories import (arange, empty, empty_like, full, full_like, ones, ones_l
                         rand_like, randint, randint_like, randn, randn_like, tensor, zeros,
                         zeros_like)
 from .random import manual_seed
+from .spawn import spawn
 from .visualize import visualize
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "init",
     "placement",
     "sbp",
+    "spawn",
 ]

@@ -181,3 +181,61 @@ def _run(fn, world_size, args, timeout, backend, pass_rank, local_world_size):
     for t in threads:
         t.join(timeout)
     return results
+
+
+# --------------------------------------------------------------------------- real processes
+# For the few tests that need real processes (the launcher, environment variables, end-to-end
+# scripts). Each process start costs seconds when it imports torch: check several things per run.
+import os  # noqa: E402 - this section's imports stay with it
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import tempfile  # noqa: E402
+from dataclasses import dataclass  # noqa: E402
+
+
+@dataclass(frozen=True, slots=True)
+class CompletedRun:
+    """What a launched job left behind: the launcher's exit status and its (prefixed) output."""
+
+    returncode: int
+    stdout: str
+    stderr: str
+
+    def rank_lines(self, rank: int, stream: str = "stdout") -> list[str]:
+        """The lines ``rank`` wrote to ``stream``, without the ``[rank R] `` prefix."""
+        prefix = f"[rank {rank}] "
+        text = self.stdout if stream == "stdout" else self.stderr
+        return [line[len(prefix):] for line in text.splitlines() if line.startswith(prefix)]
+
+
+def run_script(path_or_source, nproc: int, args=(), timeout: float = 60.0, launcher_args=(),
+               env: dict | None = None) -> CompletedRun:
+    """Run a script on ``nproc`` real processes through the launcher and wait for it.
+
+    ``path_or_source`` is a path to a script, or the script's source text (written to a temporary
+    file). ``launcher_args`` are extra launcher options (e.g. ``["--logdir", d]``); ``env``
+    replaces the environment the launcher inherits. The launcher stops the job after
+    ``timeout`` seconds (exit status 124); a launcher that itself hangs fails with
+    ``subprocess.TimeoutExpired`` a little later. Never raises for a failing job: check
+    ``returncode`` and the output.
+
+        run = run_script("print('hi')", 2, timeout=30)
+        assert run.returncode == 0 and run.rank_lines(1) == ["hi"]
+    """
+    with tempfile.TemporaryDirectory(prefix="gt-run-") as tmp:
+        path = _script_path(path_or_source, tmp)
+        cmd = [sys.executable, "-m", "globaltensor.launch", "--nproc_per_node", str(nproc),
+               "--timeout", str(timeout), *map(str, launcher_args), path, *map(str, args)]
+        done = subprocess.run(cmd, capture_output=True, text=True, env=env,
+                              timeout=timeout + 30, stdin=subprocess.DEVNULL)
+    return CompletedRun(done.returncode, done.stdout, done.stderr)
+
+
+def _script_path(path_or_source, folder: str) -> str:
+    if isinstance(path_or_source, os.PathLike) or (
+            "\n" not in path_or_source and os.path.isfile(path_or_source)):
+        return os.fspath(path_or_source)
+    path = os.path.join(folder, "script.py")
+    with open(path, "w") as f:
+        f.write(path_or_source)
+    return path

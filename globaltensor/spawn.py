@@ -1,0 +1,180 @@
+"""gt.spawn: run a function on N fresh processes of this node, each a rank of one world.
+
+    def work(local_rank, scale):
+        gt.init()                       # joins the world spawn set up
+        t = torch.ones(1) * scale
+        gt.comm.all_reduce(t)
+        return t.item()
+
+    if __name__ == "__main__":
+        print(gt.spawn(work, args=(2.0,), nproc_per_node=4))   # [8.0, 8.0, 8.0, 8.0]
+
+``fn`` must be picklable (a module-level function): processes are started with the ``spawn``
+method, so they import ``fn``'s module afresh. Returns the values ``fn`` returned, by local rank.
+"""
+from __future__ import annotations
+
+import multiprocessing
+import multiprocessing.connection
+import os
+import pickle
+import signal
+import sys
+import time
+import traceback
+
+from .errors import GlobalTensorError
+
+_POLL_S = 0.05
+_STOP_GRACE_S = 5.0
+
+
+class SpawnError(GlobalTensorError):
+    """A spawned process failed (or the job timed out); the message names the rank."""
+
+
+def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: int = 0,
+          master_addr: str = "127.0.0.1", master_port: int | None = None,
+          timeout: float | None = None, start_method: str = "spawn") -> list:
+    """Run ``fn(local_rank, *args)`` in ``nproc_per_node`` processes; return their results.
+
+    Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR
+    and MASTER_PORT before ``fn``'s module is imported, so ``gt.init()`` inside ``fn`` joins
+    the world. A process that raises (or dies) stops the others and raises ``SpawnError`` here
+    with its rank and traceback; so does a job still running after ``timeout`` seconds.
+    """
+    from . import launch  # the launcher's config checks, environment and process-tree helpers
+
+    config = launch.LaunchConfig(nproc_per_node=nproc_per_node, script="<gt.spawn>",
+                                 nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                                 master_port=master_port, timeout=timeout)
+    payload = _pickle_payload(fn, args)
+    port = launch.choose_port(config)
+    ctx = multiprocessing.get_context(start_method)
+    inherited = {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}
+    procs, conns = [], []
+    try:
+        for local_rank in range(nproc_per_node):
+            env = launch.rank_env(inherited, rank=config.global_rank(local_rank), local_rank=local_rank,
+                                  world_size=config.world_size, local_world_size=nproc_per_node,
+                                  node_rank=node_rank, master_addr=master_addr, master_port=port)
+            recv, send = ctx.Pipe(duplex=False)
+            p = ctx.Process(target=_child, args=(payload, local_rank, env, send),
+                            name=f"gt-spawn-{local_rank}", daemon=False)
+            p.start()
+            send.close()
+            procs.append(p)
+            conns.append(recv)
+        return _wait(config, procs, conns)
+    finally:
+        _stop(procs)
+
+
+def _pickle_payload(fn, args) -> bytes:
+    try:
+        return pickle.dumps((fn, tuple(args)))
+    except Exception as e:  # noqa: BLE001 - pickling raises many types
+        raise SpawnError(
+            f"expected fn and args that can be pickled (fn a module-level function), found "
+            f"{fn!r}: {type(e).__name__}: {e}; move fn to the top level of a module") from e
+
+
+def _child(payload: bytes, local_rank: int, env: dict, conn) -> None:
+    """Body of a spawned process: own session, environment, then fn; report through ``conn``."""
+    os.setsid()  # a group of its own, so stopping this rank stops everything it started
+    os.environ.update(env)
+    _set_threads(env.get("OMP_NUM_THREADS"))
+    failed = False
+    try:
+        fn, args = pickle.loads(payload)
+        message = ("ok", fn(local_rank, *args))
+    except BaseException as e:  # noqa: BLE001 - reported to the parent
+        message = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
+        failed = True
+    finally:
+        _leave_world()
+    try:
+        conn.send(message)
+    except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
+        conn.send(("error", f"could not send the result back: {type(e).__name__}: {e}", ""))
+        failed = True
+    conn.close()
+    if failed:
+        sys.exit(1)
+
+
+def _set_threads(omp: str | None) -> None:
+    # torch may already be imported (by fn's module or this package) before the variable was set
+    if omp and omp.isdigit() and "torch" in sys.modules:
+        sys.modules["torch"].set_num_threads(int(omp))
+
+
+def _leave_world() -> None:
+    if "torch" in sys.modules:
+        from .comm import backend
+        try:
+            backend.destroy_world()
+        except Exception:  # noqa: BLE001 - a broken world is being left anyway
+            pass
+
+
+def _wait(config, procs, conns) -> list:
+    """Collect every result; raise SpawnError on the first failure or at the deadline."""
+    results: dict[int, object] = {}
+    deadline = time.monotonic() + config.timeout if config.timeout else None
+    while len(results) < len(procs):
+        for local_rank, conn in enumerate(conns):
+            if local_rank in results or not conn.poll():
+                continue
+            message = _receive(conn)
+            if message is not None and message[0] == "ok":
+                results[local_rank] = message[1]
+            else:
+                procs[local_rank].join(1.0)
+                raise SpawnError(_failure(config, local_rank, procs[local_rank], message))
+        for local_rank, p in enumerate(procs):
+            if local_rank not in results and p.exitcode is not None and not conns[local_rank].poll():
+                raise SpawnError(_failure(config, local_rank, p, None))
+        if deadline is not None and time.monotonic() > deadline:
+            running = [config.global_rank(r) for r in range(len(procs)) if r not in results]
+            raise SpawnError(
+                f"expected the spawned job to finish within {config.timeout:g}s, found ranks "
+                f"{running} still running; stopped every process. Raise timeout= or look for a "
+                f"rank stuck in a collective")
+        pending = [r for r in range(len(procs)) if r not in results]
+        multiprocessing.connection.wait([conns[r] for r in pending]
+                                        + [procs[r].sentinel for r in pending], timeout=_POLL_S)
+    return [results[r] for r in range(len(procs))]
+
+
+def _receive(conn):
+    try:
+        return conn.recv()
+    except (EOFError, OSError):
+        return None
+
+
+def _failure(config, local_rank: int, proc, message) -> str:
+    rank = config.global_rank(local_rank)
+    where = f"rank {rank} (local rank {local_rank}, pid {proc.pid})"
+    if message is not None:
+        return f"{where} raised {message[1]}\n--- traceback of rank {rank} ---\n{message[2]}"
+    code = proc.exitcode
+    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
+        else f"exited with code {code}"
+    return f"{where} {how} without reporting a result or an error"
+
+
+def _stop(procs) -> None:
+    """Stop every spawned process tree still running: SIGTERM, a grace period, then SIGKILL."""
+    from .launch import signal_tree
+
+    for p in procs:
+        if p.exitcode is None:
+            signal_tree(p.pid, signal.SIGTERM)
+    end = time.monotonic() + _STOP_GRACE_S
+    while time.monotonic() < end and any(p.exitcode is None for p in procs):
+        time.sleep(_POLL_S)
+    for p in procs:
+        signal_tree(p.pid, signal.SIGKILL)
+        p.join(5.0)
