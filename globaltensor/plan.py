@@ -1,0 +1,580 @@
+"""Redistribution plans: how to turn one layout of a logical tensor into another.
+
+``plan(src, dst)`` returns a :class:`Plan`, a tuple of frozen step values, each of which knows
+the layout before and after it, so an executor runs a plan with no search of its own::
+
+    >>> p = placement("cpu", ranks=[0, 1])
+    >>> print(plan(Layout(p, (split(0),), (4, 5)), Layout(p, (broadcast,), (4, 5))).describe(4))
+    (S(0),) -> (B,)  on placement('cpu', ranks=[0, 1])  shape [4, 5]
+      1. all_gather      axis 0  dim 0          sends 40 B per rank
+    total: 40 B per rank, 1 collective
+
+Pure: no torch.distributed, no rank. Plans depend only on (src, dst) and are cached.
+The search (Dijkstra over one-sbp-per-axis states, α-β cost) is described in docs/planner.md.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+from dataclasses import dataclass, field
+from functools import lru_cache
+
+from .errors import GlobalTensorError
+from .layout import Layout
+from .sbp import Broadcast, PartialSum, Split, broadcast, format_sbp, partial_sum
+
+# The α-β cost model, in seconds: a latency per collective (or per point-to-point message on
+# the busiest rank) plus a time per byte sent by the busiest rank. Local steps cost only the
+# memory they write, so a plan never prefers a collective to a local step.
+ALPHA = 1e-5
+BETA = 1e-10
+MEMORY = 1e-12
+# plans are searched for this item size (a Layout has no dtype); costs scale with it anyway
+SEARCH_ITEMSIZE = 4
+
+Box = tuple[tuple[int, int], ...]
+
+
+# --------------------------------------------------------------------------- boxes
+
+
+def box_numel(box: Box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None when they do not overlap."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def relative(region: Box, within: Box) -> tuple[slice, ...]:
+    """Slices that pick ``region`` out of a local piece holding ``within``."""
+    return tuple(slice(lo - base, hi - base) for (lo, hi), (base, _) in zip(region, within))
+
+
+def _coords_and_ranks(layout: Layout):
+    return zip(layout.placement.coords(), layout.placement.flat_ranks)
+
+
+@lru_cache(maxsize=16384)
+def _max_local(layout: Layout) -> int:
+    return max(box_numel(layout.box(c)) for c in layout.placement.coords())
+
+
+def holds_full(layout: Layout) -> bool:
+    """Whether some rank holds (a full-size piece of) the whole logical tensor."""
+    return layout.numel() > 0 and _max_local(layout) == layout.numel()
+
+
+def _fmt_sbp(sbp) -> str:
+    """``(S(0),)`` for one axis, ``(S(0), B)`` for two: the tuple a user would write."""
+    return "(" + ", ".join(str(v) for v in sbp) + (",)" if len(sbp) == 1 else ")")
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("GiB", 1 << 30), ("MiB", 1 << 20), ("KiB", 1 << 10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+# --------------------------------------------------------------------------- steps
+
+
+class Step:
+    """A step of a plan. Subclasses are frozen dataclasses with ``before`` and ``after`` layouts.
+
+    ``elements_sent()`` is what the busiest rank sends (elements), ``latency()`` the number of
+    α terms (collectives or messages on the busiest rank).
+    """
+
+    __slots__ = ()
+    kind = "step"
+    collective = True
+
+    def elements_sent(self) -> int:
+        return 0
+
+    def latency(self) -> int:
+        return 1 if self.collective and self.group_size() > 1 else 0
+
+    def group_size(self) -> int:
+        return self.after.placement.shape[self.axis]
+
+    def bytes_sent(self, itemsize: int) -> int:
+        return self.elements_sent() * itemsize
+
+    def communicates(self) -> bool:
+        return self.latency() > 0
+
+    def cost(self, itemsize: int = SEARCH_ITEMSIZE) -> float:
+        return (ALPHA * self.latency() + BETA * self.bytes_sent(itemsize)
+                + MEMORY * _max_local(self.after) * itemsize)
+
+    def where(self) -> str:
+        return f"axis {self.axis}"
+
+    def describe(self, itemsize: int) -> str:
+        return f"{self.kind:<15} {self.where():<22} sends {_fmt_bytes(self.bytes_sent(itemsize))} per rank"
+
+
+@dataclass(frozen=True, slots=True)
+class AllGather(Step):
+    """S(dim) -> B along ``axis``: each group concatenates its pieces along ``dim``."""
+
+    axis: int
+    dim: int
+    before: Layout = field(repr=False)
+    after: Layout = field(repr=False)
+    kind = "all_gather"
+
+    def elements_sent(self) -> int:  # ring, pieces padded to the largest
+        return (self.group_size() - 1) * _max_local(self.before)
+
+    def where(self) -> str:
+        return f"axis {self.axis}  dim {self.dim}"
+
+
+@dataclass(frozen=True, slots=True)
+class ReduceScatter(Step):
+    """P -> S(dim) along ``axis``: sum over the group, each keeps its slice of ``dim``."""
+
+    axis: int
+    dim: int
+    before: Layout = field(repr=False)
+    after: Layout = field(repr=False)
+    kind = "reduce_scatter"
+
+    def elements_sent(self) -> int:  # ring, chunks padded to the largest
+        return (self.group_size() - 1) * _max_local(self.after)
+
+    def where(self) -> str:
+        return f"axis {self.axis}  dim {self.dim}"
+
+
+@dataclass(frozen=True, slots=True)
+class AllReduce(Step):
+    """P -> B along ``axis``: sum over the group."""
+
+    axis: int
+    before: Layout = field(repr=False)
+    after: Layout = field(repr=False)
+    kind = "all_reduce"
+
+    def elements_sent(self) -> int:  # ring: reduce_scatter + all_gather
+        n = self.group_size()
+        return -(-2 * (n - 1) * _max_local(self.before) // n)
+
+
+@dataclass(frozen=True, slots=True)
+class AllToAll(Step):
+    """S(src_dim) -> S(dst_dim) along ``axis``: member k sends member m its slice of ``dst_dim``."""
+
+    axis: int
+    src_dim: int
+    dst_dim: int
+    before: Layout = field(repr=False)
+    after: Layout = field(repr=False)
+    kind = "all_to_all"
+
+    def elements_sent(self) -> int:  # exact: everything but the part a rank keeps
+        return _all_to_all_sent(self.before, self.after)
+
+    def where(self) -> str:
+        return f"axis {self.axis}  dim {self.src_dim} -> {self.dst_dim}"
+
+
+@lru_cache(maxsize=16384)
+def _all_to_all_sent(before: Layout, after: Layout) -> int:
+    def sent(coord):
+        mine, kept = before.box(coord), intersect(before.box(coord), after.box(coord))
+        return box_numel(mine) - (box_numel(kept) if kept else 0)
+
+    return max(sent(c) for c in before.placement.coords())
+
+
+@dataclass(frozen=True, slots=True)
+class LocalSlice(Step):
+    """B -> S(dim) along ``axis``: each rank keeps its slice; no communication."""
+
+    axis: int
+    dim: int
+    before: Layout = field(repr=False)
+    after: Layout = field(repr=False)
+    kind = "local slice"
+    collective = False
+
+    def where(self) -> str:
+        return f"axis {self.axis}  dim {self.dim}"
+
+
+@dataclass(frozen=True, slots=True)
+class ZeroFill(Step):
+    """B -> P or S -> P along ``axis``: the value stays at coordinate 0 of the axis (B) or in
+    each rank's own slice (S); every other element becomes zero. No communication."""
+
+    axis: int
+    before: Layout = field(repr=False)
+    after: Layout = field(repr=False)
+    kind = "zero-fill"
+    collective = False
+
+    def where(self) -> str:
+        return f"axis {self.axis}  from {self.before.sbp[self.axis]}"
+
+
+@dataclass(frozen=True, slots=True)
+class Move:
+    """``region`` (a box of the logical tensor) goes from rank ``src`` to ranks ``dsts``.
+
+    One destination equal to ``src`` is a local copy; one other destination a send/recv;
+    several (three or more, more than hold it) a broadcast over the group ``src`` + ``dsts``.
+    """
+
+    src: int
+    dsts: tuple[int, ...]
+    region: Box
+
+    @property
+    def is_local(self) -> bool:
+        return self.dsts == (self.src,)
+
+    @property
+    def is_broadcast(self) -> bool:
+        return len(self.dsts) > 1
+
+    @property
+    def group(self) -> tuple[int, ...]:
+        return tuple(sorted((self.src,) + self.dsts))
+
+
+@dataclass(frozen=True, slots=True)
+class Exchange(Step):
+    """Point-to-point exchange of box intersections (and broadcasts of pieces several ranks
+    need), from a non-partial layout to any layout, on the same or another placement. A rank
+    of a partial target that no move reaches holds zeros.
+
+    Every region of every target piece is covered by exactly one move: sends/recvs run as one
+    batch, then broadcasts in order.
+    """
+
+    moves: tuple[Move, ...]
+    before: Layout = field(repr=False)
+    after: Layout = field(repr=False)
+    kind = "send/recv"
+
+    def _traffic(self):
+        """Elements each rank sends, and the messages it sends or receives (the larger)."""
+        sent, sends, recvs = {}, {}, {}
+        for m in self.moves:
+            if m.is_local:
+                continue
+            sent[m.src] = sent.get(m.src, 0) + box_numel(m.region)
+            sends[m.src] = sends.get(m.src, 0) + 1
+            for r in m.dsts:
+                recvs[r] = recvs.get(r, 0) + 1
+        msgs = {r: max(sends.get(r, 0), recvs.get(r, 0)) for r in set(sends) | set(recvs)}
+        return sent, msgs
+
+    def elements_sent(self) -> int:  # a broadcast root sends its piece once (pipelined)
+        return max(self._traffic()[0].values(), default=0)
+
+    def latency(self) -> int:  # at least one: an exchange is never free, even all local
+        return max(self._traffic()[1].values(), default=1)
+
+    def communicates(self) -> bool:
+        return any(not m.is_local for m in self.moves)
+
+    @property
+    def broadcasts(self) -> tuple[Move, ...]:
+        return tuple(m for m in self.moves if m.is_broadcast)
+
+    @property
+    def transfers(self) -> tuple[Move, ...]:
+        return tuple(m for m in self.moves if not m.is_local and not m.is_broadcast)
+
+    def where(self) -> str:
+        src, dst = self.before.placement.ranks.tolist(), self.after.placement.ranks.tolist()
+        return f"ranks {src} -> {dst}"
+
+    def describe(self, itemsize: int) -> str:
+        parts = [f"{len(self.transfers)} sends"] if self.transfers else []
+        parts += [f"{len(self.broadcasts)} broadcasts"] if self.broadcasts else []
+        kind = "broadcast" if self.broadcasts and not self.transfers else self.kind
+        what = ", ".join(parts) or "local copies only"
+        return (f"{kind:<15} {self.where()} ({what})  "
+                f"sends {_fmt_bytes(self.bytes_sent(itemsize))} per rank")
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """The steps that turn ``src`` into ``dst``; empty when they are equal."""
+
+    src: Layout
+    dst: Layout
+    steps: tuple[Step, ...]
+
+    def __len__(self):
+        return len(self.steps)
+
+    def __iter__(self):
+        return iter(self.steps)
+
+    def cost(self, itemsize: int = SEARCH_ITEMSIZE) -> float:
+        """Estimated seconds under the α-β model (see docs/planner.md)."""
+        return sum(s.cost(itemsize) for s in self.steps)
+
+    def bytes_per_rank(self, itemsize: int = SEARCH_ITEMSIZE) -> int:
+        """Bytes the busiest rank of each step sends, summed over the steps."""
+        return sum(s.bytes_sent(itemsize) for s in self.steps)
+
+    def collectives(self) -> int:
+        return sum(1 for s in self.steps if s.communicates())
+
+    def describe(self, itemsize: int = SEARCH_ITEMSIZE, dtype_name: str | None = None) -> str:
+        """One line per step with its axis, dims and bytes each rank sends, then a total."""
+        lines = [self._header(dtype_name)]
+        lines += [f"  {i}. {s.describe(itemsize)}" for i, s in enumerate(self.steps, 1)]
+        n = self.collectives()
+        lines.append(f"total: {_fmt_bytes(self.bytes_per_rank(itemsize))} per rank, "
+                     f"{n} collective{'' if n == 1 else 's'}"
+                     + ("" if self.steps else " (same layout: nothing to do)"))
+        return "\n".join(lines)
+
+    def _header(self, dtype_name) -> str:
+        src, dst = self.src, self.dst
+        dtype = f" {dtype_name}" if dtype_name else ""
+        shape = f"shape {list(src.shape)}{dtype}"
+        if src.placement == dst.placement:
+            return f"{_fmt_sbp(src.sbp)} -> {_fmt_sbp(dst.sbp)}  on {src.placement!r}  {shape}"
+        return (f"{_fmt_sbp(src.sbp)} on {src.placement!r} -> {_fmt_sbp(dst.sbp)} on "
+                f"{dst.placement!r}  {shape}")
+
+    def __str__(self):
+        return self.describe()
+
+
+# --------------------------------------------------------------------------- axis-local steps
+
+
+def _innermost(sbp, axis: int, dim: int) -> bool:
+    """No placement axis after ``axis`` splits ``dim`` (nested splits: axis 0 outermost)."""
+    return not any(isinstance(v, Split) and v.dim == dim for v in sbp[axis + 1:])
+
+
+def _local_step(before: Layout, axis: int, new) -> Step | None:
+    """The one step that changes ``axis`` of ``before`` to ``new``, or None if no single step
+    does it while keeping every other axis's pieces where they are."""
+    old, sbp = before.sbp[axis], before.sbp
+    after = Layout(before.placement, sbp[:axis] + (new,) + sbp[axis + 1:], before.shape)
+    match old, new:
+        case Split(), Broadcast() if _innermost(sbp, axis, old.dim):
+            return AllGather(axis, old.dim, before, after)
+        case Split(), Split() if _innermost(sbp, axis, old.dim) and _innermost(sbp, axis, new.dim):
+            return AllToAll(axis, old.dim, new.dim, before, after)
+        case Split(), PartialSum() if _innermost(sbp, axis, old.dim):
+            return ZeroFill(axis, before, after)
+        case Broadcast(), Split() if _innermost(sbp, axis, new.dim):
+            return LocalSlice(axis, new.dim, before, after)
+        case Broadcast(), PartialSum():
+            return ZeroFill(axis, before, after)
+        case PartialSum(), Broadcast():
+            return AllReduce(axis, before, after)
+        case PartialSum(), Split() if _innermost(sbp, axis, new.dim):
+            return ReduceScatter(axis, new.dim, before, after)
+    return None
+
+
+def _values(ndim: int):
+    return [Split(d) for d in range(ndim)] + [broadcast, partial_sum]
+
+
+@lru_cache(maxsize=16384)
+def _local_steps(layout: Layout) -> tuple[Step, ...]:
+    out = []
+    for axis, old in enumerate(layout.sbp):
+        for new in _values(layout.ndim):
+            if new != old:
+                step = _local_step(layout, axis, new)
+                if step is not None:
+                    out.append(step)
+    return tuple(out)
+
+
+# --------------------------------------------------------------------------- exchanges
+
+
+def _pick(holders, load, near: int) -> int:
+    """The least loaded holder, then the nearest rank, then the lowest: deterministic."""
+    return min(holders, key=lambda r: (load.get(r, 0), abs(r - near), r))
+
+
+@lru_cache(maxsize=16384)
+def exchange(before: Layout, after: Layout) -> Exchange:
+    """Point-to-point moves that build every piece of ``after`` from the pieces of ``before``.
+
+    ``before`` must be non-partial. A region that three or more ranks need, and more than
+    hold it, is broadcast from one holder; any other is sent by the least loaded holder. On
+    the partial axes of ``after``, one partial coordinate per box (the one whose ranks already
+    hold most of it) gets the value and every other rank holds zeros.
+    """
+    if before.is_partial:
+        raise GlobalTensorError(
+            f"expected a non-partial source for a point-to-point exchange, found "
+            f"{format_sbp(before.sbp)}; reduce its partial axes first")
+    holders: dict[Box, list[int]] = {}
+    for coord, rank in _coords_and_ranks(before):
+        box = before.box(coord)
+        if box_numel(box):
+            holders.setdefault(box, []).append(rank)
+    owners = _owners(before, after)
+    moves, needs = [], {}
+    for coord, rank in _coords_and_ranks(after):
+        target = after.box(coord)
+        if not box_numel(target) or owners.get(_split_key(after, coord), ()) != _partial_key(after, coord):
+            continue
+        for box, ranks in holders.items():
+            region = intersect(box, target)
+            if region is None:
+                continue
+            if rank in ranks:
+                moves.append(Move(rank, (rank,), region))
+            else:
+                needs.setdefault((box, region), []).append(rank)
+    return Exchange(tuple(moves) + _assign(holders, needs), before, after)
+
+
+def _split_key(layout: Layout, coord) -> tuple[int, ...]:
+    return tuple(c for c, v in zip(coord, layout.sbp) if isinstance(v, Split))
+
+
+def _partial_key(layout: Layout, coord) -> tuple[int, ...]:
+    return tuple(c for c, v in zip(coord, layout.sbp) if isinstance(v, PartialSum))
+
+
+def _owners(before: Layout, after: Layout) -> dict:
+    """For each split coordinate of ``after``, the partial coordinate that holds the value:
+    the one whose ranks already hold the most of their boxes, then the lowest."""
+    if not after.is_partial:
+        return {}
+    held: dict = {}
+    for coord, rank in _coords_and_ranks(after):
+        key = (_split_key(after, coord), _partial_key(after, coord))
+        mine = before.placement.coord_of(rank)
+        part = intersect(before.box(mine), after.box(coord)) if mine is not None else None
+        held[key] = held.get(key, 0) + (box_numel(part) if part else 0)
+    best: dict = {}
+    for (skey, pkey), amount in held.items():
+        if skey not in best or (-amount, pkey) < (-best[skey][1], best[skey][0]):
+            best[skey] = (pkey, amount)
+    return {skey: pkey for skey, (pkey, _) in best.items()}
+
+
+def _assign(holders, needs) -> tuple[Move, ...]:
+    load: dict[int, int] = {}
+    moves = []
+    for (box, region), dsts in needs.items():
+        ranks, size = holders[box], box_numel(region)
+        if len(dsts) >= 3 and len(dsts) > len(ranks):
+            groups = [tuple(dsts)]
+        else:
+            groups = [(d,) for d in dsts]
+        for group in groups:
+            src = _pick(ranks, load, group[0])
+            load[src] = load.get(src, 0) + size
+            moves.append(Move(src, group, region))
+    return tuple(moves)
+
+
+def _cores(dst: Layout) -> list[Layout]:
+    """Non-partial layouts on dst's placement from which zero-fills reach ``dst``."""
+    if not dst.is_partial:
+        return [dst]
+    options = [[v] if not isinstance(v, PartialSum) else [broadcast] + [Split(d) for d in range(dst.ndim)]
+               for v in dst.sbp]
+    return [dst.with_sbp(c) for c in itertools.product(*options)]
+
+
+# --------------------------------------------------------------------------- the search
+
+
+def _check(src: Layout, dst: Layout) -> None:
+    if not isinstance(src, Layout) or not isinstance(dst, Layout):
+        raise GlobalTensorError(
+            f"plan(src, dst) expects two Layouts, found {type(src).__name__} and "
+            f"{type(dst).__name__}")
+    if src.shape != dst.shape:
+        raise GlobalTensorError(
+            f"expected source and target layouts of one logical shape, found {list(src.shape)} "
+            f"and {list(dst.shape)}; redistribution never changes the shape (reshape first)")
+    if src.placement.type != dst.placement.type:
+        raise GlobalTensorError(
+            f"expected source and target placements of one device type, found "
+            f"{src.placement.type!r} and {dst.placement.type!r}; move the local pieces with "
+            f".to(device) first, then redistribute")
+
+
+@lru_cache(maxsize=8192)
+def plan(src: Layout, dst: Layout) -> Plan:
+    """The cheapest plan from ``src`` to ``dst`` (pure, cached, the same on every rank)."""
+    _check(src, dst)
+    if src == dst:
+        return Plan(src, dst, ())
+    steps = _search(src, dst, avoid_full=not holds_full(dst))
+    if steps is None:
+        steps = _search(src, dst, avoid_full=False)
+    if steps is None:  # unreachable: all-B is always a way through
+        raise GlobalTensorError(f"found no plan from {src!r} to {dst!r}; please report this")
+    return Plan(src, dst, steps)
+
+
+def _edges(node: Layout, src: Layout, dst: Layout, cores: list[Layout]):
+    yield from _local_steps(node)
+    if node.placement == src.placement and not node.is_partial:
+        for core in [dst] + cores if dst.is_partial else cores:
+            if core != node:
+                yield exchange(node, core)
+
+
+def _search(src: Layout, dst: Layout, avoid_full: bool):
+    """Dijkstra from ``src``; with ``avoid_full``, no intermediate layout holds the whole
+    tensor on one rank. Steps only ever stay on src's or dst's placement."""
+    cores = _cores(dst)
+    best = {src: 0.0}
+    heap = [(0.0, 0, src, ())]
+    counter = itertools.count(1)
+    while heap:
+        cost, _, node, path = heapq.heappop(heap)
+        if node == dst:
+            return path
+        if cost > best.get(node, float("inf")):
+            continue
+        for step in _edges(node, src, dst, cores):
+            nxt = step.after
+            if nxt.placement != dst.placement and nxt.placement != src.placement:
+                continue
+            if avoid_full and nxt != dst and holds_full(nxt):
+                continue
+            new = cost + step.cost()
+            if new < best.get(nxt, float("inf")) - 1e-15:
+                best[nxt] = new
+                heapq.heappush(heap, (new, next(counter), nxt, path + (step,)))
+    return None
+
+
+__all__ = [
+    "Plan", "Step", "AllGather", "ReduceScatter", "AllReduce", "AllToAll", "LocalSlice",
+    "ZeroFill", "Exchange", "Move", "plan", "exchange", "intersect", "relative", "box_numel",
+    "box_shape", "holds_full", "ALPHA", "BETA",
+]

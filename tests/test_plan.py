@@ -1,0 +1,222 @@
+"""The planner: optimal steps for the classic conversions, nested-split order, uneven costs,
+placement changes, caching and the describe() text. Pure: no ranks, no communication."""
+import itertools
+
+import pytest
+
+import globaltensor as gt
+from globaltensor.errors import GlobalTensorError
+from globaltensor.layout import Layout
+from globaltensor.plan import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, ReduceScatter,
+                               ZeroFill, holds_full, plan)
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+GRIDS_1D = [[0, 1], [0, 1, 2], [0, 1, 2, 3]]
+SHAPES = [(4, 4), (5, 7), (13, 17), (3, 5)]
+VALUES = [S(0), S(1), B, P]
+GRID_2D = gt.placement("cpu", [[0, 1], [2, 3]])
+
+
+def lay(ranks, sbp, shape=(4, 4)):
+    placement = ranks if isinstance(ranks, gt.Placement) else gt.placement("cpu", ranks)
+    return Layout(placement, sbp, shape)
+
+
+def kinds(p):
+    return [type(s) for s in p.steps]
+
+
+@pytest.mark.parametrize("ranks", GRIDS_1D)
+@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("src, dst, step", [
+    (S(0), B, AllGather), (S(1), B, AllGather),
+    (P, B, AllReduce),
+    (P, S(0), ReduceScatter), (P, S(1), ReduceScatter),
+    (S(0), S(1), AllToAll), (S(1), S(0), AllToAll),
+    (B, S(0), LocalSlice), (B, S(1), LocalSlice),
+    (B, P, ZeroFill), (S(0), P, ZeroFill), (S(1), P, ZeroFill),
+])
+def test_one_dimensional_conversions_take_the_one_optimal_step(ranks, shape, src, dst, step):
+    p = plan(lay(ranks, src, shape), lay(ranks, dst, shape))
+    assert kinds(p) == [step]
+    if step in (LocalSlice, ZeroFill):
+        assert p.bytes_per_rank(4) == 0 and p.collectives() == 0
+    else:
+        assert p.collectives() == 1
+
+
+def test_bytes_follow_ring_formulas_and_pad_uneven_pieces():
+    two = [0, 1]
+    # even [4, 5] float32 over 2: a piece is 40 B
+    assert plan(lay(two, S(0), (4, 5)), lay(two, B, (4, 5))).bytes_per_rank(4) == 40
+    assert plan(lay(two, P, (4, 5)), lay(two, B, (4, 5))).bytes_per_rank(4) == 80
+    assert plan(lay(two, P, (4, 5)), lay(two, S(0), (4, 5))).bytes_per_rank(4) == 40
+    assert plan(lay(two, S(0), (4, 6)), lay(two, S(1), (4, 6))).bytes_per_rank(4) == 24
+    # uneven [5, 7] over 2: rows 3 + 2; the gather pads to 3 rows of 7 elements
+    assert plan(lay(two, S(0), (5, 7)), lay(two, B, (5, 7))).bytes_per_rank(4) == 3 * 7 * 4
+    # all_to_all sends exact pieces: rank 0 holds 3x7, keeps 3x4, sends 3x3
+    assert plan(lay(two, S(0), (5, 7)), lay(two, S(1), (5, 7))).bytes_per_rank(4) == 3 * 3 * 4
+    # itemsize scales bytes
+    assert plan(lay(two, S(0), (4, 5)), lay(two, B, (4, 5))).bytes_per_rank(8) == 80
+
+
+def test_same_layout_is_an_empty_plan():
+    src = lay([0, 1], S(0))
+    p = plan(src, lay([0, 1], S(0)))
+    assert p.steps == () and p.bytes_per_rank() == 0 and p.cost() == 0
+    assert "nothing to do" in p.describe(4)
+
+
+def test_plans_are_cached_and_depend_only_on_the_layouts():
+    a = plan(lay([[0, 1], [2, 3]], (S(0), P), (5, 7)), lay([[0, 1], [2, 3]], (B, S(1)), (5, 7)))
+    b = plan(lay([[0, 1], [2, 3]], (S(0), P), (5, 7)), lay([[0, 1], [2, 3]], (B, S(1)), (5, 7)))
+    assert a is b
+    assert hash(a) == hash(b) and a == b
+
+
+def test_describe_is_one_line_per_step_with_a_total():
+    text = plan(lay([0, 1], S(0), (4, 5)), lay([0, 1], B, (4, 5))).describe(4, "float32")
+    assert text.splitlines() == [
+        "(S(0),) -> (B,)  on placement('cpu', ranks=[0, 1])  shape [4, 5] float32",
+        "  1. all_gather      axis 0  dim 0          sends 40 B per rank",
+        "total: 40 B per rank, 1 collective",
+    ]
+    moved = plan(lay([0, 1], S(0), (4, 5)), lay([2, 3], S(1), (4, 5))).describe(4)
+    assert "on placement('cpu', ranks=[2, 3])" in moved and "send/recv" in moved
+
+
+def _split_dims_touched(step):
+    """The split dims a step removes or introduces on its axis."""
+    old, new = step.before.sbp[step.axis], step.after.sbp[step.axis]
+    return [v.dim for v in (old, new) if isinstance(v, type(S(0)))]
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_nested_splits_change_only_the_innermost_axis_of_a_dim(shape):
+    for a, b in itertools.product(itertools.product(VALUES, repeat=2), repeat=2):
+        p = plan(lay(GRID_2D, a, shape), lay(GRID_2D, b, shape))
+        for step in p.steps:
+            if isinstance(step, Exchange):
+                continue
+            for dim in _split_dims_touched(step):
+                later = step.before.sbp[step.axis + 1:]
+                assert S(dim) not in later, p.describe()
+
+
+def test_nested_split_is_not_gathered_along_the_outer_axis():
+    p = plan(lay(GRID_2D, (S(0), S(0)), (8, 8)), lay(GRID_2D, (B, S(0)), (8, 8)))
+    assert not any(isinstance(s, AllGather) and s.axis == 0 for s in p.steps)
+
+
+def test_slices_are_introduced_outermost_first():
+    p = plan(lay(GRID_2D, (B, B), (8, 8)), lay(GRID_2D, (S(0), S(0)), (8, 8)))
+    assert kinds(p) == [LocalSlice, LocalSlice]
+    assert [s.axis for s in p.steps] == [0, 1]
+
+
+def _pairs_2d():
+    return itertools.product(itertools.product(VALUES, repeat=2), repeat=2)
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_no_plan_holds_the_full_tensor_unless_the_target_does(shape):
+    grids = [gt.placement("cpu", g) for g in GRIDS_1D] + [GRID_2D]
+    for placement in grids:
+        for a, b in itertools.product(itertools.product(VALUES, repeat=placement.ndim), repeat=2):
+            src, dst = lay(placement, a, shape), lay(placement, b, shape)
+            if holds_full(dst):
+                continue
+            for step in plan(src, dst).steps[:-1]:
+                assert not holds_full(step.after), plan(src, dst).describe()
+
+
+@pytest.mark.parametrize("shape", [(4, 4), (13, 17), (256, 1024)])
+def test_two_dimensional_plans_beat_converting_one_axis_at_a_time(shape):
+    for a, b in _pairs_2d():
+        src, dst = lay(GRID_2D, a, shape), lay(GRID_2D, b, shape)
+        best = plan(src, dst)
+        for mid_sbp in [(b[0], a[1]), (a[0], b[1])]:
+            mid = lay(GRID_2D, mid_sbp, shape)
+            if holds_full(mid) and not holds_full(dst):
+                continue  # that route is forbidden on purpose
+            first, second = plan(src, mid), plan(mid, dst)
+            assert best.cost() <= first.cost() + second.cost() + 1e-12, best.describe()
+            if shape == (256, 1024):  # bytes dominate latency at this size
+                assert best.bytes_per_rank() <= first.bytes_per_rank() + second.bytes_per_rank()
+
+
+def test_two_dimensional_conversion_of_independent_axes():
+    p = plan(lay(GRID_2D, (S(0), S(1)), (8, 8)), lay(GRID_2D, (B, B), (8, 8)))
+    assert kinds(p) == [AllGather, AllGather]
+    p = plan(lay(GRID_2D, (P, P), (8, 8)), lay(GRID_2D, (S(0), S(1)), (8, 8)))
+    assert kinds(p) == [ReduceScatter, ReduceScatter]
+
+
+def test_partial_to_partial_elsewhere_on_the_grid_needs_no_full_copy():
+    # (S(0), B) -> (P, S(0)): the rank on the diagonal already holds its rows; others hold zeros
+    p = plan(lay(GRID_2D, (S(0), B), (8, 8)), lay(GRID_2D, (P, S(0)), (8, 8)))
+    assert p.bytes_per_rank() == 0
+
+
+# --------------------------------------------------------------------------- placement changes
+
+
+def test_placement_change_moves_only_intersections():
+    p = plan(lay([0, 1], S(0), (4, 6)), lay([2, 3], S(0), (4, 6)))
+    assert kinds(p) == [Exchange]
+    (step,) = p.steps
+    assert {(m.src, m.dsts) for m in step.moves} == {(0, (2,)), (1, (3,))}
+    assert p.bytes_per_rank(4) == 2 * 6 * 4
+
+
+def test_one_rank_to_many_broadcasts():
+    p = plan(lay([0], B, (4, 6)), lay([0, 1, 2, 3], B, (4, 6)))
+    (step,) = p.steps
+    assert len(step.broadcasts) == 1 and step.broadcasts[0].group == (0, 1, 2, 3)
+    assert p.bytes_per_rank(4) == 4 * 6 * 4
+
+
+def test_one_rank_to_many_split_scatters_pieces():
+    p = plan(lay([0], B, (4, 6)), lay([0, 1, 2, 3], S(0), (4, 6)))
+    (step,) = p.steps
+    assert len(step.transfers) == 3 and not step.broadcasts
+    assert p.bytes_per_rank(4) == 3 * 6 * 4
+
+
+def test_partial_sources_are_reduced_before_moving():
+    p = plan(lay([0, 1], P, (4, 6)), lay([2, 3], S(0), (4, 6)))
+    assert kinds(p) == [ReduceScatter, Exchange]
+    assert p.steps[0].after.placement == gt.placement("cpu", [0, 1])
+
+
+def test_partial_targets_put_the_value_on_one_rank_per_group():
+    p = plan(lay([0, 1], B, (4, 6)), lay([2, 3], P, (4, 6)))
+    assert not any(isinstance(s, (AllReduce, ReduceScatter)) for s in p.steps)
+    assert p.steps[-1].after == lay([2, 3], P, (4, 6))
+
+
+@pytest.mark.parametrize("src_ranks, dst_ranks", [
+    ([0, 1], [2, 3]), ([0, 1, 2], [1, 3]), ([0], [0, 1, 2, 3]), ([0, 1, 2, 3], [0]),
+    ([[0, 1], [2, 3]], [0, 1, 2, 3]), ([0, 1, 2, 3], [[0, 1], [2, 3]]),
+])
+def test_placement_changes_stay_on_the_two_placements(src_ranks, dst_ranks):
+    src_p, dst_p = gt.placement("cpu", src_ranks), gt.placement("cpu", dst_ranks)
+    for a in itertools.product(VALUES, repeat=src_p.ndim):
+        for b in itertools.product(VALUES, repeat=dst_p.ndim):
+            p = plan(lay(src_p, a, (5, 7)), lay(dst_p, b, (5, 7)))
+            assert p.steps and p.steps[-1].after == p.dst
+            assert sum(isinstance(s, Exchange) for s in p.steps) == 1
+            for step in p.steps:
+                assert step.after.placement in (src_p, dst_p)
+
+
+# --------------------------------------------------------------------------- errors
+
+
+def test_bad_inputs_raise_clear_errors():
+    with pytest.raises(GlobalTensorError, match=r"one logical shape, found \[4, 4\] and \[4, 5\]"):
+        plan(lay([0, 1], S(0), (4, 4)), lay([0, 1], B, (4, 5)))
+    with pytest.raises(GlobalTensorError, match="one device type"):
+        plan(lay([0, 1], S(0)), Layout(gt.placement("cuda", [0, 1]), (B,), (4, 4)))
+    with pytest.raises(GlobalTensorError, match="expects two Layouts"):
+        plan(lay([0, 1], S(0)), (B,))
