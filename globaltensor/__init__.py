@@ -2,6 +2,7 @@
 from . import sbp
 from .env import init
 from . import env
+from .debug import set_debug
 from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement, placement
@@ -25,5 +26,6 @@ __all__ = [
     "init",
     "placement",
     "sbp",
+    "set_debug",
     "spawn",
 ]

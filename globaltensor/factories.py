@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from . import debug as _debug
 from . import env, random
 from .errors import GlobalTensorError
 from .layout import Layout
@@ -45,6 +46,9 @@ def _holds_value(layout: Layout, coord) -> bool:
 
 
 def _finish(local: torch.Tensor, layout: Layout, coord, requires_grad: bool) -> GlobalTensor:
+    if _debug.is_debug():
+        _debug.check("gt." + _debug.caller(__name__), layout=layout, dtype=local.dtype,
+                     requires_grad=requires_grad)
     if coord is not None and not _holds_value(layout, coord):
         local = torch.zeros_like(local)
     out = GlobalTensor._make(local, layout)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from . import debug as _debug
 from . import env
 from .errors import GlobalTensorError, ShapeMismatchError
 from .layout import Layout
@@ -149,6 +150,8 @@ def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.T
     """This rank's piece of ``dst`` from its piece of ``src``: plan, then execute (SPMD)."""
     if src == dst:
         return local
+    if _debug.is_debug():
+        _debug.check("redistribute", source=src, target=dst, dtype=local.dtype)
     from .comm import execute
     from .plan import plan
 
@@ -269,6 +272,10 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
         )
     placement = _check_placement(placement)
     values = resolve(normalize(sbp, placement.ndim), local.dim())
+    if _debug.is_debug():
+        _debug.check("to_global", source="local tensor", placement=placement, sbp=values,
+                     dtype=local.dtype, ndim=local.dim(), grad_sbp=grad_sbp, check_meta=check_meta,
+                     sync_data=sync_data)
     rank = env.get_rank()
     coord = placement.coord_of(rank)
     device = _device_for(placement)
@@ -371,6 +378,9 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
     else:
         values = normalize(sbp, placement.ndim)
     dst = Layout(placement, values, src.shape)
+    if _debug.is_debug():
+        _debug.check("to_global", source=src, target=dst, dtype=self.dtype, grad_sbp=grad_sbp,
+                     copy=copy)
     if dst == src and not copy:
         return self
     return _Redistribute.apply(self, dst, grad_sbp, copy)

@@ -1,0 +1,255 @@
+"""Debug checks: every rank agrees on each global operation before it communicates.
+
+With ``GT_DEBUG=1`` in the environment, or ``gt.set_debug(True)``, every global operation first
+calls ``check(op, **facts)``: each rank publishes ``(sequence number, op, facts)`` and waits for the
+same from every other rank. Ranks that disagree, or do not arrive within the timeout, make every
+rank raise an error naming those ranks and what differs -- instead of a silent deadlock or
+corrupted data::
+
+    gt.set_debug(True)                      # this thread / context only
+    y = x.to_global(sbp=gt.sbp.broadcast)   # raises on every rank if some rank skipped it
+
+When debug is off, a hook costs one ContextVar read. The flag lives in a ContextVar (ranks may be
+threads of one interpreter in tests); ``GT_DEBUG`` is read the first time a context asks.
+
+This module is pure formatting and bookkeeping; the store traffic is in ``comm/consistency.py``.
+"""
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import datetime
+import json
+import os
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from .errors import GlobalTensorError
+
+# None: not decided in this context yet -> read GT_DEBUG once and remember it here
+_FLAG: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug", default=None)
+# seconds a check waits for the other ranks; None: the world's collective timeout
+_TIMEOUT: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug_timeout", default=None)
+
+_TRUE = ("1", "true", "yes", "on")
+_FALSE = ("", "0", "false", "no", "off")
+_MAX_FACT = 300  # characters kept of one fact's text
+
+
+def _env_flag() -> bool:
+    raw = os.environ.get("GT_DEBUG", "").strip().lower()
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise GlobalTensorError(
+        f"expected GT_DEBUG to be one of 0/1/true/false/on/off, found {raw!r}; "
+        f"set GT_DEBUG=1 to turn consistency checks on, or unset it"
+    )
+
+
+def is_debug() -> bool:
+    """True when global operations check that every rank agrees on them."""
+    flag = _FLAG.get()
+    if flag is None:
+        flag = _env_flag()
+        _FLAG.set(flag)
+    return flag
+
+
+def _seconds(timeout) -> float | None:
+    if timeout is None:
+        return None
+    if isinstance(timeout, datetime.timedelta):
+        timeout = timeout.total_seconds()
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0:
+        raise GlobalTensorError(
+            f"expected a debug timeout in seconds > 0 (or a timedelta, or None for the world's "
+            f"timeout), found {timeout!r}"
+        )
+    return float(timeout)
+
+
+def set_debug(flag: bool | None = True, *, timeout=None) -> None:
+    """Turn consistency checks on or off for this context (a thread-rank has its own).
+
+    ``flag=None`` goes back to what ``GT_DEBUG`` says. ``timeout`` (seconds or a timedelta) is how
+    long a check waits for the other ranks; None uses the world's timeout (``gt.init(timeout=...)``).
+
+    >>> gt.set_debug(True, timeout=30)
+    """
+    if flag is not None and not isinstance(flag, bool):
+        raise GlobalTensorError(f"set_debug expects True, False or None, found {flag!r}")
+    _TIMEOUT.set(_seconds(timeout))
+    _FLAG.set(flag)
+
+
+@contextlib.contextmanager
+def debugging(flag: bool = True, *, timeout=None):
+    """``with gt.debug.debugging():`` -- checks on inside the block, restored after it."""
+    if not isinstance(flag, bool):
+        raise GlobalTensorError(f"debugging expects True or False, found {flag!r}")
+    tokens = (_FLAG.set(flag), _TIMEOUT.set(_seconds(timeout)))
+    try:
+        yield
+    finally:
+        _FLAG.reset(tokens[0])
+        _TIMEOUT.reset(tokens[1])
+
+
+def timeout_seconds() -> float | None:
+    """The debug timeout set for this context, or None for the world's own."""
+    return _TIMEOUT.get()
+
+
+# ---------------------------------------------------------------------------------------------
+# what a rank says it is about to do
+
+
+def fact_text(value) -> str:
+    """A compact, rank-independent text for one fact (layout, shape, dtype, flag...)."""
+    layout = getattr(value, "_layout", None)
+    if layout is not None:  # a GlobalTensor: its layout and dtype, never its data
+        text = f"global {layout!r} {value.dtype}"
+    elif isinstance(value, torch.Tensor):
+        text = f"tensor(shape={list(value.shape)}, dtype={value.dtype})"
+    elif isinstance(value, tuple) and value and all(_is_sbp(v) for v in value):
+        text = "(" + ", ".join(str(v) for v in value) + ")"
+    elif isinstance(value, (list, tuple)):
+        inner = ", ".join(fact_text(v) for v in value)
+        text = f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    else:
+        text = str(value) if _is_sbp(value) else repr(value)
+    return text if len(text) <= _MAX_FACT else text[:_MAX_FACT - 3] + "..."
+
+
+def _is_sbp(value) -> bool:
+    from .sbp import SBP_TYPES
+
+    return isinstance(value, SBP_TYPES)
+
+
+@dataclass(frozen=True, slots=True)
+class Descriptor:
+    """One rank's account of a global operation: its sequence number, name and facts."""
+
+    seq: int
+    op: str
+    facts: tuple[tuple[str, str], ...]
+
+    @classmethod
+    def of(cls, seq: int, op: str, facts: dict) -> "Descriptor":
+        return cls(seq, op, tuple((k, fact_text(v)) for k, v in sorted(facts.items())))
+
+    def encode(self) -> bytes:
+        return json.dumps([self.seq, self.op, [list(f) for f in self.facts]]).encode()
+
+    @classmethod
+    def decode(cls, raw: bytes) -> "Descriptor":
+        seq, op, facts = json.loads(raw)
+        return cls(int(seq), op, tuple((k, v) for k, v in facts))
+
+    def title(self) -> str:
+        return f"#{self.seq} {self.op}"
+
+    def __str__(self):
+        shown = ", ".join(f"{k}={v}" for k, v in self.facts)
+        return f"{self.title()}({shown})"
+
+
+def _fields(d: Descriptor) -> dict:
+    return {"seq": str(d.seq), "op": d.op, **dict(d.facts)}
+
+
+def _ranks_text(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def disagreement(descs: dict[int, Descriptor], scope: str = "the world") -> str | None:
+    """None when every rank's descriptor is equal; otherwise the message every rank raises.
+
+    The largest group of agreeing ranks (ties: the one holding the lowest rank) is the reference;
+    the message names every other group and, field by field, what it has instead.
+    """
+    groups: dict[Descriptor, list[int]] = {}
+    for rank, d in sorted(descs.items()):
+        groups.setdefault(d, []).append(rank)
+    if len(groups) == 1:
+        return None
+    ref = max(groups, key=lambda d: (len(groups[d]), -min(groups[d])))
+    ref_fields = _fields(ref)
+    lines = [f"GT_DEBUG: ranks of {scope} disagree about the next global operation.",
+             f"  {_ranks_text(groups[ref])}: {ref}"]
+    for d, ranks in groups.items():
+        if d == ref:
+            continue
+        verb = "differs" if len(ranks) == 1 else "differ"
+        if d.op != ref.op:
+            lines.append(f"  {_ranks_text(ranks)} {verb}: op: {d.op} instead of {ref.op}, "
+                         f"at {d}")
+            continue
+        fields = _fields(d)
+        diffs = [f"{k}: {fields.get(k, '<missing>')} instead of {ref_fields.get(k, '<missing>')}"
+                 for k in sorted(set(fields) | set(ref_fields), key=_field_order)
+                 if fields.get(k) != ref_fields.get(k)]
+        lines.append(f"  {_ranks_text(ranks)} {verb}: {'; '.join(diffs)}")
+    lines.append("Expected every rank to run the same global operations, with the same layouts, "
+                 "shapes and dtypes, in the same order (SPMD). Fix the code path that differs "
+                 "between those ranks (an `if rank == ...` around a global operation, or "
+                 "rank-dependent arguments).")
+    return "\n".join(lines)
+
+
+def _field_order(key: str):
+    return (key != "op", key != "seq", key)
+
+
+def missing_message(me: int, mine: Descriptor, missing: list[int], last: dict[int, Descriptor | None],
+                    waited: float, scope: str = "the world") -> str:
+    """What a rank raises when others did not reach its global operation in time."""
+    where = "; ".join(
+        f"rank {r} last checked in at {last[r].title()}" if last.get(r) is not None
+        else f"rank {r} has not checked in at any global operation yet" for r in missing)
+    return (
+        f"GT_DEBUG: rank {me} waited {waited:g}s at global operation {mine} but "
+        f"{_ranks_text(missing)} of {scope} did not arrive ({where}). Expected every rank to run "
+        f"the same global operations in the same order (SPMD): {_ranks_text(missing)} skipped "
+        f"this operation, is stuck, or has died. Make every rank call it (no `if rank == ...` "
+        f"around global operations), or raise the timeout with gt.set_debug(True, timeout=...) "
+        f"if that rank is merely slow."
+    )
+
+
+# ---------------------------------------------------------------------------------------------
+# the hook
+
+
+def check(op: str, *, ranks=None, **facts) -> None:
+    """Make every rank (of the world, or of ``ranks``) agree on ``op`` and ``facts`` first.
+
+    A no-op when debug is off, outside an initialised world, or in a world of one. Pass only
+    facts every rank must share (layouts, global shapes, dtypes, flags), never a local shape
+    that may differ between ranks.
+    """
+    if not is_debug():
+        return
+    from .comm import consistency
+
+    consistency.agree(op, facts, ranks=ranks, timeout=timeout_seconds())
+
+
+def caller(module: str, skip: int = 1) -> str:
+    """The name of the nearest public function of ``module`` on the call stack (for op names)."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        code = frame.f_code
+        if frame.f_globals.get("__name__") == module and not code.co_name.startswith("_"):
+            return code.co_name
+        frame = frame.f_back
+    return module.rsplit(".", 1)[-1]
+
+
+__all__ = ["set_debug", "is_debug", "debugging", "check", "Descriptor", "disagreement"]

@@ -1,0 +1,244 @@
+"""GT_DEBUG consistency checks: every rank agrees on each global operation, or all of them raise."""
+import pytest
+import torch
+import torch.distributed.distributed_c10d as c10d
+
+import globaltensor as gt
+from globaltensor import debug
+from globaltensor.debug import Descriptor, disagreement, fact_text
+from globaltensor.errors import CollectiveTimeoutError, GlobalTensorError, RankMismatchError
+from globaltensor.testing import run_ranks
+
+
+def _error_or_none(fn):
+    """Run ``fn``; return ``(type name, message)`` of the GlobalTensorError it raised, or None."""
+    try:
+        fn()
+    except GlobalTensorError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+# --- pure: flag, descriptors, messages --------------------------------------------------------
+
+
+def _fresh(fn):
+    """Run ``fn`` in a fresh context, as a new thread-rank would."""
+    import contextvars
+
+    return contextvars.Context().run(fn)
+
+
+def test_flag_follows_env_until_set(monkeypatch):
+    monkeypatch.setenv("GT_DEBUG", "1")
+    assert _fresh(debug.is_debug) is True
+    monkeypatch.setenv("GT_DEBUG", "0")
+    assert _fresh(debug.is_debug) is False
+
+    def overridden():
+        debug.set_debug(True)
+        return debug.is_debug()
+
+    assert _fresh(overridden) is True
+
+
+def test_bad_env_value_is_explained(monkeypatch):
+    monkeypatch.setenv("GT_DEBUG", "maybe")
+    with pytest.raises(GlobalTensorError, match=r"GT_DEBUG .*found 'maybe'"):
+        _fresh(debug.is_debug)
+
+
+def test_debugging_block_restores(monkeypatch):
+    monkeypatch.delenv("GT_DEBUG", raising=False)
+
+    def body():
+        with debug.debugging(timeout=3):
+            inside = (debug.is_debug(), debug.timeout_seconds())
+        return inside, (debug.is_debug(), debug.timeout_seconds())
+
+    assert _fresh(body) == ((True, 3.0), (False, None))
+
+
+@pytest.mark.parametrize("bad", [0, -1, "5", True])
+def test_bad_timeout(bad):
+    with pytest.raises(GlobalTensorError, match="debug timeout in seconds > 0"):
+        _fresh(lambda: debug.set_debug(True, timeout=bad))
+
+
+def test_set_debug_rejects_non_bool():
+    with pytest.raises(GlobalTensorError, match="True, False or None, found 1"):
+        debug.set_debug(1)
+
+
+def test_fact_text_is_compact_and_data_free():
+    p = gt.placement("cpu", [0, 1])
+    assert fact_text((gt.sbp.split(0), gt.sbp.broadcast)) == "(S(0), B)"
+    assert fact_text(torch.float32) == "torch.float32"
+    assert fact_text(torch.zeros(2, 3)) == "tensor(shape=[2, 3], dtype=torch.float32)"
+    assert fact_text(p) == "placement('cpu', ranks=[0, 1])"
+    assert len(fact_text("x" * 1000)) == 300
+
+
+def test_descriptor_round_trip():
+    d = Descriptor.of(7, "to_global", {"sbp": (gt.sbp.partial_sum,), "dtype": torch.int64})
+    assert Descriptor.decode(d.encode()) == d
+    assert str(d) == "#7 to_global(dtype=torch.int64, sbp=(P))"
+
+
+def test_disagreement_names_minority_and_fields():
+    same = Descriptor.of(3, "to_global", {"sbp": (gt.sbp.broadcast,)})
+    other = Descriptor.of(3, "to_global", {"sbp": (gt.sbp.split(0),)})
+    assert disagreement({0: same, 1: same}) is None
+    msg = disagreement({0: same, 1: other, 2: same})
+    assert "ranks [0, 2]: #3 to_global(sbp=(B))" in msg
+    assert "rank 1 differs: sbp: (S(0)) instead of (B)" in msg
+
+
+def test_disagreement_on_op_and_seq_tie_goes_to_lowest_rank():
+    a = Descriptor.of(4, "to_global", {})
+    b = Descriptor.of(5, "gt.zeros", {})
+    msg = disagreement({0: a, 1: b})
+    assert "rank 0: #4 to_global()" in msg
+    assert "rank 1 differs: op: gt.zeros instead of to_global, at #5 gt.zeros()" in msg
+
+
+# --- multi-rank: real store, thread ranks --------------------------------------------------------
+
+
+def test_agreeing_ranks_pass_and_store_stays_small():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        for i in range(5):
+            debug.check("step", i=i)
+        store = c10d._get_default_store()
+        return [store.check([f"gt_debug/w/{s}/{rank}"]) for s in range(5)]
+
+    # a passed check deletes the previous one's key: only the last remains
+    assert run_ranks(body, 3, timeout=30) == [[False, False, False, False, True]] * 3
+
+
+def test_off_by_default_costs_no_store_traffic(monkeypatch):
+    monkeypatch.delenv("GT_DEBUG", raising=False)
+
+    def body(rank):
+        debug.check("step", rank=rank)  # would disagree if it ran
+        return c10d._get_default_store().check(["gt_debug/w/0/0"])
+
+    assert run_ranks(body, 2, timeout=30) == [False, False]
+
+
+def test_differing_facts_raise_on_every_rank():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        debug.check("warmup")
+        return _error_or_none(lambda: debug.check("to_global", sbp=(gt.sbp.split(rank % 2),)))
+
+    out = run_ranks(body, 3, timeout=30)
+    for kind, msg in out:
+        assert kind == "RankMismatchError"
+        assert "ranks [0, 2]: #1 to_global(sbp=(S(0)))" in msg
+        assert "rank 1 differs: sbp: (S(1)) instead of (S(0))" in msg
+
+
+def test_rank_skipping_a_to_global_is_named_not_a_hang():
+    """A rank that skips a global operation: the others raise naming it, within the timeout."""
+    def body(rank):
+        gt.set_debug(True, timeout=1.5)
+        p = gt.placement("cpu", [0, 1, 2])
+        x = gt.ones(3, 4, placement=p, sbp=gt.sbp.split(0))
+        if rank == 1:
+            return None  # skips the redistribution below
+        return _error_or_none(lambda: x.to_global(sbp=gt.sbp.broadcast))
+
+    out = run_ranks(body, 3, timeout=30)
+    assert out[1] is None
+    for kind, msg in (out[0], out[2]):
+        assert kind == "CollectiveTimeoutError"
+        assert "global operation #1 to_global(" in msg
+        assert "rank 1 of the world did not arrive (rank 1 last checked in at #0 gt.ones)" in msg
+
+
+def test_rank_running_another_operation_is_named():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        p = gt.placement("cpu", [0, 1])
+        x = gt.ones(4, placement=p, sbp=gt.sbp.split(0))
+        if rank == 0:
+            return _error_or_none(lambda: x.full_tensor())
+        return _error_or_none(lambda: x.to_global(sbp=gt.sbp.broadcast))
+
+    out = run_ranks(body, 2, timeout=30)
+    assert out[0][0] == out[1][0] == "RankMismatchError"
+    assert out[0][1] == out[1][1]
+    assert "op: to_global instead of redistribute" in out[0][1]
+
+
+def test_local_to_global_with_different_sbp_is_caught_before_communicating():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        p = gt.placement("cpu", [0, 1])
+        sbp = gt.sbp.split(0) if rank == 0 else gt.sbp.broadcast
+        return _error_or_none(lambda: torch.ones(2, 3).to_global(placement=p, sbp=sbp))
+
+    out = run_ranks(body, 2, timeout=30)
+    assert {o[0] for o in out} == {"RankMismatchError"}
+    assert "sbp: (B) instead of (S(0))" in out[0][1]
+
+
+def test_factory_with_different_dtype_is_named():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        p = gt.placement("cpu", [0, 1])
+        dtype = torch.float32 if rank == 0 else torch.float64
+        return _error_or_none(lambda: gt.zeros(2, placement=p, sbp=gt.sbp.broadcast, dtype=dtype))
+
+    out = run_ranks(body, 2, timeout=30)
+    assert "op: gt.zeros" not in out[0][1]  # same op: only the dtype differs
+    assert "dtype: torch.float64 instead of torch.float32" in out[0][1]
+    assert "#0 gt.zeros(" in out[0][1]
+
+
+def test_checks_pass_for_a_correct_program_and_results_match():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        q = gt.placement("cpu", [[0, 1], [2, 3]])
+        x = gt.arange(12, placement=q, sbp=(gt.sbp.split(0), gt.sbp.broadcast))
+        y = torch.full((2,), float(rank)).to_global(placement=q, sbp=(gt.sbp.split(0),) * 2)
+        z = torch.full((2,), float(rank)).to_global(placement=q, sbp=(gt.sbp.broadcast,) * 2)
+        return x.to_local().tolist(), list(y.shape), z.to_local().tolist()
+
+    out = run_ranks(body, 4, timeout=30)
+    assert out == [([0, 1, 2, 3, 4, 5], [8], [0.0, 0.0])] * 2 + [([6, 7, 8, 9, 10, 11], [8],
+                                                                   [0.0, 0.0])] * 2
+
+
+def test_group_scope_checks_only_its_ranks():
+    def body(rank):
+        gt.set_debug(True, timeout=1.5)
+        if rank in (0, 1):
+            debug.check("pair op", ranks=[0, 1], n=1)
+            return "pair ok"
+        # rank 2 is outside the group: returns at once, without waiting for anybody
+        debug.check("pair op", ranks=[0, 1], n=1)
+        return _error_or_none(lambda: debug.check("lonely", ranks=[1, 2]))
+
+    out = run_ranks(body, 3, timeout=30)
+    assert out[:2] == ["pair ok", "pair ok"]
+    assert out[2][0] == "CollectiveTimeoutError"
+    assert "rank 1 of group [1, 2] did not arrive" in out[2][1]
+    assert "has not checked in at any global operation yet" in out[2][1]
+
+
+def test_world_of_one_and_uninitialised_need_no_store():
+    debug.set_debug(True)
+    try:
+        debug.check("anything", x=1)  # not initialised: nothing to agree with
+        x = gt.zeros(2, placement=gt.placement("cpu", [0]), sbp=gt.sbp.broadcast)
+        assert x.to_local().tolist() == [0.0, 0.0]
+    finally:
+        debug.set_debug(None)
+
+
+def test_errors_are_global_tensor_errors():
+    assert issubclass(RankMismatchError, GlobalTensorError)
+    assert issubclass(CollectiveTimeoutError, GlobalTensorError)
