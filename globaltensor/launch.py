@@ -413,7 +413,8 @@ def failure_report(failed: RankProcess, config: LaunchConfig, port: int,
              f"pid {failed.pid}) {how}; stopped the other ranks still running: {stopped}"]
     tail = list(failed.stderr_tail)
     if tail:
-        lines.append(f"last {len(tail)} lines of rank {failed.rank}'s stderr:")
+        lines.append(f"last {len(tail)} line{'s' * (len(tail) > 1)} of rank {failed.rank}'s "
+                     f"stderr:")
         lines += ["  | " + line.rstrip("\n") for line in tail]
     else:
         lines.append(f"rank {failed.rank} wrote nothing to stderr")

@@ -114,6 +114,22 @@ def test_run_script_takes_a_path_or_source(tmp_path):
     assert pathlib.Path(written).read_text() == "print('hi')"
 
 
+def test_failure_report_hints_at_a_taken_port():
+    from types import SimpleNamespace
+
+    failed = launch.RankProcess(0, 0, SimpleNamespace(pid=42, returncode=1))
+    failed.stderr_tail.extend(["Traceback ...\n", "RuntimeError: Address already in use\n"])
+    report = launch.failure_report(failed, LaunchConfig(nproc_per_node=2, script="s"), 4321, [1])
+    assert report.splitlines() == [
+        "rank 0 (local rank 0 on node 0, pid 42) exited with code 1; stopped the other ranks "
+        "still running: [1]",
+        "last 2 lines of rank 0's stderr:",
+        "  | Traceback ...",
+        "  | RuntimeError: Address already in use",
+        "hint: master port 4321 looks taken; pass another --master_port (or leave it out on a "
+        "single node)"]
+
+
 def test_completed_run_splits_output_by_rank():
     run = CompletedRun(0, "[rank 0] a\n[rank 1] b\n[rank 0] c\n", "[rank 1] e\n")
     assert run.rank_lines(0) == ["a", "c"] and run.rank_lines(1, "stderr") == ["e"]
