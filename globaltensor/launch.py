@@ -11,7 +11,7 @@ writes is echoed with a ``[rank R]`` prefix. When a rank fails, the others are s
 launcher exits non-zero, naming the rank, how it ended and the tail of its stderr.
 See docs/launcher.md for every option and what happens on each fault.
 
-This module uses the standard library only: the launcher itself never touches torch.
+This module uses only the standard library (and globaltensor.errors); it never calls torch.
 """
 from __future__ import annotations
 

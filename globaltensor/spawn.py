@@ -45,9 +45,12 @@ def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: i
     """
     from . import launch  # the launcher's config checks, environment and process-tree helpers
 
-    config = launch.LaunchConfig(nproc_per_node=nproc_per_node, script="<gt.spawn>",
-                                 nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                                 master_port=master_port, timeout=timeout)
+    try:
+        config = launch.LaunchConfig(nproc_per_node=nproc_per_node, script="<gt.spawn>",
+                                     nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                                     master_port=master_port, timeout=timeout)
+    except launch.LaunchError as e:  # the launcher's checks, told with spawn's argument names
+        raise SpawnError(str(e).replace("--", "")) from None
     payload = _pickle_payload(fn, args)
     port = launch.choose_port(config)
     ctx = multiprocessing.get_context(start_method)

@@ -24,9 +24,14 @@ def _world(local_rank, scale):
             "pid": os.getpid()}
 
 
-def _fail_on_rank_1(local_rank):
+def _fail_on_rank_1(local_rank, folder):
     if local_rank == 1:
+        while not os.path.exists(os.path.join(folder, "pid_0")):  # rank 0 is up
+            time.sleep(0.01)
         raise KeyError("boom on rank 1")
+    with open(os.path.join(folder, "pid_0.tmp"), "w") as f:
+        f.write(str(os.getpid()))
+    os.rename(os.path.join(folder, "pid_0.tmp"), os.path.join(folder, "pid_0"))
     time.sleep(60)  # must be stopped by spawn, not waited for
 
 
@@ -43,11 +48,14 @@ def test_spawn_runs_a_real_world_and_returns_results_by_rank():
         assert r["pgid"] == r["pid"]  # each rank leads its own process group
 
 
-def test_failing_process_raises_with_rank_and_traceback():
+def test_failing_process_raises_with_rank_and_traceback_and_stops_the_others(tmp_path):
     with pytest.raises(SpawnError, match=r"rank 1 \(local rank 1, pid \d+\) raised KeyError") as e:
-        gt.spawn(_fail_on_rank_1, nproc_per_node=2, timeout=60)
+        gt.spawn(_fail_on_rank_1, args=(str(tmp_path),), nproc_per_node=2, timeout=60)
     assert "--- traceback of rank 1 ---" in str(e.value) and "_fail_on_rank_1" in str(e.value)
     assert isinstance(e.value, gt.GlobalTensorError)
+    pid = int((tmp_path / "pid_0").read_text())
+    with pytest.raises(ProcessLookupError):  # rank 0 was stopped and reaped
+        os.kill(pid, 0)
 
 
 def test_timeout_stops_the_job_and_names_the_ranks():
@@ -58,5 +66,7 @@ def test_timeout_stops_the_job_and_names_the_ranks():
 def test_unpicklable_fn_is_refused_before_starting():
     with pytest.raises(SpawnError, match="expected fn and args that can be pickled"):
         gt.spawn(lambda rank: rank, nproc_per_node=2)
-    with pytest.raises(gt.GlobalTensorError, match="--nproc_per_node >= 1, found 0"):
+    with pytest.raises(SpawnError, match="expected nproc_per_node >= 1, found 0"):
         gt.spawn(_hang, nproc_per_node=0)
+    with pytest.raises(SpawnError, match="found node_rank 3 with nnodes 2"):
+        gt.spawn(_hang, nproc_per_node=1, nnodes=2, node_rank=3)
