@@ -4,6 +4,7 @@ from .env import init
 from . import env
 from .debug import set_debug
 from .errors import GlobalTensorError
+from .explain import explain
 from .layout import Layout
 from .placement import Placement, placement
 from .tensor import GlobalTensor
@@ -17,6 +18,7 @@ from .visualize import visualize
 __all__ = [
     "GlobalTensor",
     "GlobalTensorError",
+    "explain",
     "arange", "empty", "empty_like", "full", "full_like", "manual_seed", "ones", "ones_like",
     "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "tensor", "visualize",
     "zeros", "zeros_like",

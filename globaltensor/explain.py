@@ -1,0 +1,66 @@
+"""``gt.explain``: the plan a redistribution would run, with bytes per rank (no communication)."""
+from __future__ import annotations
+
+from .errors import GlobalTensorError
+from .layout import Layout
+from .sbp import normalize
+
+
+class Explanation:
+    """A plan bound to a dtype: ``str()`` prints one step per line; ``.steps`` holds the steps."""
+
+    __slots__ = ("plan", "itemsize", "dtype_name")
+
+    def __init__(self, plan, itemsize: int, dtype_name: str):
+        self.plan, self.itemsize, self.dtype_name = plan, itemsize, dtype_name
+
+    @property
+    def steps(self):
+        return self.plan.steps
+
+    @property
+    def bytes_per_rank(self) -> int:
+        return self.plan.bytes_per_rank(self.itemsize)
+
+    @property
+    def collectives(self) -> int:
+        return self.plan.collectives()
+
+    def __len__(self):
+        return len(self.plan.steps)
+
+    def __iter__(self):
+        return iter(self.plan.steps)
+
+    def __str__(self):
+        return self.plan.describe(self.itemsize, self.dtype_name)
+
+    __repr__ = __str__
+
+
+def explain(x, placement=None, sbp=None) -> Explanation:
+    """The plan ``x.to_global(placement, sbp)`` would run: steps, axes, dims, bytes per rank.
+
+    >>> print(gt.explain(x, sbp=gt.sbp.broadcast))
+    (S(0),) -> (B,)  on placement('cpu', ranks=[0, 1])  shape [4, 5] float32
+      1. all_gather ...
+    """
+    from .plan import plan
+    from .tensor import GlobalTensor
+
+    if not isinstance(x, GlobalTensor):
+        raise GlobalTensorError(
+            f"explain expects a global tensor, found {type(x).__name__}; make one with "
+            f"x.to_global(placement=..., sbp=...)"
+        )
+    src = x._layout
+    placement = placement if placement is not None else src.placement
+    if sbp is None:
+        if placement.ndim != src.placement.ndim:
+            raise GlobalTensorError(
+                f"explain to a {placement.ndim}-D placement from a {src.placement.ndim}-D one "
+                f"needs sbp=..., one per axis"
+            )
+        sbp = src.sbp
+    dst = Layout(placement, normalize(sbp, placement.ndim), src.shape)
+    return Explanation(plan(src, dst), x.element_size(), str(x.dtype).replace("torch.", ""))
