@@ -1,0 +1,2 @@
+"""Modules and global tensors: ``gt.nn``."""
+from . import parallel

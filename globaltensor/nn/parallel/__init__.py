@@ -1,0 +1,4 @@
+"""Data parallel training: ``gt.nn.parallel.DistributedDataParallel``."""
+from .distributed import Bucket, DistributedDataParallel, plan_buckets
+
+__all__ = ["Bucket", "DistributedDataParallel", "plan_buckets"]
