@@ -116,6 +116,8 @@ class Step:
         return self.latency() > 0
 
     def cost(self, itemsize: int = SEARCH_ITEMSIZE) -> float:
+        if not isinstance(self, Exchange) and self.group_size() == 1:
+            return 0.0  # on an axis of size 1 every sbp holds the same box: a relabelling
         return (ALPHA * self.latency() + BETA * self.bytes_sent(itemsize)
                 + MEMORY * _max_local(self.after) * itemsize)
 
@@ -368,30 +370,33 @@ class Plan:
 # --------------------------------------------------------------------------- axis-local steps
 
 
-def _innermost(sbp, axis: int, dim: int) -> bool:
-    """No placement axis after ``axis`` splits ``dim`` (nested splits: axis 0 outermost)."""
-    return not any(isinstance(v, Split) and v.dim == dim for v in sbp[axis + 1:])
+def _innermost(layout: Layout, axis: int, dim: int) -> bool:
+    """No placement axis after ``axis`` splits ``dim`` (nested splits: axis 0 outermost).
+
+    An axis of size 1 splits nothing, so it never gets in the way."""
+    later = zip(layout.sbp[axis + 1:], layout.placement.shape[axis + 1:])
+    return not any(isinstance(v, Split) and v.dim == dim and n > 1 for v, n in later)
 
 
 def _local_step(before: Layout, axis: int, new) -> Step | None:
     """The one step that changes ``axis`` of ``before`` to ``new``, or None if no single step
     does it while keeping every other axis's pieces where they are."""
-    old, sbp = before.sbp[axis], before.sbp
+    old, sbp, b = before.sbp[axis], before.sbp, before
     after = Layout(before.placement, sbp[:axis] + (new,) + sbp[axis + 1:], before.shape)
     match old, new:
-        case Split(), Broadcast() if _innermost(sbp, axis, old.dim):
+        case Split(), Broadcast() if _innermost(b, axis, old.dim):
             return AllGather(axis, old.dim, before, after)
-        case Split(), Split() if _innermost(sbp, axis, old.dim) and _innermost(sbp, axis, new.dim):
+        case Split(), Split() if _innermost(b, axis, old.dim) and _innermost(b, axis, new.dim):
             return AllToAll(axis, old.dim, new.dim, before, after)
-        case Split(), PartialSum() if _innermost(sbp, axis, old.dim):
+        case Split(), PartialSum() if _innermost(b, axis, old.dim):
             return ZeroFill(axis, before, after)
-        case Broadcast(), Split() if _innermost(sbp, axis, new.dim):
+        case Broadcast(), Split() if _innermost(b, axis, new.dim):
             return LocalSlice(axis, new.dim, before, after)
         case Broadcast(), PartialSum():
             return ZeroFill(axis, before, after)
         case PartialSum(), Broadcast():
             return AllReduce(axis, before, after)
-        case PartialSum(), Split() if _innermost(sbp, axis, new.dim):
+        case PartialSum(), Split() if _innermost(b, axis, new.dim):
             return ReduceScatter(axis, new.dim, before, after)
     return None
 

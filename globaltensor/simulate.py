@@ -59,7 +59,7 @@ def check_locals(pieces: dict, layout: Layout) -> None:
 
 def _empty_like(pieces: dict, ndim: int):
     t = next(iter(pieces.values()))
-    return t.new_empty((0,) * ndim)
+    return t.new_zeros((0,) * ndim)  # empty (a 0 for a scalar)
 
 
 def _run_step(step, pieces: dict) -> dict:
@@ -161,7 +161,7 @@ def scatter(full: torch.Tensor, layout: Layout, world_size: int | None = None,
             f"expected a tensor of the layout's shape {list(layout.shape)}, found {list(full.shape)}")
     world = world_size or max(layout.placement.flat_ranks) + 1
     gen = torch.Generator().manual_seed(seed)
-    out = [full.new_empty((0,) * full.ndim) for _ in range(world)]
+    out = [full.new_zeros((0,) * full.ndim) for _ in range(world)]
     shares: dict = {}
     for coord, rank in zip(layout.placement.coords(), layout.placement.flat_ranks):
         box = layout.box(coord)

@@ -3,7 +3,10 @@
 Many conversions run inside ONE world per grid to keep this fast.
 """
 import itertools
+import math
+import random
 
+import numpy as np
 import pytest
 import torch
 
@@ -100,3 +103,38 @@ def test_same_layout_returns_the_input_itself():
     layout = Layout(gt.placement("cpu", [0]), (S(0),), (2, 2))
     x = torch.ones(2, 2)
     assert execute.run(plan(layout, layout), x, 0) is x
+
+
+def test_rank_order_on_the_axis_is_not_the_group_order():
+    # torch numbers a group's members by global rank; the placement's order must win
+    grid = gt.placement("cpu", [[3, 1], [0, 2]])
+    line = gt.placement("cpu", [2, 0, 3, 1])
+    check_against_simulator(all_pairs(grid, grid, [(5, 7)]) + all_pairs(line, line, [(5, 7)])
+                            + all_pairs(line, grid, [(4, 6)]), 4)
+
+
+def random_cases(seed, count, world):
+    """Random placements (1-3 axes, shuffled ranks, axes of size 1), shapes (with empty dims
+    and scalars) and sbps."""
+    rng = random.Random(seed)
+
+    def placement():
+        while True:
+            shape = [rng.choice([1, 2, 3]) for _ in range(rng.choice([1, 1, 2, 2, 3]))]
+            if math.prod(shape) <= world:
+                ranks = rng.sample(range(world), math.prod(shape))
+                return gt.placement("cpu", np.array(ranks).reshape(shape).tolist())
+
+    cases = []
+    for _ in range(count):
+        shape = tuple(rng.choice([0, 1, 2, 3, 5, 7]) for _ in range(rng.choice([0, 1, 2, 3])))
+        src_p = placement()
+        dst_p = src_p if rng.random() < 0.5 else placement()
+        values = [S(d) for d in range(len(shape))] + [B, P]
+        cases.append((Layout(src_p, tuple(rng.choice(values) for _ in range(src_p.ndim)), shape),
+                      Layout(dst_p, tuple(rng.choice(values) for _ in range(dst_p.ndim)), shape)))
+    return cases
+
+
+def test_random_layouts_match_the_simulator():
+    check_against_simulator(random_cases(seed=7, count=120, world=6), 6, timeout=120)

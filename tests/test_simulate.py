@@ -89,3 +89,12 @@ def test_gather_catches_replicas_that_differ_and_wrong_shapes():
         simulate.gather([torch.zeros(2), torch.ones(3)], layout)
     with pytest.raises(ShapeMismatchError, match="local tensor for rank 1"):
         simulate.run(plan(layout, layout.with_sbp(S(0))), [torch.zeros(2)])
+
+
+def test_random_layouts_preserve_the_value():
+    from test_execute import random_cases
+
+    for src, dst in random_cases(seed=11, count=600, world=8):
+        full = value(src.shape)
+        out = simulate.run(plan(src, dst), simulate.scatter(full, src, 8))
+        assert torch.equal(simulate.gather(out, dst), full), plan(src, dst).describe()

@@ -17,6 +17,7 @@ from ..plan import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, Plan, 
                     ZeroFill, box_shape, relative)
 from ..sbp import Broadcast
 from .groups import group_along, group_of_ranks, groups_along
+from .guard import step_guard
 
 # torch 2.13 renames the flat collectives; older versions only have the old names
 _all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
@@ -28,8 +29,9 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     if not plan.steps:
         return local
     out = local
-    for step in plan.steps:
-        out = _run_step(step, out, rank)
+    for index, step in enumerate(plan.steps):
+        with step_guard(plan, index):  # a timeout names the step and its ranks
+            out = _run_step(step, out, rank)
     if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         return out.clone(memory_format=torch.contiguous_format)
     return out.contiguous()
@@ -45,26 +47,26 @@ def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
         groups_along(after.placement, step.axis)
     coord = after.placement.coord_of(rank)
     if coord is None:
-        return local.new_empty(after.local_shape_of_rank(rank))
+        return local.new_zeros(after.local_shape_of_rank(rank))  # empty (a 0 for a scalar)
     match step:
         case LocalSlice():
             return local[relative(after.box(coord), step.before.box(coord))]
         case ZeroFill():
             return _zero_fill(step, local, coord)
     if n == 1:  # a group of one: the collective changes nothing
-        return local.clone()
+        return local
     group, ranks = group_along(after.placement, step.axis, coord)
     match step:
         case AllGather():
-            return _all_gather(step, local, coord, group)
+            return _all_gather(step, local, coord, group, ranks)
         case ReduceScatter():
-            return _reduce_scatter(step, local, coord, group)
+            return _reduce_scatter(step, local, coord, group, ranks)
         case AllReduce():
             out = local.clone(memory_format=torch.contiguous_format)
             dist.all_reduce(out, group=group)
             return out
         case AllToAll():
-            return _all_to_all(step, local, coord, group)
+            return _all_to_all(step, local, coord, group, ranks)
     raise TypeError(f"the executor does not know the step {step!r}")
 
 
@@ -77,10 +79,24 @@ def _sizes_along(layout, axis: int, coord, dim: int) -> list[int]:
     return [hi - lo for lo, hi in (layout.box(c)[dim] for c in _member_coords(layout.placement, axis, coord))]
 
 
-def _all_gather(step: AllGather, local, coord, group) -> torch.Tensor:
+def _group_order(ranks) -> list[int]:
+    """Axis indices in the order of the group's ranks: torch numbers the members of a group
+    by their global rank, not by their place on the placement axis."""
+    return sorted(range(len(ranks)), key=lambda k: ranks[k])
+
+
+def _starts(sizes) -> list[int]:
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return out
+
+
+def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
     d = step.dim
     sizes = _sizes_along(step.before, step.axis, coord, d)
-    n, big = len(sizes), max(sizes)
+    n, big, order = len(sizes), max(sizes), _group_order(ranks)
     moved = local.movedim(d, 0)
     if min(sizes) == big:
         send = moved.contiguous()
@@ -90,52 +106,61 @@ def _all_gather(step: AllGather, local, coord, group) -> torch.Tensor:
     buf = send.new_empty((n * big,) + tuple(send.shape[1:]))
     if buf.numel():
         _all_gather_flat(buf, send, group=group)
-    if min(sizes) != big:
-        buf = torch.cat([buf[k * big: k * big + s] for k, s in enumerate(sizes)])
+    if min(sizes) != big or order != sorted(order):
+        at = {k: g * big for g, k in enumerate(order)}  # where axis index k's piece landed
+        buf = torch.cat([buf[at[k]: at[k] + s] for k, s in enumerate(sizes)])
     return buf.movedim(0, d).contiguous()
 
 
-def _reduce_scatter(step: ReduceScatter, local, coord, group) -> torch.Tensor:
+def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
     d, axis = step.dim, step.axis
     sizes = _sizes_along(step.after, axis, coord, d)
-    n, big, mine = len(sizes), max(sizes), sizes[coord[axis]]
+    n, big, mine, order = len(sizes), max(sizes), sizes[coord[axis]], _group_order(ranks)
     moved = local.movedim(d, 0)
-    if min(sizes) == big:
+    if min(sizes) == big and order == sorted(order):
         send = moved.contiguous()
-    else:  # chunk k at rows [k*big, k*big + sizes[k]) of a zero buffer
+    else:  # group rank g's chunk (axis index order[g]) at rows [g*big, g*big + size)
         send = moved.new_zeros((n * big,) + tuple(moved.shape[1:]))
-        start = 0
-        for k, s in enumerate(sizes):
-            send[k * big: k * big + s] = moved[start: start + s]
-            start += s
+        starts = _starts(sizes)
+        for g, k in enumerate(order):
+            send[g * big: g * big + sizes[k]] = moved[starts[k]: starts[k] + sizes[k]]
     out = send.new_empty((big,) + tuple(send.shape[1:]))
     if out.numel():
         _reduce_scatter_flat(out, send, group=group)
     return out[:mine].movedim(0, d).contiguous()
 
 
-def _all_to_all(step: AllToAll, local, coord, group) -> torch.Tensor:
+def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
     """Member k sends member m its slice of dst_dim; received pieces concatenate along src_dim.
 
-    Pieces go as flat runs of ``local`` with dst_dim moved first, so uneven sizes are exact."""
+    Pieces go as flat runs of ``local`` with dst_dim moved first, so uneven sizes are exact;
+    the runs are laid out in the group's rank order."""
     i, j, axis = step.src_dim, step.dst_dim, step.axis
     before, after = step.before, step.after
     members = _member_coords(after.placement, axis, coord)
-    send = local.movedim(j, 0).contiguous()
-    row = _prod(send.shape[1:])
-    send_splits = [(after.box(c)[j][1] - after.box(c)[j][0]) * row for c in members]
+    order = _group_order(ranks)
+    moved = local.movedim(j, 0)
+    row = _prod(moved.shape[1:])
+    lengths = [after.box(c)[j][1] - after.box(c)[j][0] for c in members]
+    if order == sorted(order):
+        send = moved.contiguous()
+    else:
+        starts = _starts(lengths)
+        send = torch.cat([moved[starts[k]: starts[k] + lengths[k]] for k in order])
     mine = after.box(coord)
     recv_shapes = []
     for c in members:
         shape = list(box_shape(mine))
         shape[i] = before.box(c)[i][1] - before.box(c)[i][0]
         recv_shapes.append(shape)
-    recv_splits = [_prod(s) for s in recv_shapes]
+    recv_splits = [_prod(recv_shapes[k]) for k in order]
     recv = send.new_empty(sum(recv_splits))
     if before.numel():  # decided by the plan, so every member agrees
-        dist.all_to_all_single(recv, send.reshape(-1), recv_splits, send_splits, group=group)
-    parts = [p.view([s[j]] + s[:j] + s[j + 1:]).movedim(0, j)
-             for p, s in zip(recv.split(recv_splits), recv_shapes)]
+        dist.all_to_all_single(recv, send.reshape(-1), recv_splits,
+                               [lengths[k] * row for k in order], group=group)
+    received = dict(zip(order, recv.split(recv_splits)))
+    parts = [received[k].view([s[j]] + s[:j] + s[j + 1:]).movedim(0, j)
+             for k, s in enumerate(recv_shapes)]
     return torch.cat(parts, dim=i)
 
 
@@ -163,7 +188,7 @@ def _exchange(step: Exchange, local, rank: int) -> torch.Tensor:
     have = before.box(before.placement.coord_of(rank)) if rank in before.placement else None
     mine = after.placement.coord_of(rank)
     shape = after.local_shape_of_rank(rank)
-    out = local.new_zeros(shape) if after.is_partial else local.new_empty(shape)
+    out = local.new_zeros(shape) if after.is_partial or mine is None else local.new_empty(shape)
     want = after.box(mine) if mine is not None else None
     ops, landing = [], []
     for move in step.moves:
