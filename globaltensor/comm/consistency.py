@@ -16,7 +16,6 @@ import time
 import weakref
 import zlib
 
-import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
@@ -24,22 +23,11 @@ from .. import debug
 from ..debug import Descriptor
 from ..errors import CollectiveTimeoutError, RankMismatchError
 from . import backend
+from .guard import world_timeout
 
 _PREFIX = "gt_debug"
 # default process group -> {scope: number of checks this rank started in it}
 _SEQ: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
-_DEFAULT_TIMEOUT_S = 1800.0
-
-
-def world_timeout_seconds() -> float:
-    """The timeout the world was made with (``gt.init(timeout=...)``), in seconds."""
-    pg = c10d._get_default_group()
-    for device in ("cpu", "cuda"):
-        try:
-            return pg._get_backend(torch.device(device)).options._timeout.total_seconds()
-        except Exception:  # noqa: BLE001 - this backend is absent or keeps no options
-            continue
-    return _DEFAULT_TIMEOUT_S
 
 
 def _scope(ranks: tuple[int, ...], world: int) -> tuple[str, str]:
@@ -95,7 +83,7 @@ def agree(op: str, facts: dict, ranks=None, timeout: float | None = None) -> Non
 
 
 def _wait_all(store, scope, words, ranks, keys, mine: Descriptor, me: int, timeout) -> None:
-    seconds = timeout if timeout is not None else world_timeout_seconds()
+    seconds = timeout if timeout is not None else world_timeout().total_seconds()
     start = time.monotonic()
     try:
         store.wait(keys, datetime.timedelta(seconds=seconds))

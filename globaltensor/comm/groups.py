@@ -11,6 +11,7 @@ import weakref
 import torch.distributed as dist
 
 from ..placement import Placement
+from .guard import world_timeout
 
 # default process group -> {(placement, axis): {ranks_tuple: ProcessGroup}}
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
@@ -37,7 +38,8 @@ def group_of_ranks(ranks: tuple[int, ...]):
         if list(ranks) == list(range(dist.get_world_size())):
             pg = dist.group.WORLD
         else:
-            pg = dist.new_group(list(ranks))
+            # new groups do not inherit the world's timeout (gt.init(timeout=...)) by themselves
+            pg = dist.new_group(list(ranks), timeout=world_timeout())
         cache[key] = pg
     return pg
 

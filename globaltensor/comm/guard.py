@@ -8,12 +8,16 @@ waiting 5000ms for recv", a store's "Wait timeout", NCCL's watchdog) into a
     with guard(lambda: f"all_gather along axis 0 of {placement!r}", ranks=group_ranks):
         dist.all_gather_into_tensor(out, piece, group=group)
 
-``op`` may be a string or a function returning one (only called on failure, so the hot path does
-not format). Entering and leaving a guard costs a few hundred nanoseconds.
+``op`` and ``ranks`` may be values or functions returning them (only called on failure, so the
+hot path does not format). Entering and leaving a guard costs a few hundred nanoseconds.
 """
 from __future__ import annotations
 
+import datetime
+
+import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 from .. import debug
 from ..errors import CollectiveTimeoutError, GlobalTensorError
@@ -21,6 +25,20 @@ from . import backend
 
 _TIMEOUT_WORDS = ("timed out", "timeout", "time out")
 _PEER_LOST_WORDS = ("connection closed by peer", "connection reset by peer", "broken pipe")
+
+
+def world_timeout() -> datetime.timedelta:
+    """The timeout the world was made with (``gt.init(timeout=...)``); torch's default otherwise.
+
+    Groups made later (``dist.new_group``) do not inherit it by themselves: pass it to them.
+    """
+    pg = c10d._get_default_group()
+    for device in ("cpu", "cuda"):
+        try:
+            return pg._get_backend(torch.device(device)).options._timeout
+        except Exception:  # noqa: BLE001 - this backend is absent or keeps no options
+            continue
+    return c10d.default_pg_timeout
 
 
 def is_timeout(error: BaseException) -> bool:
@@ -59,9 +77,10 @@ class guard:
         return self.op() if callable(self.op) else str(self.op)
 
     def _ranks(self) -> list[int] | None:
-        if self.ranks is None:
+        ranks = self.ranks() if callable(self.ranks) else self.ranks
+        if ranks is None:
             return list(range(dist.get_world_size())) if backend.is_initialized() else None
-        return [int(r) for r in self.ranks]
+        return [int(r) for r in ranks]
 
 
 def _me() -> str:
@@ -111,3 +130,22 @@ def _arrivals(ranks) -> str:
         text += (f"Ranks {ahead} had already moved past this operation, so they did not take "
                  f"part in this collective. ")
     return text
+
+
+def step_guard(plan, index: int) -> guard:
+    """The guard for step ``index`` of a redistribution plan (its words are built only on failure)."""
+    return guard(lambda: _step_words(plan, index), ranks=lambda: _step_ranks(plan.steps[index]))
+
+
+def _step_words(plan, index: int) -> str:
+    step = plan.steps[index]
+    kind = getattr(step, "kind", type(step).__name__)
+    where = step.where() if callable(getattr(step, "where", None)) else ""
+    src, dst = plan.src, plan.dst
+    return (f"redistribution {src!r} -> {dst!r}, step {index + 1} of {len(plan.steps)} "
+            f"({kind} {where})").replace("  ", " ")
+
+
+def _step_ranks(step) -> list[int]:
+    ranks = set(step.before.placement.flat_ranks) | set(step.after.placement.flat_ranks)
+    return sorted(ranks)

@@ -1,0 +1,175 @@
+"""Timeouts that explain: a stuck collective raises naming the operation and the ranks."""
+import datetime
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import globaltensor as gt
+from globaltensor import debug
+from globaltensor.comm.groups import group_of_ranks
+from globaltensor.comm.guard import guard, is_timeout, world_timeout
+from globaltensor.errors import CollectiveTimeoutError, GlobalTensorError
+from globaltensor.testing import run_ranks, run_script
+
+
+def _shorten_world_timeout(seconds: float) -> None:
+    """Like gt.init(timeout=seconds) for a thread-rank: groups made from now on inherit it.
+
+    (The harness makes each world with its own run timeout; a shorter collective timeout lets a
+    test see the collective's error before the harness gives up on the rank.)
+    """
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    backend._set_default_timeout(datetime.timedelta(seconds=seconds))
+
+
+def _error_or_none(fn):
+    try:
+        fn()
+    except GlobalTensorError as e:
+        return type(e).__name__, str(e)
+    return None
+
+
+# --- pure ----------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", [
+    "[gloo/transport/tcp/unbound_buffer.cc:78] Timed out waiting 1000ms for recv operation",
+    "Wait timeout",
+    "Watchdog caught collective operation timeout: WorkNCCL(SeqNum=3, OpType=ALLREDUCE)",
+])
+def test_timeout_messages_are_recognised(text):
+    assert is_timeout(RuntimeError(text))
+
+
+def test_other_errors_pass_through_unchanged():
+    with pytest.raises(RuntimeError, match="^shape mismatch$"):
+        with guard("all_reduce"):
+            raise RuntimeError("shape mismatch")
+    with pytest.raises(KeyError):
+        with guard("all_reduce"):
+            raise KeyError("timeout")  # not a RuntimeError: not torch's
+
+
+def test_guard_builds_its_words_only_on_failure():
+    calls = []
+
+    def words():
+        calls.append(1)
+        return "all_gather along axis 0 of placement('cpu', ranks=[0, 1])"
+
+    with guard(words, ranks=lambda: calls.append(2) or [0, 1]):
+        pass
+    assert calls == []
+    with pytest.raises(CollectiveTimeoutError) as info:
+        with guard(words, ranks=lambda: [0, 1]):
+            raise RuntimeError("Timed out waiting 5000ms for recv operation to complete")
+    msg = str(info.value)
+    assert msg.startswith("all_gather along axis 0 of placement('cpu', ranks=[0, 1]): timed out on ")
+    assert "among ranks [0, 1]" in msg and "Timed out waiting 5000ms" in msg
+    assert "Run with GT_DEBUG=1" in msg
+    assert isinstance(info.value.__cause__, RuntimeError)
+
+
+def test_lost_peer_is_named():
+    with pytest.raises(GlobalTensorError, match=r"a peer left the collective .*among ranks \[0, 1\]"):
+        with guard("barrier", ranks=[0, 1]):
+            raise RuntimeError("[gloo] Connection closed by peer [127.0.0.1]:5000")
+
+
+# --- thread ranks --------------------------------------------------------------------------------
+
+
+def test_subgroups_inherit_the_world_timeout():
+    def body(rank):
+        _shorten_world_timeout(3)
+        pg = group_of_ranks((0, 1))
+        if rank == 2:
+            return str(world_timeout())
+        return str(pg._get_backend(torch.device("cpu")).options._timeout)
+
+    assert run_ranks(body, 3, timeout=30) == ["0:00:03"] * 3
+
+
+def test_skipped_redistribution_times_out_naming_the_step():
+    """Debug off: the rank that waits names the operation, its ranks and the way to learn more."""
+    def body(rank):
+        _shorten_world_timeout(1)
+        p = gt.placement("cpu", [0, 1])
+        x = gt.arange(6, placement=p, sbp=gt.sbp.split(0))
+        if rank == 1:
+            return None  # skips the all_gather
+        return _error_or_none(lambda: x.to_global(sbp=gt.sbp.broadcast))
+
+    out = run_ranks(body, 2, timeout=30)
+    kind, msg = out[0]
+    assert kind == "CollectiveTimeoutError"
+    assert msg.startswith("redistribution Layout(placement('cpu', ranks=[0, 1]), (S(0)), [6]) -> "
+                          "Layout(placement('cpu', ranks=[0, 1]), (B), [6]), step 1 of 1 "
+                          "(all_gather axis 0 dim 0): timed out on rank 0 among ranks [0, 1]")
+    assert "Run with GT_DEBUG=1 to learn where each rank was" in msg
+
+
+def test_debug_names_the_rank_that_moved_past_a_collective():
+    """Debug on, and a collective below the checks: the guard names who got past it."""
+    def body(rank):
+        _shorten_world_timeout(1)
+        gt.set_debug(True, timeout=2.5)
+        pg = group_of_ranks((0, 1))
+        debug.check("step one")
+        if rank == 0:
+            def stuck():
+                with guard("all_reduce in step one", ranks=[0, 1]):
+                    dist.all_reduce(torch.ones(2), group=pg)
+            return _error_or_none(stuck)
+        return _error_or_none(lambda: debug.check("step two"))  # skipped the all_reduce
+
+    out = run_ranks(body, 2, timeout=30)
+    kind, msg = out[0]
+    assert kind == "CollectiveTimeoutError"
+    assert "all_reduce in step one: timed out on rank 0 among ranks [0, 1]" in msg
+    assert "rank 0: #0 step one, rank 1: #1 step two" in msg
+    assert "Ranks [1] had already moved past this operation" in msg
+    kind, msg = out[1]
+    assert kind == "CollectiveTimeoutError"
+    assert "rank 0 of the world did not arrive (rank 0 last checked in at #0 step one)" in msg
+
+
+# --- real processes through the launcher, gt.init(timeout=...) ---------------------------------------
+
+_SKIPPER = """
+import datetime, sys
+import torch.distributed.distributed_c10d as c10d
+import globaltensor as gt
+gt.init(timeout=2)
+store = c10d._get_default_store()
+p = gt.placement.all("cpu")
+for phase, flag in (("plain", False), ("GT_DEBUG=1", None)):  # None: as GT_DEBUG says
+    gt.set_debug(flag)
+    x = gt.arange(8, placement=p, sbp=gt.sbp.split(0))
+    if gt.env.get_rank() == 1:   # skips the redistribution below, but stays alive
+        store.wait([phase], datetime.timedelta(seconds=60))
+        continue
+    try:
+        x.to_global(sbp=gt.sbp.broadcast)
+        print(phase, "| no error")
+    except gt.GlobalTensorError as e:
+        print(phase, "|", type(e).__name__, "|", str(e).replace("\\n", " "))
+    store.set(phase, "done")
+"""
+
+
+def test_init_timeout_end_to_end():
+    """gt.init(timeout=2) in real processes; a rank skips a redistribution, without and with
+    GT_DEBUG=1 (read from the environment): rank 0 gets an error naming it, not a hang."""
+    env = dict(os.environ, GT_DEBUG="1", OMP_NUM_THREADS="1")
+    run = run_script(_SKIPPER, 2, timeout=90, env=env)
+    assert run.returncode == 0, run.stdout + run.stderr
+    plain, checked = run.rank_lines(0)
+    assert plain.startswith("plain | CollectiveTimeoutError | redistribution "), plain
+    assert "step 1 of 1 (all_gather axis 0 dim 0): timed out on rank 0 among ranks [0, 1]" in plain
+    assert checked.startswith("GT_DEBUG=1 | CollectiveTimeoutError | GT_DEBUG: rank 0 waited 2s at "
+                              "global operation #1 to_global("), checked
+    assert "rank 1 of the world did not arrive (rank 1 last checked in at #0 gt.arange)" in checked
