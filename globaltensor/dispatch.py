@@ -31,7 +31,12 @@ _WARNED: set = set()       # ops already warned about (no rule: broadcast fallba
 def dispatch(func, types, args, kwargs):
     """Run aten op ``func`` on global tensors (called by GlobalTensor.__torch_dispatch__)."""
     tensors = []
-    key = _key(func, args, kwargs, tensors)
+    try:
+        key = _key(func, args, kwargs, tensors)
+    except _LocalTensor as found:
+        args, kwargs = _adopt_locals(args, kwargs, found)
+        tensors = []
+        key = _key(func, args, kwargs, tensors)
     decision = _DECISIONS.get(key)
     if decision is None:
         decision = _decide(func, args, kwargs, tensors)
@@ -63,7 +68,47 @@ def _describe(value, tensors: list):
     return value
 
 
-def _describe_local(value: torch.Tensor):
+class _LocalTensor(Exception):
+    """A non-scalar local tensor among the arguments (allowed only from autograd's engine)."""
+
+    def __init__(self, value):
+        self.value = value
+
+
+def _adopt_locals(args, kwargs, found):
+    """Inside backward, autograd makes full-size local tensors (zeros for the gradients of
+    unused outputs): take them as broadcast values on the placement of the global inputs."""
+    if torch._C._current_graph_task_id() < 0:
+        _describe_local(found.value, strict=True)
+    placement = _first_placement(args, kwargs)
+    coord = _my_coord(placement)
+
+    def adopt(v):
+        if isinstance(v, GlobalTensor):
+            return v
+        if isinstance(v, torch.Tensor) and v.dim() != 0:
+            layout = Layout(placement, (rules.B,) * placement.ndim, tuple(v.shape))
+            return GlobalTensor._make(v if coord is not None else v.new_empty((0,) * v.dim()), layout)
+        if isinstance(v, (list, tuple)):
+            return type(v)(adopt(x) for x in v)
+        return v
+    return [adopt(a) for a in args], {k: adopt(v) for k, v in kwargs.items()}
+
+
+def _first_placement(args, kwargs):
+    for v in list(args) + list(kwargs.values()):
+        if isinstance(v, GlobalTensor):
+            return v._layout.placement
+        if isinstance(v, (list, tuple)):
+            for x in v:
+                if isinstance(x, GlobalTensor):
+                    return x._layout.placement
+    raise GlobalTensorError("internal: no global tensor among the arguments; please report this")
+
+
+def _describe_local(value: torch.Tensor, strict: bool = False):
+    if value.dim() != 0 and not strict:
+        raise _LocalTensor(value)
     if value.dim() != 0:
         raise GlobalTensorError(
             f"an operator got a global tensor and a local tensor of shape {list(value.shape)}; "
@@ -207,7 +252,7 @@ def _write_into(self: GlobalTensor, value):
                 f".to_global(sbp=gt.sbp.broadcast) first, or write a global tensor")
         self._local.copy_(value)
         return
-    _describe_local(value)
+    _describe_local(value, strict=True)
 
 
 def _copy_(func, args, kwargs, tensors):
