@@ -125,6 +125,8 @@ class Step:
         return f"axis {self.axis}"
 
     def describe(self, itemsize: int) -> str:
+        if self.group_size() == 1:
+            return f"{self.kind:<15} {self.where():<22} (axis of size 1: relabel, no data moves)"
         return f"{self.kind:<15} {self.where():<22} sends {_fmt_bytes(self.bytes_sent(itemsize))} per rank"
 
 
@@ -279,14 +281,16 @@ class Exchange(Step):
         for m in self.moves:
             if m.is_local:
                 continue
-            sent[m.src] = sent.get(m.src, 0) + box_numel(m.region)
+            # a pipelined broadcast has every member forward the piece once
+            for r in m.group if m.is_broadcast else (m.src,):
+                sent[r] = sent.get(r, 0) + box_numel(m.region)
             sends[m.src] = sends.get(m.src, 0) + 1
             for r in m.dsts:
                 recvs[r] = recvs.get(r, 0) + 1
         msgs = {r: max(sends.get(r, 0), recvs.get(r, 0)) for r in set(sends) | set(recvs)}
         return sent, msgs
 
-    def elements_sent(self) -> int:  # a broadcast root sends its piece once (pipelined)
+    def elements_sent(self) -> int:
         return max(self._traffic()[0].values(), default=0)
 
     def latency(self) -> int:  # at least one: an exchange is never free, even all local
@@ -311,7 +315,8 @@ class Exchange(Step):
         parts = [f"{len(self.transfers)} sends"] if self.transfers else []
         parts += [f"{len(self.broadcasts)} broadcasts"] if self.broadcasts else []
         kind = "broadcast" if self.broadcasts and not self.transfers else self.kind
-        what = ", ".join(parts) or "local copies only"
+        kind = kind if self.communicates() else "local copy"
+        what = ", ".join(parts) or "no data leaves a rank"
         return (f"{kind:<15} {self.where()} ({what})  "
                 f"sends {_fmt_bytes(self.bytes_sent(itemsize))} per rank")
 
