@@ -2,6 +2,8 @@
 from . import sbp
 from .env import init
 from . import env
+from . import comm
+from . import nn
 from .debug import set_debug
 from .errors import GlobalTensorError
 from .explain import explain
@@ -24,7 +26,9 @@ __all__ = [
     "zeros", "zeros_like",
     "Layout",
     "Placement",
+    "comm",
     "env",
+    "nn",
     "init",
     "placement",
     "sbp",
