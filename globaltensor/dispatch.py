@@ -282,11 +282,16 @@ def _foreach(func, args, kwargs, tensors):
     """``torch._foreach_*``: the same op on each element, through dispatch."""
     base, inplace = _foreach_base(func)
     n = max(len(a) for a in args if isinstance(a, (list, tuple)))
+    positional = [a.name for a in base._schema.arguments if not a.kwarg_only]
+    keyword = [a.name for a in base._schema.arguments if a.kwarg_only]
     results = []
     for i in range(n):
         elem_args = [_element(a, i, func) for a in args]
         elem_kwargs = {k: _element(v, i, func) for k, v in kwargs.items()}
-        results.append(base(*elem_args, **elem_kwargs))
+        # a scalar the foreach op takes positionally may be keyword-only in the base op
+        extra = elem_args[len(positional):]
+        elem_kwargs.update(zip(keyword, extra))
+        results.append(base(*elem_args[:len(positional)], **elem_kwargs))
     return None if inplace else results
 
 
@@ -356,10 +361,8 @@ def _decide(func, args, kwargs, tensors):
     itemsizes = tuple(t.dtype.itemsize for t in tensors)
     choice = rules.choose(call, layouts, itemsizes, fixed=(0,) if inplace else ())
     has_rule = rules.rule_for(call) is not None
-    if choice is None and not has_rule:
-        fn = _decomposition(func)
-        if fn is not None:
-            return Decomposed(fn)
+    if choice is None and not has_rule and _composite(func):
+        return Decomposed(func.decompose)
     if choice is None and inplace:
         return _via_functional(func, name, has_rule)
     if choice is None:
@@ -380,8 +383,12 @@ def _is_inplace(func) -> bool:
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
 
 
+def _composite(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
 def _decomposition(func):
-    if torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd"):
+    if _composite(func):
         return func.decompose
     from torch._decomp import decomposition_table
 

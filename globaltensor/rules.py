@@ -607,6 +607,16 @@ def _scatter(call):
     return tuple(rows)
 
 
+def _index_add(call):
+    """``index_add(x, dim, index, source)`` (index_select's backward): split a dim other than
+    ``dim`` on x and source alike; linear in (x, source) together."""
+    x, src = call.shapes[0], call.shapes[2]
+    dim = _dim(call.arg(1, "dim"), len(x))
+    rows = [sig("B B B -> B"), sig("P B P -> P")]
+    rows += [Row((S(d), B, S(d)), (S(d),)) for d in range(len(x)) if d != dim and x[d] == src[d]]
+    return tuple(rows)
+
+
 def _index_select(call):
     x = call.shapes[0]
     dim = _dim(call.arg(1, "dim"), len(x))
@@ -792,6 +802,7 @@ RULES: dict[str, Callable] = {
     "clone": pointwise, "alias": pointwise, "detach": pointwise, "lift_fresh": pointwise,
     "zeros_like": like, "ones_like": like, "empty_like": like, "full_like": like,
     "rand_like": like, "randn_like": like, "randint_like": like,
+    "fill": like, "fill_": like, "zero": like, "zero_": like,
     "new_zeros": new_full, "new_ones": new_full, "new_empty": new_full, "new_full": new_full,
     "new_empty_strided": new_full,
     "uniform_": random_inplace, "normal_": random_inplace, "bernoulli_": random_inplace,
@@ -824,6 +835,7 @@ RULES: dict[str, Callable] = {
     "gather": _gather, "scatter": _scatter, "scatter_": _scatter, "scatter_add": _scatter,
     "scatter_add_": _scatter, "scatter_reduce": _scatter,
     "index_select": _index_select, "index": _index,
+    "index_add": _index_add, "index_add_": _index_add,
     "index_put": _index_put, "index_put_": _index_put, "_index_put_impl_": _index_put,
     "_unsafe_index_put": _index_put,
     "tril": _tri, "triu": _tri, "tril_": _tri, "triu_": _tri,
@@ -886,7 +898,8 @@ def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
            fixed: tuple[int, ...] = ()) -> Choice | None:
     """The cheapest signature for ``call`` on inputs laid out as ``layouts``.
 
-    ``fixed``: inputs that must keep their layout (the ``self`` of an in-place op). Returns None
+    ``fixed``: inputs that must keep their layout (the ``self`` of an in-place op, whose result
+    must then have that layout too). Returns None
     when the op has no rule or no candidate fits (dispatch then falls back to broadcast inputs).
     Ties go to the candidate that changes fewest inputs, then to the earlier row.
     """
@@ -913,6 +926,8 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed) -> Choice | None:
         targets = _targets(layouts, ins)
         if targets is None or any(targets[i] != layouts[i] for i in fixed):
             continue
+        if fixed and outs[0] != layouts[fixed[0]].sbp:
+            continue  # an in-place result must land in self's own layout
         cost = sum(_move_cost(s, t, n) for s, t, n in zip(layouts, targets, itemsizes))
         if math.isinf(cost):
             continue
