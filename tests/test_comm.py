@@ -355,3 +355,27 @@ def test_monitored_barrier_coordinator_missing():
         return True
 
     assert run_ranks(body, 2, timeout=T) == [None, True]
+
+
+def test_debug_checks_name_ranks_that_call_a_different_collective():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        gt.comm.all_gather(torch.ones(rank + 1))        # differently sized pieces are fine
+        if rank == 1:
+            gt.comm.broadcast(torch.ones(2))
+        else:
+            gt.comm.all_reduce(torch.ones(3 if rank == 2 else 2))
+
+    with pytest.raises(RankFailed, match=r"(?s)RankMismatchError.*rank 1 differs: op: "
+                                         r"gt.comm.broadcast instead of gt.comm.all_reduce.*"
+                                         r"rank 2 differs: tensor: 'tensor\(\[3\]"):
+        run_ranks(body, 3, timeout=T)
+
+
+def test_debug_checks_compare_the_structure_of_values():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        gt.comm.all_reduce({"loss": torch.ones(1), ("n" if rank == 0 else "count"): 2})
+
+    with pytest.raises(RankFailed, match=r"rank 1 differs: value: .*'count': int"):
+        run_ranks(body, 2, timeout=T)

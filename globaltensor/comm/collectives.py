@@ -31,6 +31,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .. import debug
 from ..errors import CollectiveTimeoutError, GlobalTensorError
 
 ReduceOp = dist.ReduceOp
@@ -98,6 +99,37 @@ def _object_device(group) -> torch.device:
     return torch.device(c10d._get_object_coll_device(group))
 
 
+def _agree(name: str, group, **facts) -> None:
+    """With GT_DEBUG on: every rank of ``group`` must be making this call with these facts
+    (otherwise every rank raises, naming the ranks that differ, instead of hanging)."""
+    if debug.is_debug():
+        ranks = None if group is None else dist.get_process_group_ranks(group)
+        debug.check("gt.comm." + name, ranks=ranks, **facts)
+
+
+def _tensor_fact(t: torch.Tensor, shape: bool = True) -> str:
+    return f"tensor({list(t.shape)}, {t.dtype})" if shape else f"tensor({t.dtype})"
+
+
+def _structure_fact(data, shapes: bool) -> str:
+    """A rank-independent text of nested data: containers, keys, tensor dtypes (and shapes)."""
+    leaves: list = []
+    spec = _flatten(data, leaves, [])
+    it = iter(_tensor_fact(v, shapes) if isinstance(v, torch.Tensor) else type(v).__name__
+              for v in leaves)
+    return _spec_text(spec, it)
+
+
+def _spec_text(spec, leaves) -> str:
+    if spec is None:
+        return next(leaves)
+    kind, keys, children = spec
+    inner = [_spec_text(c, leaves) for c in children]
+    if keys is not None:
+        inner = [f"{k!r}: {v}" for k, v in zip(keys, inner)]
+    return f"{kind.__name__}({', '.join(inner)})"
+
+
 # ---------------------------------------------------------------------------------------------
 # reduce ops: names, capabilities, and how a missing one is built
 # ---------------------------------------------------------------------------------------------
@@ -138,6 +170,10 @@ def to_reduce_op(op):
 
 def _kind(op) -> _Red:
     return op if isinstance(op, _Red) else op.op
+
+
+def _op_fact(op) -> str:
+    return _kind(to_reduce_op(op)).name
 
 
 @dataclass(frozen=True, slots=True)
@@ -288,12 +324,15 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *, r
     """
     _ensure_world()
     if reduce_op is None and isinstance(tensor, torch.Tensor):
+        _agree("all_reduce", group, tensor=_tensor_fact(tensor), reduce_op=_op_fact(op), async_op=async_op)
         return _reduce_in_place(tensor, op, group, async_op,
                                 lambda t, o, a: dist.all_reduce(t, o, group=group, async_op=a))
     if reduce_op is not None and _kind(to_reduce_op(op)) != _Red.SUM:
         raise GlobalTensorError(f"expected either op= or reduce_op=, found both (op={op!r}, "
                                 f"reduce_op={reduce_op!r}); pass one of them")
     _no_async(async_op, "all_reduce")
+    _agree("all_reduce", group, value=_structure_fact(tensor, shapes=True),
+           reduce_op=_op_fact(reduce_op if reduce_op is not None else op))
     return _all_reduce_value(tensor, to_reduce_op(reduce_op if reduce_op is not None else op), group)
 
 
@@ -379,7 +418,10 @@ def all_gather(tensor_list, tensor=None, group=None, async_op: bool = False):
     _ensure_world()
     if tensor is None:
         _no_async(async_op, "all_gather")
+        _agree("all_gather", group, value=_structure_fact(tensor_list, shapes=False))
         return _all_gather_value(tensor_list, group)
+    _agree("all_gather", group, outputs=[_tensor_fact(t) for t in tensor_list],
+           tensor=_tensor_fact(tensor, shape=False), async_op=async_op)
     shapes = {tuple(t.shape) for t in tensor_list}
     if len(shapes) <= 1:
         return _finish(tensor_list, dist.all_gather(tensor_list, tensor, group, async_op), async_op)
@@ -500,6 +542,8 @@ def _numel(shape) -> int:
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False):
     """torch style: every rank's ``input_tensor`` concatenated on dim 0 into ``output_tensor``."""
     _ensure_world()
+    _agree("all_gather_into_tensor", group, output=_tensor_fact(output_tensor),
+           input=_tensor_fact(input_tensor), async_op=async_op)
     work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
     return _finish(output_tensor, work, async_op)
 
@@ -520,9 +564,11 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
     _ensure_world()
     gsrc = _group_rank(group, src, group_src, "src")
     if isinstance(tensor, torch.Tensor):
+        _agree("broadcast", group, tensor=_tensor_fact(tensor), group_src=gsrc, async_op=async_op)
         work = dist.broadcast(tensor, group=group, async_op=async_op, group_src=gsrc)
         return _finish(tensor, work, async_op)
     _no_async(async_op, "broadcast")
+    _agree("broadcast", group, value="object", group_src=gsrc)
     box = [tensor]
     dist.broadcast_object_list(box, group=group, group_src=gsrc)
     return box[0]
@@ -571,6 +617,8 @@ def reduce(tensor, dst: int | None = None, op=ReduceOp.SUM, group=None, async_op
     """torch style: the reduction lands in ``tensor`` on ``dst`` (default 0); returns ``tensor``."""
     _ensure_world()
     gdst = _group_rank(group, dst, group_dst, "dst")
+    _agree("reduce", group, tensor=_tensor_fact(tensor), reduce_op=_op_fact(op), group_dst=gdst,
+           async_op=async_op)
     return _reduce_in_place(tensor, op, group, async_op, lambda t, o, a: dist.reduce(
         t, op=o, group=group, async_op=a, group_dst=gdst))
 
@@ -580,6 +628,7 @@ def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_o
     """torch style: every rank's ``tensor`` into ``gather_list`` on ``dst`` (default 0)."""
     _ensure_world()
     gdst = _group_rank(group, dst, group_dst, "dst")
+    _agree("gather", group, tensor=_tensor_fact(tensor), group_dst=gdst, async_op=async_op)
     if _backend_for(tensor, group) not in _NATIVE_GATHER_SCATTER:
         return _done(_gather_by_p2p(tensor, gather_list, gdst, group), async_op)
     work = dist.gather(tensor, gather_list, group=group, async_op=async_op, group_dst=gdst)
@@ -591,6 +640,7 @@ def scatter(tensor, scatter_list=None, src: int | None = None, group=None, async
     """torch style: ``scatter_list[r]`` on ``src`` (default 0) lands in rank r's ``tensor``."""
     _ensure_world()
     gsrc = _group_rank(group, src, group_src, "src")
+    _agree("scatter", group, tensor=_tensor_fact(tensor), group_src=gsrc, async_op=async_op)
     if _backend_for(tensor, group) not in _NATIVE_GATHER_SCATTER:
         return _done(_scatter_by_p2p(tensor, scatter_list, gsrc, group), async_op)
     work = dist.scatter(tensor, scatter_list, group=group, async_op=async_op, group_src=gsrc)
@@ -633,6 +683,8 @@ def _scatter_by_p2p(tensor, scatter_list, group_src: int, group):
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """torch style: ``output`` on rank r = reduction of every rank's ``input_list[r]``."""
     _ensure_world()
+    _agree("reduce_scatter", group, output=_tensor_fact(output), reduce_op=_op_fact(op),
+           async_op=async_op)
     low = _lower(op, output, group)
     if low.by_gather or low.scale is not None:
         return _reduce_scatter_built(output, torch.stack(list(input_list)), low, group, async_op)
@@ -643,6 +695,8 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """torch style: ``input`` split on dim 0 into group-size pieces; piece r reduced into rank r's ``output``."""
     _ensure_world()
+    _agree("reduce_scatter_tensor", group, output=_tensor_fact(output),
+           input=_tensor_fact(input), reduce_op=_op_fact(op), async_op=async_op)
     low = _lower(op, output, group)
     if low.by_gather or low.scale is not None:
         return _reduce_scatter_built(output, input.reshape((_size(group),) + tuple(output.shape)),
@@ -670,6 +724,7 @@ def _reduce_scatter_built(output, stacked: torch.Tensor, low: _Lowered, group, a
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
     """torch style: rank r's ``input_tensor_list[s]`` lands in rank s's ``output_tensor_list[r]``."""
     _ensure_world()
+    _agree("all_to_all", group, tensors=len(input_tensor_list), async_op=async_op)
     work = dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
     return _finish(output_tensor_list, work, async_op)
 
@@ -677,6 +732,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                       async_op: bool = False):
     _ensure_world()
+    _agree("all_to_all_single", group, dtype=str(input.dtype), async_op=async_op)
     work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
                                   group=group, async_op=async_op)
     return _finish(output, work, async_op)
@@ -690,6 +746,7 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
 def barrier(group=None, async_op: bool = False, device_ids=None, timeout=None):
     """Wait until every rank of ``group`` has reached this point."""
     _ensure_world()
+    _agree("barrier", group)
     return dist.barrier(group=group, async_op=async_op, device_ids=device_ids,
                         timeout=_as_timedelta(timeout))
 
