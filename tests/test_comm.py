@@ -329,6 +329,8 @@ def test_monitored_barrier_passes_repeatedly():
     def body(rank):
         for _ in range(3):
             gt.comm.monitored_barrier(timeout=10)
+        pair = group_of_ranks((1, 2))
+        gt.comm.monitored_barrier(timeout=10, group=pair)  # rank 0 is outside: returns at once
         return True
 
     assert run_ranks(body, 3, timeout=T) == [True] * 3

@@ -787,6 +787,8 @@ def monitored_barrier(timeout=None, group=None, wait_all_ranks: bool = True) -> 
     timeout = _as_timedelta(timeout) or datetime.timedelta(minutes=30)
     ranks = dist.get_process_group_ranks(group or dist.group.WORLD)
     me, store = dist.get_rank(), c10d._get_default_store()
+    if me not in ranks:
+        return  # as torch: a rank outside the group has nothing to wait for
     base = "gt/monitored_barrier/" + ",".join(map(str, ranks))
     seq = store.add(f"{base}/seq/{me}", 1)
     key = f"{base}/{seq}"
