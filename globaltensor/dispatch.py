@@ -625,6 +625,21 @@ def _k_mean_partial(ctx, largs, lkwargs):
     return total / count
 
 
+def _k_loss_mean(ctx, largs, lkwargs):
+    """mse_loss & co (and their backward) with reduction='mean' on split inputs: the local
+    result with reduction='sum', over the global element count."""
+    if ctx.coord is None:
+        return ctx.empties()
+    at = 3 if ctx.call.packet.endswith("_backward") else 2
+    largs = list(largs)
+    if at < len(largs):
+        largs[at] = 2
+    else:
+        lkwargs = dict(lkwargs, reduction=2)
+    shape = ctx.targets[1 if at == 3 else 0].shape
+    return ctx.func(*largs, **lkwargs) / math.prod(shape)
+
+
 def _k_nll_mean(ctx, largs, lkwargs):
     """nll_loss with a batch split and reduction='mean': the local sum over the global total
     weight (an all-reduce of one number, on every rank)."""
@@ -716,6 +731,7 @@ def _k_random(ctx, largs, lkwargs):
 KERNELS = {
     "mean_partial": _k_mean_partial,
     "nll_mean": _k_nll_mean,
+    "loss_mean": _k_loss_mean,
     "embedding_vocab": _k_embedding_vocab,
     "dropout": _k_dropout,
     "random": _k_random,

@@ -748,6 +748,30 @@ def _nll_loss_backward(call):
     return fit(rows, present)
 
 
+def _pointwise_loss(call):
+    """``mse_loss(x, target, reduction)`` & co: element-wise, then reduced. A split gives a
+    split (none), a partial sum (sum) or a partial mean over the global count (mean)."""
+    reduction = call.arg(2, "reduction", 1)
+    nd = len(call.shapes[0])
+    rows = [sig("B B -> B")]
+    for d in range(nd):
+        out = S(d) if reduction == 0 else P
+        rows.append(Row((S(d), S(d)), (out,), "loss_mean" if reduction == 1 else None))
+    return tuple(rows)
+
+
+def _pointwise_loss_backward(call):
+    """``mse_loss_backward(grad, x, target, reduction)``: linear in grad; a mean divides by the
+    global count."""
+    reduction = call.arg(3, "reduction", 1)
+    nd = len(call.shapes[1])
+    rows = [sig("B B B -> B"), sig("P B B -> P")]
+    for d in range(nd):
+        g = S(d) if reduction == 0 else B
+        rows.append(Row((g, S(d), S(d)), (S(d),), "loss_mean" if reduction == 1 else None))
+    return tuple(rows)
+
+
 def _softmax_backward(call):
     """``_softmax_backward_data(grad, out, dim, dtype)``: linear in grad."""
     nd = len(call.shapes[0])
@@ -842,6 +866,9 @@ RULES: dict[str, Callable] = {
     "select_backward": _select_backward, "slice_backward": _slice_backward,
     "native_layer_norm": _layer_norm, "native_layer_norm_backward": _layer_norm_backward,
     "embedding": _embedding, "embedding_dense_backward": _embedding_backward,
+    "mse_loss": _pointwise_loss, "mse_loss_backward": _pointwise_loss_backward,
+    "smooth_l1_loss": _pointwise_loss, "smooth_l1_loss_backward": _pointwise_loss_backward,
+    "huber_loss": _pointwise_loss, "huber_loss_backward": _pointwise_loss_backward,
     "nll_loss_forward": _nll_loss, "nll_loss_backward": _nll_loss_backward,
     "convolution": _convolution, "convolution_backward": _convolution_backward,
     "_scaled_dot_product_flash_attention_for_cpu": _sdpa_flash,

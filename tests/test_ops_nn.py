@@ -186,3 +186,10 @@ def test_attention_block_pieces():
         return torch.softmax(scores, dim=-1) @ v
 
     check(attn, [gen(2, 4, 3), gen(2, 4, 3, seed=1), gen(2, 4, 3, seed=2)], grids=[G2], atol=1e-5)
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum", "none"])
+@pytest.mark.parametrize("loss", ["mse_loss", "smooth_l1_loss", "huber_loss"])
+def test_pointwise_losses(loss, reduction):
+    check(lambda x, y: getattr(F, loss)(x, y, reduction=reduction), [gen(4, 6), gen(4, 6, seed=1)],
+          atol=1e-6)

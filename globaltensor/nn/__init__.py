@@ -1,2 +1,3 @@
 """Modules and global tensors: ``gt.nn``."""
 from . import parallel
+from .module import to_global
