@@ -1,0 +1,209 @@
+"""Redistribution: raw torch.distributed vs DTensor.redistribute vs x.to_global(sbp=...), side by side.
+
+    python benchmarks/redistribute.py [--sizes 4K,32M] [--reps 10] [--threads 1]
+
+Four real processes (gt.spawn) on gloo, float32. Each case starts from the same local pieces;
+per repetition the three contenders run in rotating order, each call after a barrier, timed on
+its slowest rank. Prints the median of the repetitions and the ratios ours/raw and
+ours/DTensor. "raw" is the hand-written torch.distributed code for the same data movement
+(the fewest collectives and copies we know of), producing a contiguous local result.
+"""
+from __future__ import annotations
+
+import argparse
+import itertools
+import statistics
+import time
+
+import torch
+import torch.distributed as dist
+
+import globaltensor as gt
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+WORLD = 4
+
+
+def shape_for(nbytes: int, uneven: bool) -> tuple[int, int]:
+    """A 2-D float32 shape of about ``nbytes``, both dims divisible by 4 (rows - 1 if uneven)."""
+    numel = nbytes // 4
+    cols = 32 if numel <= 4096 else 4096
+    rows = numel // cols
+    return (rows - 1, cols) if uneven else (rows, cols)
+
+
+# --------------------------------------------------------------------------- raw torch.distributed
+
+
+def raw_gather_rows(local, rows_each, group=None, n=WORLD):
+    """S(0) -> B: all_gather, padding uneven pieces to the largest and trimming after."""
+    big = max(rows_each)
+    if min(rows_each) == big:
+        out = local.new_empty((n * big,) + tuple(local.shape[1:]))
+        dist.all_gather_single(out, local, group=group)
+        return out
+    send = local.new_zeros((big,) + tuple(local.shape[1:]))
+    send[: local.shape[0]] = local
+    buf = local.new_empty((n * big,) + tuple(local.shape[1:]))
+    dist.all_gather_single(buf, send, group=group)
+    return torch.cat([buf[k * big: k * big + r] for k, r in enumerate(rows_each)])
+
+
+def raw_s0_to_s1(local):
+    rows, cols = local.shape
+    send = local.view(rows, WORLD, cols // WORLD).transpose(0, 1).contiguous()
+    recv = torch.empty_like(send)
+    dist.all_to_all_single(recv, send)
+    return recv.view(rows * WORLD, cols // WORLD)
+
+
+def raw_all_reduce(local):
+    out = local.clone()
+    dist.all_reduce(out)
+    return out
+
+
+def raw_reduce_scatter(local):
+    out = local.new_empty((local.shape[0] // WORLD,) + tuple(local.shape[1:]))
+    dist.reduce_scatter_single(out, local)
+    return out
+
+
+def raw_slice(local, rank):
+    rows = local.shape[0] // WORLD
+    return local[rank * rows: (rank + 1) * rows].clone()
+
+
+def raw_grid_gather(local, row_group, col_group):
+    """(S(0), S(1)) -> (B, B) on [[0, 1], [2, 3]]: gather dim 1 along axis 1, then dim 0 along axis 0."""
+    rows, cols = local.shape
+    half = local.new_empty((2 * rows, cols))
+    dist.all_gather_single(half, local.contiguous(), group=row_group)
+    wide = half.view(2, rows, cols).movedim(0, 1).reshape(rows, 2 * cols)
+    out = wide.new_empty((2 * wide.shape[0], wide.shape[1]))
+    dist.all_gather_single(out, wide, group=col_group)
+    return out
+
+
+# --------------------------------------------------------------------------- the cases
+
+
+def build_cases(rank, nbytes, groups):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
+
+    line = gt.placement("cpu", list(range(WORLD)))
+    grid = gt.placement("cpu", [[0, 1], [2, 3]])
+    mesh1 = init_device_mesh("cpu", (WORLD,))
+    mesh2 = init_device_mesh("cpu", (2, 2))
+    to_dt = {"S(0)": Shard(0), "S(1)": Shard(1), "B": Replicate(), "P": Partial()}
+    cases = []
+
+    def add(name, placement, mesh, src, dst, raw, uneven=False):
+        shape = shape_for(nbytes, uneven)
+        full = torch.arange(shape[0] * shape[1], dtype=torch.float32).reshape(shape)
+        layout = gt.Layout(placement, src, shape)
+        coord = placement.coord_of(rank)
+        local = full[layout.slices(coord)].contiguous()
+        # uneven pieces need the shape exchange (check_meta); made once, outside the timing
+        ours = local.to_global(placement=placement, sbp=src, check_meta=uneven, sync_data=False)
+        dt = DTensor.from_local(local, mesh, [to_dt[str(v)] for v in src], run_check=False,
+                                shape=torch.Size(shape), stride=full.stride())
+        dt_dst = [to_dt[str(v)] for v in dst]
+
+        def theirs():
+            t = dt.redistribute(mesh, dt_dst).to_local()
+            return t.wait() if hasattr(t, "wait") else t
+
+        cases.append((name, {"raw": lambda: raw(local),
+                             "dtensor": theirs,
+                             "ours": lambda: ours.to_global(sbp=dst).to_local()}))
+
+    rows = shape_for(nbytes, True)[0]
+    uneven_rows = [rows // WORLD + (1 if k < rows % WORLD else 0) for k in range(WORLD)]
+    add("S0->B", line, mesh1, (S(0),), (B,),
+        lambda x: raw_gather_rows(x, [x.shape[0]] * WORLD))
+    add("P->B", line, mesh1, (P,), (B,), raw_all_reduce)
+    add("P->S0", line, mesh1, (P,), (S(0),), raw_reduce_scatter)
+    add("S0->S1", line, mesh1, (S(0),), (S(1),), raw_s0_to_s1)
+    add("B->S0", line, mesh1, (B,), (S(0),), lambda x: raw_slice(x, rank))
+    add("uneven S0->B", line, mesh1, (S(0),), (B,),
+        lambda x: raw_gather_rows(x, uneven_rows), uneven=True)
+    add("(S0,S1)->(B,B)", grid, mesh2, (S(0), S(1)), (B, B),
+        lambda x: raw_grid_gather(x, *groups[rank]))
+    return cases
+
+
+def make_groups():
+    """Row and column groups of the 2x2 grid, created on every rank in one order."""
+    rows = [dist.new_group([0, 1]), dist.new_group([2, 3])]
+    cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
+    return {0: (rows[0], cols[0]), 1: (rows[0], cols[1]), 2: (rows[1], cols[0]),
+            3: (rows[1], cols[1])}
+
+
+def timed(call) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    call()
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def check_same(rank, name, calls):
+    got = {who: call() for who, call in calls.items()}
+    for who, value in got.items():
+        if not torch.equal(value, got["raw"]):
+            raise AssertionError(f"rank {rank}: {name}: {who} differs from raw")
+
+
+def worker(local_rank, sizes, reps, threads, only=None):
+    torch.set_num_threads(threads)
+    gt.init(backend="gloo")
+    rank = dist.get_rank()
+    groups = make_groups()
+    rows = []
+    for nbytes in sizes:
+        for name, calls in build_cases(rank, nbytes, groups):
+            if only and name not in only:
+                continue
+            check_same(rank, name, calls)
+            times = {who: [] for who in calls}
+            orders = itertools.cycle(itertools.permutations(calls))
+            for rep in range(reps + 1):
+                for who in next(orders):
+                    took = timed(calls[who])
+                    if rep:  # the first round warms caches (plans, groups)
+                        times[who].append(took)
+            rows.append((name, nbytes, {w: statistics.median(t) for w, t in times.items()}))
+    return rows
+
+
+def parse_size(text: str) -> int:
+    units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
+    text = text.strip().upper().rstrip("B").rstrip("I")
+    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--sizes", default="4K,32M")
+    ap.add_argument("--reps", type=int, default=10)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--cases", default="", help="case names separated by ';' (default: all)")
+    a = ap.parse_args()
+    sizes = [parse_size(s) for s in a.sizes.split(",")]
+    rows = gt.spawn(worker, args=(sizes, a.reps, a.threads, [c for c in a.cases.split(";") if c]), nproc_per_node=WORLD,
+                    timeout=3600)[0]
+    print(f"redistribution, {WORLD} ranks, gloo, float32, median of {a.reps} (slowest rank per call)")
+    print(f"{'case':16s} {'size':>5s} {'raw ms':>9s} {'DTensor ms':>11s} {'ours ms':>9s} "
+          f"{'ours/raw':>9s} {'ours/DT':>8s}")
+    for name, nbytes, t in rows:
+        size = f"{nbytes // 1024 ** 2}M" if nbytes >= 1024 ** 2 else f"{nbytes // 1024}K"
+        print(f"{name:16s} {size:>5s} {t['raw'] * 1e3:9.3f} {t['dtensor'] * 1e3:11.3f} "
+              f"{t['ours'] * 1e3:9.3f} {t['ours'] / t['raw']:9.2f} {t['ours'] / t['dtensor']:8.2f}")
+
+
+if __name__ == "__main__":
+    main()
