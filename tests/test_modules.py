@@ -157,3 +157,22 @@ def test_converting_twice_and_bad_sbp_are_clear_errors():
         run_ranks(twice, 2, timeout=30)
     with pytest.raises(RankFailed, match="expected 2 sbp values"):
         run_ranks(bad, 4, timeout=30)
+
+
+def test_quickstart_tp_dp_matches_one_process():
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parent.parent / "examples" / "quickstart.py"
+    spec = importlib.util.spec_from_file_location("quickstart", path)
+    quickstart = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(quickstart)
+
+    def body(rank):
+        losses, single, model = quickstart.run()
+        return losses, single, model.w1.sbp, model.w1.to_local().shape
+
+    for losses, single, sbp, local in run_ranks(body, 4, timeout=120):
+        assert len(losses) == 20 and losses[-1] < losses[0]
+        assert max(abs(a - b) for a, b in zip(losses, single)) < 1e-5
+        assert sbp == (B, S(1)) and local == torch.Size([16, 32])
