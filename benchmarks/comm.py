@@ -7,6 +7,11 @@ torch.distributed call it stands for alternate (so machine load hits both alike)
 call starts after a barrier and counts the slowest rank. Prints median times and the ratio
 gt/torch (target <= 1.05 at 1 MiB and above). "value" rows are value-style calls, which also
 return a new tensor (all_gather exchanges shapes first, to allow differently sized tensors).
+
+On a loaded machine the medians of two identical calls differ by tens of percent, so the run
+ends with the one number load cannot blur: the time gt.comm adds per call, measured in this
+process on a world of 1 (a real gloo group; the collective itself is nearly free there),
+thousands of calls each, best of several rounds.
 """
 from __future__ import annotations
 
@@ -65,8 +70,26 @@ def worker(local_rank: int, sizes: list[int], reps: int, threads: int):
                     if rep >= 2:
                         times[who].append(took)
             rows.append((name, nbytes, statistics.median(times["gt"]),
-                         statistics.median(times["torch"])))
+                         statistics.median(times["torch"]), min(times["gt"]), min(times["torch"])))
     return rows
+
+
+def overhead_us(calls: int = 3000, rounds: int = 5) -> dict[str, tuple[float, float]]:
+    """Microseconds per call of gt.comm and of torch.distributed, on a world of 1 in-process."""
+    gt.init()  # nothing set in the environment: a world of 1
+    result = {}
+    for name, (ours, theirs) in cases(1, 1024).items():
+        best = {}
+        for who, call in (("gt", ours), ("torch", theirs)):
+            per_round = []
+            for _ in range(rounds):
+                start = time.perf_counter()
+                for _ in range(calls):
+                    call()
+                per_round.append((time.perf_counter() - start) / calls * 1e6)
+            best[who] = min(per_round)
+        result[name] = (best["gt"], best["torch"])
+    return result
 
 
 def parse_size(text: str) -> int:
@@ -87,10 +110,16 @@ def main() -> None:
                     timeout=1800)[0]
     print(f"gt.comm vs torch.distributed, {a.nproc} ranks, gloo, float32, median of {a.reps} "
           f"(slowest rank per call)")
-    print(f"{'collective':24s} {'size':>6s} {'gt ms':>9s} {'torch ms':>9s} {'ratio':>6s}")
-    for name, nbytes, ours, theirs in rows:
+    print(f"{'collective':24s} {'size':>6s} {'gt ms':>9s} {'torch ms':>9s} {'ratio':>6s} "
+          f"{'min ratio':>9s}")
+    for name, nbytes, ours, theirs, ours_min, theirs_min in rows:
         size = f"{nbytes // 1024 ** 2}M" if nbytes >= 1024 ** 2 else f"{nbytes // 1024}K"
-        print(f"{name:24s} {size:>6s} {ours * 1e3:9.3f} {theirs * 1e3:9.3f} {ours / theirs:6.3f}")
+        print(f"{name:24s} {size:>6s} {ours * 1e3:9.3f} {theirs * 1e3:9.3f} {ours / theirs:6.3f} "
+              f"{ours_min / theirs_min:9.3f}")
+    print("\nper-call cost on a world of 1 (4 KiB, best of 5 x 3000 calls):")
+    print(f"{'collective':24s} {'gt us':>8s} {'torch us':>9s} {'added us':>9s}")
+    for name, (ours, theirs) in overhead_us().items():
+        print(f"{name:24s} {ours:8.1f} {theirs:9.1f} {ours - theirs:9.1f}")
 
 
 if __name__ == "__main__":
