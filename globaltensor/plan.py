@@ -29,6 +29,9 @@ from .sbp import Broadcast, PartialSum, Split, broadcast, format_sbp, partial_su
 ALPHA = 1e-5
 BETA = 1e-10
 MEMORY = 1e-12
+# and per byte the executor copies to pack or unpack a collective's buffers (a dim other than
+# 0, uneven pieces): it breaks ties such as which of two gathers goes first
+COPY = 2.5e-11
 # plans are searched for this item size (a Layout has no dtype); costs scale with it anyway
 SEARCH_ITEMSIZE = 4
 
@@ -103,6 +106,9 @@ class Step:
     def elements_sent(self) -> int:
         return 0
 
+    def elements_copied(self) -> int:
+        return 0
+
     def latency(self) -> int:
         return 1 if self.collective and self.group_size() > 1 else 0
 
@@ -119,7 +125,8 @@ class Step:
         if not isinstance(self, Exchange) and self.group_size() == 1:
             return 0.0  # on an axis of size 1 every sbp holds the same box: a relabelling
         return (ALPHA * self.latency() + BETA * self.bytes_sent(itemsize)
-                + MEMORY * _max_local(self.after) * itemsize)
+                + MEMORY * _max_local(self.after) * itemsize
+                + COPY * self.elements_copied() * itemsize)
 
     def where(self) -> str:
         return f"axis {self.axis}"
@@ -143,6 +150,10 @@ class AllGather(Step):
     def elements_sent(self) -> int:  # ring, pieces padded to the largest
         return (self.group_size() - 1) * _max_local(self.before)
 
+    def elements_copied(self) -> int:  # blocks are the result only along dim 0, even
+        fits = self.dim == 0 and _even(self.before, self.axis, self.dim)
+        return 0 if fits else _max_local(self.after)
+
     def where(self) -> str:
         return f"axis {self.axis}  dim {self.dim}"
 
@@ -159,6 +170,10 @@ class ReduceScatter(Step):
 
     def elements_sent(self) -> int:  # ring, chunks padded to the largest
         return (self.group_size() - 1) * _max_local(self.after)
+
+    def elements_copied(self) -> int:  # the piece is the buffer only along dim 0, even
+        fits = self.dim == 0 and _even(self.after, self.axis, self.dim)
+        return 0 if fits else _max_local(self.before)
 
     def where(self) -> str:
         return f"axis {self.axis}  dim {self.dim}"
@@ -177,6 +192,9 @@ class AllReduce(Step):
         n = self.group_size()
         return -(-2 * (n - 1) * _max_local(self.before) // n)
 
+    def elements_copied(self) -> int:  # the caller's piece is never reduced in place
+        return _max_local(self.before)
+
 
 @dataclass(frozen=True, slots=True)
 class AllToAll(Step):
@@ -192,8 +210,18 @@ class AllToAll(Step):
     def elements_sent(self) -> int:  # exact: everything but the part a rank keeps
         return _all_to_all_sent(self.before, self.after)
 
+    def elements_copied(self) -> int:  # packing unless dst_dim is 0, unpacking unless src_dim is
+        return ((_max_local(self.before) if self.dst_dim else 0)
+                + (_max_local(self.after) if self.src_dim else 0))
+
     def where(self) -> str:
         return f"axis {self.axis}  dim {self.src_dim} -> {self.dst_dim}"
+
+
+@lru_cache(maxsize=16384)
+def _even(layout: Layout, axis: int, dim: int) -> bool:
+    """Whether every piece along ``axis`` has one length of ``dim``."""
+    return len({b - a for a, b in (layout.box(c)[dim] for c in layout.placement.coords())}) == 1
 
 
 @lru_cache(maxsize=16384)
@@ -292,6 +320,9 @@ class Exchange(Step):
 
     def elements_sent(self) -> int:
         return max(self._traffic()[0].values(), default=0)
+
+    def elements_copied(self) -> int:  # packing what is sent, placing every piece
+        return self.elements_sent() + _max_local(self.after)
 
     def latency(self) -> int:  # at least one: an exchange is never free, even all local
         return max(self._traffic()[1].values(), default=1)

@@ -94,74 +94,80 @@ def _starts(sizes) -> list[int]:
 
 
 def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
+    """Pieces (padded along dim to the largest) gather into one buffer, one block per member;
+    along dim 0, in axis order and even, that buffer is the result (no copy)."""
     d = step.dim
     sizes = _sizes_along(step.before, step.axis, coord, d)
     n, big, order = len(sizes), max(sizes), _group_order(ranks)
-    moved = local.movedim(d, 0)
+    padded = list(local.shape)
+    padded[d] = big
     if min(sizes) == big:
-        send = moved.contiguous()
-    else:  # pad to the largest piece, trim after
-        send = moved.new_zeros((big,) + tuple(moved.shape[1:]))
-        send[: moved.shape[0]] = moved
-    buf = send.new_empty((n * big,) + tuple(send.shape[1:]))
+        send = local.contiguous()
+    else:
+        send = local.new_zeros(padded)
+        send.narrow(d, 0, local.shape[d]).copy_(local)
+    buf = send.new_empty([n * padded[0]] + padded[1:])
     if buf.numel():
         _all_gather_flat(buf, send, group=group)
-    if min(sizes) != big or order != sorted(order):
-        at = {k: g * big for g, k in enumerate(order)}  # where axis index k's piece landed
-        buf = torch.cat([buf[at[k]: at[k] + s] for k, s in enumerate(sizes)])
-    return buf.movedim(0, d).contiguous()
+    if d == 0 and min(sizes) == big and order == sorted(order):
+        return buf
+    blocks = buf.view([n] + padded)
+    at = {k: g for g, k in enumerate(order)}  # the block axis index k landed in
+    return torch.cat([blocks[at[k]].narrow(d, 0, s) for k, s in enumerate(sizes)], dim=d)
 
 
 def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
+    """Chunks along dim (padded to the largest) are packed in the group's rank order; along
+    dim 0, in axis order and even, the piece itself is that buffer (no copy)."""
     d, axis = step.dim, step.axis
     sizes = _sizes_along(step.after, axis, coord, d)
     n, big, mine, order = len(sizes), max(sizes), sizes[coord[axis]], _group_order(ranks)
-    moved = local.movedim(d, 0)
-    if min(sizes) == big and order == sorted(order):
-        send = moved.contiguous()
-    else:  # group rank g's chunk (axis index order[g]) at rows [g*big, g*big + size)
-        send = moved.new_zeros((n * big,) + tuple(moved.shape[1:]))
-        starts = _starts(sizes)
+    chunk = list(local.shape)
+    chunk[d] = big
+    even = min(sizes) == big
+    if d == 0 and even and order == sorted(order):
+        send = local.contiguous()
+    else:
+        send = (local.new_empty if even else local.new_zeros)([n * chunk[0]] + chunk[1:])
+        blocks, starts = send.view([n] + chunk), _starts(sizes)
         for g, k in enumerate(order):
-            send[g * big: g * big + sizes[k]] = moved[starts[k]: starts[k] + sizes[k]]
-    out = send.new_empty((big,) + tuple(send.shape[1:]))
+            blocks[g].narrow(d, 0, sizes[k]).copy_(local.narrow(d, starts[k], sizes[k]))
+    out = send.new_empty(chunk)
     if out.numel():
         _reduce_scatter_flat(out, send, group=group)
-    return out[:mine].movedim(0, d).contiguous()
+    return out if even else out.narrow(d, 0, mine).contiguous()
 
 
 def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
     """Member k sends member m its slice of dst_dim; received pieces concatenate along src_dim.
 
-    Pieces go as flat runs of ``local`` with dst_dim moved first, so uneven sizes are exact;
-    the runs are laid out in the group's rank order."""
+    Each slice travels as one flat run (exact sizes, no padding), packed in the group's rank
+    order; along src_dim 0 in axis order the received buffer is the result (no copy)."""
     i, j, axis = step.src_dim, step.dst_dim, step.axis
     before, after = step.before, step.after
     members = _member_coords(after.placement, axis, coord)
     order = _group_order(ranks)
-    moved = local.movedim(j, 0)
-    row = _prod(moved.shape[1:])
+    in_order = order == sorted(order)
     lengths = [after.box(c)[j][1] - after.box(c)[j][0] for c in members]
-    if order == sorted(order):
-        send = moved.contiguous()
+    starts = _starts(lengths)
+    chunks = [local.narrow(j, starts[k], lengths[k]) for k in range(len(members))]
+    send_splits = [chunks[k].numel() for k in order]
+    if j == 0 and in_order:
+        send = local.contiguous().view(-1)
     else:
-        starts = _starts(lengths)
-        send = torch.cat([moved[starts[k]: starts[k] + lengths[k]] for k in order])
-    mine = after.box(coord)
-    recv_shapes = []
-    for c in members:
-        shape = list(box_shape(mine))
-        shape[i] = before.box(c)[i][1] - before.box(c)[i][0]
-        recv_shapes.append(shape)
-    recv_splits = [_prod(recv_shapes[k]) for k in order]
+        send = local.new_empty(sum(send_splits))
+        for run, k in zip(send.split(send_splits), order):
+            run.view(chunks[k].shape).copy_(chunks[k])
+    mine = list(box_shape(after.box(coord)))
+    shapes = [mine[:i] + [before.box(c)[i][1] - before.box(c)[i][0]] + mine[i + 1:] for c in members]
+    recv_splits = [_prod(shapes[k]) for k in order]
     recv = send.new_empty(sum(recv_splits))
     if before.numel():  # decided by the plan, so every member agrees
-        dist.all_to_all_single(recv, send.reshape(-1), recv_splits,
-                               [lengths[k] * row for k in order], group=group)
+        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+    if i == 0 and in_order:
+        return recv.view(mine)
     received = dict(zip(order, recv.split(recv_splits)))
-    parts = [received[k].view([s[j]] + s[:j] + s[j + 1:]).movedim(0, j)
-             for k, s in enumerate(recv_shapes)]
-    return torch.cat(parts, dim=i)
+    return torch.cat([received[k].view(shapes[k]) for k in range(len(members))], dim=i)
 
 
 def _prod(xs) -> int:
