@@ -96,8 +96,14 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
     """
     if _backend.is_initialized():
         return
-    if isinstance(timeout, (int, float)):
+    if isinstance(timeout, (int, float)) and not isinstance(timeout, bool):
         timeout = datetime.timedelta(seconds=timeout)
+    if timeout is not None and not (isinstance(timeout, datetime.timedelta)
+                                    and timeout.total_seconds() > 0):
+        raise GlobalTensorError(
+            f"expected timeout in seconds > 0 or a datetime.timedelta, found {timeout!r}; "
+            f"e.g. gt.init(timeout=60)"
+        )
     world = _int_env("WORLD_SIZE", 1)
     rank = _int_env("RANK", 0)
     if not 0 <= rank < world:

@@ -6,6 +6,7 @@ hold zeros, so the sum of the pieces is the value.
 from __future__ import annotations
 
 import math
+import numbers
 
 import torch
 
@@ -29,6 +30,34 @@ def _size(size) -> tuple[int, ...]:
     return tuple(size)
 
 
+def _checked_dtype(dtype):
+    if dtype is not None and not isinstance(dtype, torch.dtype):
+        raise GlobalTensorError(
+            f"expected dtype to be a torch.dtype (e.g. torch.float32) or None, found {dtype!r} "
+            f"({type(dtype).__name__})"
+        )
+    return dtype
+
+
+def _checked_number(value, what: str):
+    if isinstance(value, torch.Tensor) and value.dim() == 0 and not value.is_global:
+        return value.item()
+    if not isinstance(value, numbers.Number):
+        raise GlobalTensorError(
+            f"expected {what} to be a number, found {value!r} ({type(value).__name__})"
+        )
+    return value
+
+
+def _size_sequence(size, op: str) -> tuple:
+    if not isinstance(size, (tuple, list, torch.Size)):
+        raise GlobalTensorError(
+            f"{op} expects size as a tuple or list of ints, found {size!r}; "
+            f"write e.g. gt.{op}(({size!r},), ...)"
+        )
+    return (tuple(size),)
+
+
 def _layout(size, placement, sbp) -> Layout:
     if placement is None or sbp is None:
         raise GlobalTensorError(
@@ -46,6 +75,11 @@ def _holds_value(layout: Layout, coord) -> bool:
 
 
 def _finish(local: torch.Tensor, layout: Layout, coord, requires_grad: bool) -> GlobalTensor:
+    if requires_grad and not (local.dtype.is_floating_point or local.dtype.is_complex):
+        raise GlobalTensorError(
+            f"requires_grad=True needs a floating point or complex dtype, found {local.dtype}; "
+            f"pass dtype=torch.float32 or leave requires_grad off"
+        )
     if _debug.is_debug():
         _debug.check("gt." + _debug.caller(__name__), layout=layout, dtype=local.dtype,
                      requires_grad=requires_grad)
@@ -60,7 +94,7 @@ def _make(fill, size, placement, sbp, dtype, requires_grad):
     layout = _layout(_size(size), placement, sbp)
     coord = layout.placement.coord_of(env.get_rank())
     device = _device_for(layout.placement)
-    dtype = dtype or torch.get_default_dtype()
+    dtype = _checked_dtype(dtype) or torch.get_default_dtype()
     shape = layout.local_shape(coord) if coord is not None else (0,) * layout.ndim
     return _finish(fill(shape, dtype, device), layout, coord, requires_grad)
 
@@ -81,18 +115,20 @@ def empty(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
 
 
 def full(size, fill_value, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    size, fill_value = _size_sequence(size, "full"), _checked_number(fill_value, "fill_value")
     if dtype is None and isinstance(fill_value, bool):
         dtype = torch.bool
     elif dtype is None and isinstance(fill_value, int):
         dtype = torch.int64
-    return _make(lambda s, d, dev: torch.full(s, fill_value, dtype=d, device=dev), (tuple(size),),
+    return _make(lambda s, d, dev: torch.full(s, fill_value, dtype=d, device=dev), size,
                  placement, sbp, dtype, requires_grad)
 
 
 def _random(piece, size, placement, sbp, dtype, requires_grad):
     layout = _layout(_size(size), placement, sbp)
     coord = layout.placement.coord_of(env.get_rank())
-    local = piece(layout, coord, dtype or torch.get_default_dtype(), _device_for(layout.placement))
+    dtype = _checked_dtype(dtype) or torch.get_default_dtype()
+    local = piece(layout, coord, dtype, _device_for(layout.placement))
     return _finish(local, layout, coord, requires_grad)
 
 
@@ -115,17 +151,21 @@ def randint(low, high=None, size=None, *, placement=None, sbp=None, dtype=torch.
         raise GlobalTensorError(
             f"randint expects low < high and a size, found low={low}, high={high}, size={size}"
         )
+    size = _size_sequence(size, "randint")
 
     def piece(layout, coord, dt, device):
         return random.randint_piece(low, high, layout, coord, dtype, device)
 
-    return _random(piece, (tuple(size),), placement, sbp, dtype, requires_grad)
+    return _random(piece, size, placement, sbp, dtype, requires_grad)
 
 
 def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, requires_grad=False):
     """``arange`` as in torch; each rank computes the values of its own index range."""
     if end is None:
         start, end = 0, start
+    start, end, step = (_checked_number(v, f"arange's {w}")
+                        for v, w in ((start, "start"), (end, "end"), (step, "step")))
+    _checked_dtype(dtype)
     if step == 0:
         raise GlobalTensorError("arange expects a non-zero step, found 0")
     n = max(0, math.ceil((end - start) / step))
@@ -141,7 +181,13 @@ def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, req
 
 def tensor(data, *, placement=None, sbp=None, dtype=None, requires_grad=False):
     """A global tensor from the *full* data, given alike on every rank; each rank keeps its piece."""
-    full_value = torch.as_tensor(data, dtype=dtype)
+    try:
+        full_value = torch.as_tensor(data, dtype=_checked_dtype(dtype))
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise GlobalTensorError(
+            f"gt.tensor expects data torch.as_tensor accepts (a tensor, a number or a "
+            f"rectangular nested list of numbers), found {type(data).__name__}: {e}"
+        ) from None
     if isinstance(data, torch.Tensor):
         full_value = full_value.detach()
     layout = _layout(tuple(full_value.shape), placement, sbp)

@@ -6,10 +6,11 @@ n-D grid, placement axes split in order, axis 0 outermost (nested).
 """
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .errors import SbpError
+from .errors import GlobalTensorError, PlacementError, SbpError
 from .placement import Placement
 from .sbp import Broadcast, PartialSum, Split, SbpValue, format_sbp, normalize, resolve
 
@@ -34,7 +35,12 @@ class Layout:
     shape: tuple[int, ...]
 
     def __post_init__(self):
-        shape = tuple(int(s) for s in self.shape)
+        if not isinstance(self.placement, Placement):
+            raise PlacementError(
+                f"Layout expects a placement made by gt.placement(type, ranks), found "
+                f"{self.placement!r} ({type(self.placement).__name__})"
+            )
+        shape = _checked_shape(self.shape)
         object.__setattr__(self, "shape", shape)
         values = normalize(self.sbp, self.placement.ndim)
         try:
@@ -90,6 +96,25 @@ class Layout:
     def split_axes_of(self, dim: int) -> tuple[int, ...]:
         """Placement axes that split tensor ``dim``, outermost first."""
         return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Split) and s.dim == dim)
+
+
+def _is_size(s) -> bool:
+    if type(s) is int:  # the common case, fast
+        return s >= 0
+    return isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 0
+
+
+def _checked_shape(shape) -> tuple[int, ...]:
+    """``shape`` as a tuple of ints >= 0 (numpy / torch ints accepted; floats and bools not)."""
+    try:
+        dims = tuple(shape)
+    except TypeError:
+        dims = None
+    if dims is None or not all(_is_size(s) for s in dims):
+        raise GlobalTensorError(
+            f"expected a global shape of ints >= 0, found {shape!r}; e.g. (4, 5)"
+        )
+    return tuple(int(s) for s in dims)
 
 
 @lru_cache(maxsize=65536)

@@ -21,6 +21,11 @@ broadcast, partial_sum = Broadcast(), PartialSum()
 
 def _device_for(placement: Placement, local: torch.Tensor | None = None) -> torch.device:
     if placement.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GlobalTensorError(
+                f"{placement!r} needs CUDA, found none on this machine (torch.cuda.is_available() "
+                f"is False); use gt.placement('cpu', ...) or run where GPUs are visible"
+            )
         return torch.device("cuda", env.get_local_rank())
     return torch.device("cpu")
 
@@ -178,6 +183,12 @@ def dual_sbp(values) -> tuple:
     return tuple(out)
 
 
+def _check_grad_sbp(grad_sbp, placement: Placement, ndim: int) -> None:
+    """Reject a bad grad_sbp now, not at backward time."""
+    if grad_sbp is not None:
+        resolve(normalize(grad_sbp, placement.ndim), ndim)
+
+
 def _grad_layout(layout: Layout, grad_sbp) -> Layout:
     if grad_sbp is None:
         return Layout(layout.placement, dual_sbp(layout.sbp), layout.shape)
@@ -272,6 +283,7 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
         )
     placement = _check_placement(placement)
     values = resolve(normalize(sbp, placement.ndim), local.dim())
+    _check_grad_sbp(grad_sbp, placement, local.dim())
     if _debug.is_debug():
         _debug.check("to_global", source="local tensor", placement=placement, sbp=values,
                      dtype=local.dtype, ndim=local.dim(), grad_sbp=grad_sbp, check_meta=check_meta,
@@ -378,6 +390,7 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
     else:
         values = normalize(sbp, placement.ndim)
     dst = Layout(placement, values, src.shape)
+    _check_grad_sbp(grad_sbp, placement, len(src.shape))
     if _debug.is_debug():
         _debug.check("to_global", source=src, target=dst, dtype=self.dtype, grad_sbp=grad_sbp,
                      copy=copy)
