@@ -25,6 +25,8 @@ from .tensor import GlobalTensor, redistribute_local
 
 aten = torch.ops.aten
 _DECISIONS: dict = {}      # cache of a pure function of the key: (op, layouts, args) -> decision
+_BY_ID: dict = {}          # the same decisions keyed by the layouts' ids (no hashing of layouts)
+_PINNED: list = []         # the layouts named in _BY_ID's keys, kept alive while it holds them
 _WARNED: set = set()       # ops already warned about (no rule: broadcast fallback)
 
 
@@ -32,18 +34,33 @@ def dispatch(func, types, args, kwargs):
     """Run aten op ``func`` on global tensors (called by GlobalTensor.__torch_dispatch__)."""
     tensors = []
     try:
-        key = _key(func, args, kwargs, tensors)
+        fast = _fast_key(func, args, kwargs, tensors)
     except _LocalTensor as found:
         args, kwargs = _adopt_locals(args, kwargs, found)
         tensors = []
-        key = _key(func, args, kwargs, tensors)
+        fast = _fast_key(func, args, kwargs, tensors)
+    decision = _BY_ID.get(fast)
+    if decision is None:
+        decision = _lookup(func, args, kwargs, tensors, fast)
+    return decision.run(func, args, kwargs, tensors)
+
+
+def _lookup(func, args, kwargs, tensors, fast):
+    """The decision by value (layouts compared by value), deciding on a miss; then remembered
+    under ``fast`` too, with the layouts it names kept alive so their ids stay theirs."""
+    key = _key(func, args, kwargs, [])
     decision = _DECISIONS.get(key)
     if decision is None:
         decision = _decide(func, args, kwargs, tensors)
         if len(_DECISIONS) > 100_000:
             _DECISIONS.clear()
         _DECISIONS[key] = decision
-    return decision.run(func, args, kwargs, tensors)
+    if len(_BY_ID) > 20_000:
+        _BY_ID.clear()
+        _PINNED.clear()
+    _BY_ID[fast] = decision
+    _PINNED.append([t._layout for t in tensors])
+    return decision
 
 
 # ----------------------------------------------------------------------------- the cache key
@@ -119,6 +136,40 @@ def _describe_local(value: torch.Tensor, strict: bool = False):
     return LOCAL, value.dtype
 
 
+def _fast_describe(value, tensors: list):
+    cls = type(value)
+    if cls is GlobalTensor:
+        tensors.append(value)
+        return id(value._layout), value.dtype
+    if cls is float or cls is complex:
+        return NUMBER
+    if cls is list or cls is tuple:
+        return tuple(_fast_describe(v, tensors) for v in value)
+    if isinstance(value, torch.Tensor):
+        if isinstance(value, GlobalTensor):
+            tensors.append(value)
+            return id(value._layout), value.dtype
+        return _describe_local(value)
+    if isinstance(value, torch.Generator):
+        return None
+    return value
+
+
+def _fast_key(func, args, kwargs, tensors):
+    parts = [func]
+    for a in args:
+        if type(a) is GlobalTensor:  # the common case, inline
+            tensors.append(a)
+            parts.append((id(a._layout), a.dtype))
+        else:
+            parts.append(_fast_describe(a, tensors))
+    if kwargs:
+        for k, v in kwargs.items():
+            parts.append(k)
+            parts.append(_fast_describe(v, tensors))
+    return tuple(parts)
+
+
 def _key(func, args, kwargs, tensors):
     parts = [func]
     for a in args:
@@ -156,18 +207,29 @@ def _my_coord(placement):
     return placement.coord_of(env.get_rank())
 
 
+def _maybe_outside(piece) -> bool:
+    """A rank outside the placement holds (0,)*ndim pieces; a non-empty piece of ndim > 0 proves
+    this rank is inside, so the common case skips asking for the rank."""
+    return piece.numel() == 0 or piece.dim() == 0
+
+
 # ----------------------------------------------------------------------------- decisions
 
 
 class Plain:
     """Redistribute inputs to ``targets``, run the op (or a kernel) locally, wrap the outputs."""
 
-    __slots__ = ("targets", "outs", "kernel", "rewrite", "inplace", "call", "placement")
+    __slots__ = ("targets", "outs", "kernel", "rewrite", "inplace", "call", "placement", "slots",
+                 "op", "single")
 
-    def __init__(self, targets, outs, kernel, rewrite, inplace, call):
+    def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op):
         self.targets, self.outs, self.kernel = targets, outs, kernel
         self.rewrite, self.inplace, self.call = rewrite, inplace, call
         self.placement = targets[0].placement
+        # positions of the global tensors when they are all plain positional args (fast path)
+        self.slots = slots if kernel is None and rewrite is None else None
+        self.op = op  # the C++ op behind the OpOverload: one Python frame less per call
+        self.single = type(outs) is _OutSpec and not inplace
 
     def pieces(self, tensors):
         out = []
@@ -180,19 +242,48 @@ class Plain:
         return out
 
     def run(self, func, args, kwargs, tensors):
+        if self.slots is not None:
+            return self._run_simple(func, args, kwargs, tensors)
         pieces = self.pieces(tensors)
-        coord = _my_coord(self.placement)
         if self.kernel is not None:
             largs, lkwargs = _local_args(args, kwargs, pieces)
+            coord = _my_coord(self.placement)
             ctx = KernelContext(func, self.call, self.targets, self.outs, coord, pieces)
             result = KERNELS[self.kernel](ctx, largs, lkwargs)
-        elif coord is None:
+        elif _maybe_outside(pieces[0]) and _my_coord(self.placement) is None:
             result = _empties(self.outs, pieces)
         else:
             largs, lkwargs = _local_args(args, kwargs, pieces)
             if self.rewrite is not None:
                 self.rewrite(self, largs, pieces)
             result = func(*largs, **lkwargs)
+        if self.inplace:
+            return args[0]
+        return _wrap(result, self.outs)
+
+    def _run_simple(self, func, args, kwargs, tensors):
+        largs = list(args)
+        first = None
+        for t, target, slot in zip(tensors, self.targets, self.slots):
+            layout = t._layout
+            if layout is target or layout == target:
+                piece = t._local
+            else:
+                piece = redistribute_local(t._local, layout, target)
+            largs[slot] = piece
+            if first is None:
+                first = piece
+        if _maybe_outside(first) and _my_coord(self.placement) is None:
+            result = _empties(self.outs, [first])
+        else:
+            result = self.op(*largs, **kwargs)
+        if self.single:
+            outs = self.outs
+            out = _new_wrapper(GlobalTensor, outs.shape, strides=outs.strides, dtype=result.dtype,
+                               device=result.device, requires_grad=False)
+            out._local = result
+            out._layout = outs.layout
+            return out
         if self.inplace:
             return args[0]
         return _wrap(result, self.outs)
@@ -498,15 +589,31 @@ def _out_layouts(meta, outs, placement, name):
 
 
 class _OutSpec:
-    __slots__ = ("layout", "dtype")
+    """An output's layout and dtype, with the global strides a wrapper needs."""
+
+    __slots__ = ("layout", "dtype", "shape", "strides")
 
     def __init__(self, layout, dtype):
         self.layout, self.dtype = layout, dtype
+        self.shape = layout.shape
+        strides, acc = [], 1
+        for n in reversed(self.shape):
+            strides.append(acc)
+            acc *= max(n, 1)
+        self.strides = tuple(reversed(strides))
+
+
+_new_wrapper = torch.Tensor._make_wrapper_subclass
 
 
 def _wrap(result, outs):
     if type(outs) is _OutSpec:
-        return GlobalTensor._make(result, outs.layout)
+        # GlobalTensor._make, with the strides worked out once per decision
+        out = _new_wrapper(GlobalTensor, outs.shape, strides=outs.strides, dtype=result.dtype,
+                           device=result.device, requires_grad=False)
+        out._local = result
+        out._layout = outs.layout
+        return out
     if outs is None:
         return None
     return type(outs)(_wrap(r, o) for r, o in zip(result, outs))
@@ -530,7 +637,17 @@ def _plain(func, args, kwargs, tensors, choice, inplace, call):
     else:
         outs = _out_layouts(meta, choice.outs, placement, name)
     rewrite = REWRITES.get(call.packet)
-    return Plain(choice.ins, outs, choice.kernel, rewrite, inplace, call)
+    return Plain(choice.ins, outs, choice.kernel, rewrite, inplace, call, _slots(args, kwargs),
+                 getattr(func, "_op", func))
+
+
+def _slots(args, kwargs):
+    """Indices of the global-tensor args if every one is a plain positional arg, else None."""
+    if any(isinstance(v, (GlobalTensor, list, tuple)) for v in kwargs.values()):
+        return None
+    if any(isinstance(a, (list, tuple)) and any(isinstance(x, torch.Tensor) for x in a) for a in args):
+        return None
+    return tuple(i for i, a in enumerate(args) if isinstance(a, GlobalTensor))
 
 
 # ----------------------------------------------------------------------------- size rewrites
@@ -741,6 +858,8 @@ KERNELS = {
 def clear_cache() -> None:
     """Forget every cached decision (tests; after changing rules at run time)."""
     _DECISIONS.clear()
+    _BY_ID.clear()
+    _PINNED.clear()
     _WARNED.clear()
 
 
