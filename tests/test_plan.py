@@ -27,7 +27,7 @@ def kinds(p):
 
 
 @pytest.mark.parametrize("ranks", GRIDS_1D)
-@pytest.mark.parametrize("shape", SHAPES)
+@pytest.mark.parametrize("shape", SHAPES + [(2048, 4096), (2047, 4095)])
 @pytest.mark.parametrize("src, dst, step", [
     (S(0), B, AllGather), (S(1), B, AllGather),
     (P, B, AllReduce),
