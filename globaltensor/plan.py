@@ -150,8 +150,8 @@ class AllGather(Step):
     def elements_sent(self) -> int:  # ring, pieces padded to the largest
         return (self.group_size() - 1) * _max_local(self.before)
 
-    def elements_copied(self) -> int:  # blocks are the result only along dim 0, even
-        fits = self.dim == 0 and _even(self.before, self.axis, self.dim)
+    def elements_copied(self) -> int:  # blocks are the result only along dim 0, (near) even
+        fits = self.dim == 0 and _even(self.before, self.axis, self.dim, last_short=True)
         return 0 if fits else _max_local(self.after)
 
     def where(self) -> str:
@@ -219,9 +219,12 @@ class AllToAll(Step):
 
 
 @lru_cache(maxsize=16384)
-def _even(layout: Layout, axis: int, dim: int) -> bool:
-    """Whether every piece along ``axis`` has one length of ``dim``."""
-    return len({b - a for a, b in (layout.box(c)[dim] for c in layout.placement.coords())}) == 1
+def _even(layout: Layout, axis: int, dim: int, last_short: bool = False) -> bool:
+    """Whether every piece along ``axis`` has one length of ``dim`` (or, with ``last_short``,
+    every piece but the last along the axis)."""
+    coords = [c for c in layout.placement.coords()
+              if not (last_short and c[axis] == layout.placement.shape[axis] - 1)]
+    return len({b - a for a, b in (layout.box(c)[dim] for c in coords)}) <= 1
 
 
 @lru_cache(maxsize=16384)

@@ -109,8 +109,8 @@ def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
     buf = send.new_empty([n * padded[0]] + padded[1:])
     if buf.numel():
         _all_gather_flat(buf, send, group=group)
-    if d == 0 and min(sizes) == big and order == sorted(order):
-        return buf
+    if d == 0 and order == sorted(order) and min(sizes[:-1], default=big) == big:
+        return buf[: sum(sizes)]  # even, or only the last piece short: its padding is the tail
     blocks = buf.view([n] + padded)
     at = {k: g for g, k in enumerate(order)}  # the block axis index k landed in
     return torch.cat([blocks[at[k]].narrow(d, 0, s) for k, s in enumerate(sizes)], dim=d)
