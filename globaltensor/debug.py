@@ -214,7 +214,7 @@ def missing_message(me: int, mine: Descriptor, missing: list[int], last: dict[in
         f"rank {r} last checked in at {last[r].title()}" if last.get(r) is not None
         else f"rank {r} has not checked in at any global operation yet" for r in missing)
     return (
-        f"GT_DEBUG: rank {me} waited {waited:g}s at global operation {mine} but "
+        f"GT_DEBUG: rank {me} waited {waited:g}s (the timeout) at global operation {mine} but "
         f"{_ranks_text(missing)} of {scope} did not arrive ({where}). Expected every rank to run "
         f"the same global operations in the same order (SPMD): {_ranks_text(missing)} skipped "
         f"this operation, is stuck, or has died. Make every rank call it (no `if rank == ...` "

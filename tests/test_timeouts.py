@@ -5,6 +5,7 @@ import os
 import pytest
 import torch
 import torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
 
 import globaltensor as gt
 from globaltensor import debug
@@ -120,6 +121,9 @@ def test_debug_names_the_rank_that_moved_past_a_collective():
         pg = group_of_ranks((0, 1))
         debug.check("step one")
         if rank == 0:
+            # let rank 1 get to its next check first (whatever the machine's load)
+            c10d._get_default_store().wait(["gt_debug/w/1/1"], datetime.timedelta(seconds=20))
+
             def stuck():
                 with guard("all_reduce in step one", ranks=[0, 1]):
                     dist.all_reduce(torch.ones(2), group=pg)
@@ -170,6 +174,6 @@ def test_init_timeout_end_to_end():
     plain, checked = run.rank_lines(0)
     assert plain.startswith("plain | CollectiveTimeoutError | redistribution "), plain
     assert "step 1 of 1 (all_gather axis 0 dim 0): timed out on rank 0 among ranks [0, 1]" in plain
-    assert checked.startswith("GT_DEBUG=1 | CollectiveTimeoutError | GT_DEBUG: rank 0 waited 2s at "
+    assert checked.startswith("GT_DEBUG=1 | CollectiveTimeoutError | GT_DEBUG: rank 0 waited 2s (the timeout) at "
                               "global operation #1 to_global("), checked
     assert "rank 1 of the world did not arrive (rank 1 last checked in at #0 gt.arange)" in checked

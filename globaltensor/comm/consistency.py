@@ -12,7 +12,6 @@ world (the default process group; each thread-rank of the test harness has its o
 from __future__ import annotations
 
 import datetime
-import time
 import weakref
 import zlib
 
@@ -84,7 +83,6 @@ def agree(op: str, facts: dict, ranks=None, timeout: float | None = None) -> Non
 
 def _wait_all(store, scope, words, ranks, keys, mine: Descriptor, me: int, timeout) -> None:
     seconds = timeout if timeout is not None else world_timeout().total_seconds()
-    start = time.monotonic()
     try:
         store.wait(keys, datetime.timedelta(seconds=seconds))
         return
@@ -102,7 +100,7 @@ def _wait_all(store, scope, words, ranks, keys, mine: Descriptor, me: int, timeo
         return  # the last ones arrived just as the wait gave up
     last = {r: _previous(store, scope, mine.seq, r) for r in missing}
     raise CollectiveTimeoutError(
-        debug.missing_message(me, mine, missing, last, round(time.monotonic() - start, 1), words)
+        debug.missing_message(me, mine, missing, last, seconds, words)
     ) from None
 
 
