@@ -35,7 +35,7 @@ _TIMEOUT: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug_ti
 
 _TRUE = ("1", "true", "yes", "on")
 _FALSE = ("", "0", "false", "no", "off")
-_MAX_FACT = 300  # characters kept of one fact's text
+_MAX_FACT = 1000  # characters kept of one fact's text
 
 
 def _env_flag() -> bool:
