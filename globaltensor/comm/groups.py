@@ -27,19 +27,23 @@ def _world_cache() -> dict:
 
 
 def group_of_ranks(ranks: tuple[int, ...]):
-    """A process group over exactly ``ranks`` (in this order), created on every rank if new.
+    """A process group over the set ``ranks``, created on every rank if new.
 
-    Every rank of the world must call this with the same ``ranks`` at the same point.
+    torch numbers a group's members by ascending global rank, whatever order ``ranks`` lists
+    them in: group rank i is ``sorted(ranks)[i]``. Pass global ranks (``src=``/``dst=``) or map
+    through the sorted order. Every rank of the world must call this with the same set at the
+    same point.
     """
     cache = _world_cache()
-    key = ("ranks", tuple(ranks))
+    members = tuple(sorted(ranks))
+    key = ("ranks", members)
     pg = cache.get(key)
     if pg is None:
-        if list(ranks) == list(range(dist.get_world_size())):
+        if members == tuple(range(dist.get_world_size())):
             pg = dist.group.WORLD
         else:
             # new groups do not inherit the world's timeout (gt.init(timeout=...)) by themselves
-            pg = dist.new_group(list(ranks), timeout=world_timeout())
+            pg = dist.new_group(list(members), timeout=world_timeout())
         cache[key] = pg
     return pg
 
@@ -56,6 +60,7 @@ def groups_along(placement: Placement, axis: int) -> dict[tuple[int, ...], objec
 
 
 def group_along(placement: Placement, axis: int, coord) -> tuple[object, tuple[int, ...]]:
-    """This coordinate's group along ``axis`` and its ranks (group rank i is ranks[i])."""
+    """This coordinate's group along ``axis`` and its ranks in axis order (the group's own
+    numbering is by ascending global rank: see ``group_of_ranks``)."""
     ranks = placement.group_along(axis, coord)
     return groups_along(placement, axis)[ranks], ranks
