@@ -121,7 +121,7 @@ def fact_text(value) -> str:
         inner = ", ".join(fact_text(v) for v in value)
         text = f"[{inner}]" if isinstance(value, list) else f"({inner})"
     else:
-        text = str(value) if _is_sbp(value) else repr(value)
+        text = str(value) if _is_sbp(value) or isinstance(value, str) else repr(value)
     return text if len(text) <= _MAX_FACT else text[:_MAX_FACT - 3] + "..."
 
 
@@ -239,6 +239,29 @@ def check(op: str, *, ranks=None, **facts) -> None:
     from .comm import consistency
 
     consistency.agree(op, facts, ranks=ranks, timeout=timeout_seconds())
+
+
+def op_args(args, kwargs) -> str:
+    """An operator's arguments as every rank must share them: global tensors by layout and dtype,
+    local tensors by shape and dtype, ints and flags by value; floats are left out (a scale may
+    rightly differ per rank, e.g. 1 / local batch size on a split tensor)."""
+    parts = [_arg_text(a) for a in args]
+    parts += [f"{k}={_arg_text(v)}" for k, v in (kwargs or {}).items()]
+    return "(" + ", ".join(parts) + ")"
+
+
+def _arg_text(value) -> str:
+    if isinstance(value, torch.Tensor):
+        return fact_text(value)
+    if isinstance(value, (float, complex)):
+        return "<number>"
+    if isinstance(value, (list, tuple)):
+        inner = ", ".join(_arg_text(v) for v in value)
+        return f"[{inner}]" if isinstance(value, list) else f"({inner})"
+    if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device,
+                                           torch.memory_format, torch.layout)):
+        return str(value)
+    return type(value).__name__  # generators and other objects: no rank-dependent addresses
 
 
 def caller(module: str, skip: int = 1) -> str:

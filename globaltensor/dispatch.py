@@ -16,6 +16,7 @@ import warnings
 
 import torch
 
+from . import debug as _debug
 from . import env, random, rules
 from .errors import GlobalTensorError
 from .layout import Layout
@@ -39,6 +40,8 @@ def dispatch(func, types, args, kwargs):
         args, kwargs = _adopt_locals(args, kwargs, found)
         tensors = []
         fast = _fast_key(func, args, kwargs, tensors)
+    if _debug.is_debug():  # GT_DEBUG: every rank runs this op on these layouts (see debug.py)
+        _debug.check("aten." + _op_name(func), args=_debug.op_args(args, kwargs))
     decision = _BY_ID.get(fast)
     if decision is None:
         decision = _lookup(func, args, kwargs, tensors, fast)

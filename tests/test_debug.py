@@ -242,3 +242,31 @@ def test_world_of_one_and_uninitialised_need_no_store():
 def test_errors_are_global_tensor_errors():
     assert issubclass(RankMismatchError, GlobalTensorError)
     assert issubclass(CollectiveTimeoutError, GlobalTensorError)
+
+
+def test_operators_with_different_arguments_are_named():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        p = gt.placement("cpu", [0, 1])
+        x = gt.ones(4, 6, placement=p, sbp=gt.sbp.split(0))
+        return _error_or_none(lambda: x.sum(dim=rank))
+
+    out = run_ranks(body, 2, timeout=30)
+    assert out[0] == out[1] and out[0][0] == "RankMismatchError"
+    assert "#1 aten.sum.dim_IntList(" in out[0][1]
+    assert "rank 1 differs: args: (global Layout(placement('cpu', ranks=[0, 1]), (S(0)), [4, 6]) " \
+           "torch.float32, [1]) instead of " in out[0][1]
+
+
+def test_operators_under_debug_give_the_same_values():
+    def body(rank):
+        gt.set_debug(True, timeout=10)
+        p = gt.placement("cpu", [0, 1])
+        x = gt.arange(12, placement=p, sbp=gt.sbp.split(0), dtype=torch.float64).view(4, 3)
+        w = gt.ones(3, 2, placement=p, sbp=gt.sbp.broadcast, dtype=torch.float64)
+        y = torch.relu(x @ w - 5.0 * (rank + 1))  # a float may differ per rank: not compared
+        return y.sbp, (x @ w).full_tensor().tolist()
+
+    out = run_ranks(body, 2, timeout=30)
+    expect = (torch.arange(12.0).view(4, 3) @ torch.ones(3, 2)).tolist()
+    assert out == [((gt.sbp.split(0),), expect)] * 2
