@@ -121,7 +121,7 @@ def fact_text(value) -> str:
         inner = ", ".join(fact_text(v) for v in value)
         text = f"[{inner}]" if isinstance(value, list) else f"({inner})"
     else:
-        text = str(value) if _is_sbp(value) or isinstance(value, str) else repr(value)
+        text = str(value) if _is_sbp(value) else repr(value)
     return text if len(text) <= _MAX_FACT else text[:_MAX_FACT - 3] + "..."
 
 
@@ -241,13 +241,22 @@ def check(op: str, *, ranks=None, **facts) -> None:
     consistency.agree(op, facts, ranks=ranks, timeout=timeout_seconds())
 
 
-def op_args(args, kwargs) -> str:
+def op_args(args, kwargs) -> "_Plain":
     """An operator's arguments as every rank must share them: global tensors by layout and dtype,
     local tensors by shape and dtype, ints and flags by value; floats are left out (a scale may
     rightly differ per rank, e.g. 1 / local batch size on a split tensor)."""
     parts = [_arg_text(a) for a in args]
     parts += [f"{k}={_arg_text(v)}" for k, v in (kwargs or {}).items()]
-    return "(" + ", ".join(parts) + ")"
+    return _Plain("(" + ", ".join(parts) + ")")
+
+
+class _Plain(str):
+    """Text shown as is in a fact (a plain str fact is shown quoted)."""
+
+    __slots__ = ()
+
+    def __repr__(self):
+        return str.__str__(self)
 
 
 def _arg_text(value) -> str:

@@ -177,3 +177,19 @@ def test_init_timeout_end_to_end():
     assert checked.startswith("GT_DEBUG=1 | CollectiveTimeoutError | GT_DEBUG: rank 0 waited 2s (the timeout) at "
                               "global operation #1 to_global("), checked
     assert "rank 1 of the world did not arrive (rank 1 last checked in at #0 gt.arange)" in checked
+
+
+def test_skipped_user_collective_times_out_naming_it():
+    def body(rank):
+        _shorten_world_timeout(1)
+        pg = group_of_ranks((0, 1))  # every rank makes the group
+        if rank != 0:
+            return None  # skips the collectives
+        return (_error_or_none(lambda: gt.comm.all_reduce(torch.ones(2))),
+                _error_or_none(lambda: gt.comm.broadcast(torch.ones(2), src=0, group=pg)))
+
+    out = run_ranks(body, 3, timeout=30)
+    (kind, msg), (kind2, msg2) = out[0]
+    assert kind == kind2 == "CollectiveTimeoutError"
+    assert msg.startswith("gt.comm.all_reduce: timed out on rank 0 among ranks [0, 1, 2]")
+    assert msg2.startswith("gt.comm.broadcast: timed out on rank 0 among ranks [0, 1]")

@@ -843,3 +843,13 @@ def _forget_round(store, base: str, seq: int, ranks) -> None:
         store.delete_key(f"{base}/{seq}/release")
     except Exception:  # noqa: BLE001 - a store without delete_key keeps a few bytes per round
         pass
+
+
+# a collective that times out says which one, and on which ranks (comm/guard.py)
+from .guard import guard_collectives  # noqa: E402 - wraps the functions defined above
+
+guard_collectives(globals(), [
+    "all_reduce", "all_gather", "all_gather_into_tensor", "all_to_all", "all_to_all_single",
+    "broadcast", "barrier", "gather", "reduce", "reduce_scatter", "reduce_scatter_tensor",
+    "scatter", "send", "recv", "isend", "irecv",
+])

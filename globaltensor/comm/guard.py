@@ -14,6 +14,8 @@ hot path does not format). Entering and leaving a guard costs a few hundred nano
 from __future__ import annotations
 
 import datetime
+import functools
+import inspect
 
 import torch
 import torch.distributed as dist
@@ -149,3 +151,32 @@ def _step_words(plan, index: int) -> str:
 def _step_ranks(step) -> list[int]:
     ranks = set(step.before.placement.flat_ranks) | set(step.after.placement.flat_ranks)
     return sorted(ranks)
+
+
+def guard_collectives(namespace: dict, names) -> None:
+    """Wrap each named collective of ``namespace`` (gt.comm's module) so that a timeout names it
+    (``gt.comm.all_reduce``) and the ranks of its group. Only starting a collective is covered:
+    with ``async_op=True`` a timeout in ``work.wait()`` is torch's own error."""
+    for name in names:
+        namespace[name] = _guarded(name, namespace[name])
+
+
+def _guarded(name: str, fn):
+    signature = inspect.signature(fn)
+
+    @functools.wraps(fn)
+    def call(*args, **kwargs):
+        with guard("gt.comm." + name, ranks=lambda: _group_ranks(signature, args, kwargs)):
+            return fn(*args, **kwargs)
+
+    return call
+
+
+def _group_ranks(signature, args, kwargs) -> list[int] | None:
+    try:
+        group = signature.bind_partial(*args, **kwargs).arguments.get("group")
+        if group is None or group is dist.group.WORLD:
+            return None  # the world's ranks
+        return list(dist.get_process_group_ranks(group))
+    except Exception:  # noqa: BLE001 - only for the message: never hide the timeout itself
+        return None
