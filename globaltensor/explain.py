@@ -2,8 +2,6 @@
 from __future__ import annotations
 
 from .errors import GlobalTensorError
-from .layout import Layout
-from .sbp import normalize
 
 
 class Explanation:
@@ -46,21 +44,12 @@ def explain(x, placement=None, sbp=None) -> Explanation:
       1. all_gather ...
     """
     from .plan import plan
-    from .tensor import GlobalTensor
+    from .tensor import GlobalTensor, target_layout
 
     if not isinstance(x, GlobalTensor):
         raise GlobalTensorError(
             f"explain expects a global tensor, found {type(x).__name__}; make one with "
             f"x.to_global(placement=..., sbp=...)"
         )
-    src = x._layout
-    placement = placement if placement is not None else src.placement
-    if sbp is None:
-        if placement.ndim != src.placement.ndim:
-            raise GlobalTensorError(
-                f"explain to a {placement.ndim}-D placement from a {src.placement.ndim}-D one "
-                f"needs sbp=..., one per axis"
-            )
-        sbp = src.sbp
-    dst = Layout(placement, normalize(sbp, placement.ndim), src.shape)
-    return Explanation(plan(src, dst), x.element_size(), str(x.dtype).replace("torch.", ""))
+    dst = target_layout(x._layout, placement, sbp, "explain")
+    return Explanation(plan(x._layout, dst), x.element_size(), str(x.dtype).replace("torch.", ""))

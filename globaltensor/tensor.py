@@ -361,6 +361,27 @@ def _checked_global_shape(local, placement: Placement, values, rank: int):
     return shape
 
 
+def target_layout(src: Layout, placement, sbp, what: str) -> Layout:
+    """The layout a redistribution of ``src`` aims at: a missing placement or sbp is kept."""
+    if placement is None:
+        placement = src.placement
+    else:
+        placement = _check_placement(placement)
+    if placement.type != src.placement.type:
+        raise GlobalTensorError(
+            f"{what} cannot move between device types ({src.placement.type} -> "
+            f"{placement.type}) yet; move the local piece with .to_local().to(device) first"
+        )
+    if sbp is None:
+        if placement.ndim != src.placement.ndim:
+            raise GlobalTensorError(
+                f"{what} to {placement!r} ({placement.ndim}-D) from a {src.placement.ndim}-D "
+                f"placement needs an sbp for each of its {placement.ndim} axes; pass sbp=..."
+            )
+        return Layout(placement, src.sbp, src.shape)
+    return Layout(placement, normalize(sbp, placement.ndim), src.shape)
+
+
 def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
               sync_data=True, copy=False):
     """Make a global tensor (from a local piece) or redistribute one (from a global tensor).
@@ -371,25 +392,8 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
     if not isinstance(self, GlobalTensor):
         return _local_to_global(self, placement, sbp, grad_sbp, check_meta, sync_data, copy)
     src = self._layout
-    if placement is None:
-        placement = src.placement
-    else:
-        placement = _check_placement(placement)
-    if placement.type != src.placement.type:
-        raise GlobalTensorError(
-            f"to_global cannot move between device types ({src.placement.type} -> "
-            f"{placement.type}) yet; move the local piece with .to_local().to(device) first"
-        )
-    if sbp is None:
-        if placement.ndim != src.placement.ndim:
-            raise GlobalTensorError(
-                f"to_global to {placement!r} ({placement.ndim}-D) from a {src.placement.ndim}-D "
-                f"placement needs an sbp for each of its {placement.ndim} axes; pass sbp=..."
-            )
-        values = src.sbp
-    else:
-        values = normalize(sbp, placement.ndim)
-    dst = Layout(placement, values, src.shape)
+    dst = target_layout(src, placement, sbp, "to_global")
+    placement = dst.placement
     _check_grad_sbp(grad_sbp, placement, len(src.shape))
     if _debug.is_debug():
         _debug.check("to_global", source=src, target=dst, dtype=self.dtype, grad_sbp=grad_sbp,
