@@ -210,6 +210,28 @@ def _my_coord(placement):
     return placement.coord_of(env.get_rank())
 
 
+def _moved(t: GlobalTensor, target: Layout):
+    """``t``'s piece laid out as ``target``, remembered on ``t`` while ``t`` is unchanged.
+
+    Backward reuses what forward moved (a saved activation is redistributed once, not again
+    for its gradient formula) and a gradient read by two formulas is moved once. Leaves that
+    require grad (parameters) are not remembered: a gathered copy would outlive the step.
+    Every rank takes the same path (the cache follows the op sequence), so SPMD holds.
+    """
+    cache = t.__dict__.get("_gt_moves")
+    version = t._local._version
+    if cache is not None:
+        hit = cache.get(target)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+    piece = redistribute_local(t._local, t._layout, target)
+    if not (t.is_leaf and t.requires_grad):
+        if cache is None:
+            cache = t.__dict__["_gt_moves"] = {}
+        cache[target] = (version, piece)
+    return piece
+
+
 def _maybe_outside(piece) -> bool:
     """A rank outside the placement holds (0,)*ndim pieces; a non-empty piece of ndim > 0 proves
     this rank is inside, so the common case skips asking for the rank."""
@@ -241,7 +263,7 @@ class Plain:
             if layout is target or layout == target:
                 out.append(t._local)
             else:
-                out.append(redistribute_local(t._local, layout, target))
+                out.append(_moved(t, target))
         return out
 
     def run(self, func, args, kwargs, tensors):
@@ -272,7 +294,7 @@ class Plain:
             if layout is target or layout == target:
                 piece = t._local
             else:
-                piece = redistribute_local(t._local, layout, target)
+                piece = _moved(t, target)
             largs[slot] = piece
             if first is None:
                 first = piece
