@@ -49,6 +49,22 @@ def raw_gather_rows(local, rows_each, group=None, n=WORLD):
     return torch.cat([buf[k * big: k * big + r] for k, r in enumerate(rows_each)])
 
 
+def raw_gather_rows_p2p(local, rows_each, rank, n=WORLD):
+    """S(0) -> B for uneven pieces without padding: each rank sends its rows to every other
+    rank and receives theirs straight into their rows of the result (one batch of isend/irecv)."""
+    starts = [sum(rows_each[:k]) for k in range(n)]
+    out = local.new_empty((sum(rows_each),) + tuple(local.shape[1:]))
+    out[starts[rank]: starts[rank] + rows_each[rank]] = local
+    ops = []
+    for k in range(n):
+        if k != rank:
+            ops.append(dist.P2POp(dist.isend, local, k))
+            ops.append(dist.P2POp(dist.irecv, out[starts[k]: starts[k] + rows_each[k]], k))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out
+
+
 def raw_s0_to_s1(local):
     rows, cols = local.shape
     send = local.view(rows, WORLD, cols // WORLD).transpose(0, 1).contiguous()
@@ -128,6 +144,8 @@ def build_cases(rank, nbytes, groups):
     add("S0->S1", line, mesh1, (S(0),), (S(1),), raw_s0_to_s1)
     add("B->S0", line, mesh1, (B,), (S(0),), lambda x: raw_slice(x, rank))
     add("uneven S0->B", line, mesh1, (S(0),), (B,),
+        lambda x: raw_gather_rows_p2p(x, uneven_rows, rank), uneven=True)
+    add("uneven S0->B pad", line, mesh1, (S(0),), (B,),
         lambda x: raw_gather_rows(x, uneven_rows), uneven=True)
     add("(S0,S1)->(B,B)", grid, mesh2, (S(0), S(1)), (B, B),
         lambda x: raw_grid_gather(x, *groups[rank]))

@@ -150,12 +150,42 @@ class AllGather(Step):
     def elements_sent(self) -> int:  # ring, pieces padded to the largest
         return (self.group_size() - 1) * _max_local(self.before)
 
-    def elements_copied(self) -> int:  # blocks are the result only along dim 0, (near) even
+    def elements_copied(self) -> int:
+        # a short piece is copied into a padded send buffer; the received blocks are the
+        # result only along dim 0 with only the last piece short, else they are unpacked
         fits = self.dim == 0 and _even(self.before, self.axis, self.dim, last_short=True)
-        return 0 if fits else _max_local(self.after)
+        pad = 0 if _even(self.before, self.axis, self.dim) else _max_local(self.before)
+        return pad + (0 if fits else _max_local(self.after))
 
     def where(self) -> str:
         return f"axis {self.axis}  dim {self.dim}"
+
+
+@dataclass(frozen=True, slots=True)
+class AllGatherV(AllGather):
+    """S(dim) -> B along ``axis`` for uneven pieces, without padding: every member sends its
+    own piece, as it is, to every other member, all messages posted at once (gloo runs its
+    all_to_all the same way); each piece lands directly in its place in the result.
+
+    Offered next to the padded ``AllGather`` on CPU placements whose pieces along the axis are
+    uneven; the cost model picks it there because it copies less (no padded send buffer, and
+    along dim 0 no unpacking whatever the group's rank order)."""
+
+    kind = "all_gatherv"
+
+    def elements_sent(self) -> int:  # exact: the largest piece, to each other member
+        return (self.group_size() - 1) * _max_local(self.before)
+
+    def elements_copied(self) -> int:  # along dim 0 pieces land in place; else each is placed
+        return 0 if self.dim == 0 else _max_local(self.after)
+
+
+def _offers_gatherv(step: AllGather) -> bool:
+    """Whether an exact gather is worth offering instead of ``step``: uneven pieces on CPU
+    (gloo). On CUDA the padded NCCL all_gather stays: its ring is pipelined, the point-to-point
+    version is not (and is untested there)."""
+    before = step.before
+    return before.placement.type == "cpu" and not _even(before, step.axis, step.dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -453,6 +483,8 @@ def _local_steps(layout: Layout) -> tuple[Step, ...]:
                 step = _local_step(layout, axis, new)
                 if step is not None:
                     out.append(step)
+                if isinstance(step, AllGather) and _offers_gatherv(step):
+                    out.append(AllGatherV(step.axis, step.dim, step.before, step.after))
     return tuple(out)
 
 
@@ -618,7 +650,7 @@ def _search(src: Layout, dst: Layout, avoid_full: bool):
 
 
 __all__ = [
-    "Plan", "Step", "AllGather", "ReduceScatter", "AllReduce", "AllToAll", "LocalSlice",
+    "Plan", "Step", "AllGather", "AllGatherV", "ReduceScatter", "AllReduce", "AllToAll", "LocalSlice",
     "ZeroFill", "Exchange", "Move", "plan", "exchange", "intersect", "relative", "box_numel",
     "box_shape", "holds_full", "ALPHA", "BETA",
 ]

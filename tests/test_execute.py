@@ -14,7 +14,7 @@ import globaltensor as gt
 from globaltensor import simulate
 from globaltensor.comm import execute
 from globaltensor.layout import Layout
-from globaltensor.plan import plan
+from globaltensor.plan import AllGatherV, LocalSlice, plan
 from globaltensor.testing import run_ranks
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
@@ -138,3 +138,39 @@ def random_cases(seed, count, world):
 
 def test_random_layouts_match_the_simulator():
     check_against_simulator(random_cases(seed=7, count=120, world=6), 6, timeout=120)
+
+
+def test_exact_uneven_gathers_match_the_simulator():
+    line = gt.placement("cpu", [2, 0, 3, 1])
+    grid = gt.placement("cpu", [[3, 1], [0, 2]])
+    three = gt.placement("cpu", [0, 2, 3])  # rank 1 is outside
+    cases = [(Layout(line, (S(0),), (5, 3)), Layout(line, (B,), (5, 3))),
+             (Layout(line, (S(1),), (3, 6)), Layout(line, (B,), (3, 6))),
+             (Layout(line, (S(0),), (2, 3)), Layout(line, (B,), (2, 3))),  # two empty pieces
+             (Layout(grid, (S(0), S(1)), (3, 5)), Layout(grid, (B, B), (3, 5))),
+             (Layout(three, (S(0),), (4, 2)), Layout(three, (B,), (4, 2)))]
+    for src, dst in cases:
+        assert any(isinstance(s, AllGatherV) for s in plan(src, dst).steps), plan(src, dst)
+    check_against_simulator(cases, 4)
+
+
+def test_local_slice_plans_return_fresh_contiguous_pieces_on_every_rank():
+    # no communication, so every rank runs here in turn, twice (the per-plan, per-rank cache)
+    grid = gt.placement("cpu", [[3, 1], [0, 2]])
+    part = gt.placement("cpu", [2, 0])  # ranks 1 and 3 are outside
+    cases = [(Layout(grid, (B, B), (5, 7)), Layout(grid, (S(0), S(1)), (5, 7))),
+             (Layout(grid, (B, B), (5, 7)), Layout(grid, (S(1), S(1)), (5, 7))),
+             (Layout(grid, (B, S(0)), (5, 7)), Layout(grid, (S(1), S(0)), (5, 7))),
+             (Layout(part, (B,), (3, 4)), Layout(part, (S(1),), (3, 4)))]
+    for src, dst in cases:
+        p = plan(src, dst)
+        assert p.steps and all(isinstance(s, LocalSlice) for s in p.steps), p
+        pieces = simulate.scatter(full_of(src.shape), src, 4)
+        expected = simulate.run(p, pieces)
+        for _ in range(2):
+            for rank in (0, 3, 1, 2):
+                got = execute.run(p, pieces[rank], rank)
+                assert got.shape == expected[rank].shape and torch.equal(got, expected[rank])
+                assert got.is_contiguous()
+                if got.numel():
+                    assert got.untyped_storage().data_ptr() != pieces[rank].untyped_storage().data_ptr()

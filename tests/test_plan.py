@@ -7,8 +7,8 @@ import pytest
 import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
-from globaltensor.plan import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, ReduceScatter,
-                               ZeroFill, _local_step, holds_full, plan)
+from globaltensor.plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice,
+                               ReduceScatter, ZeroFill, _local_step, holds_full, plan)
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 GRIDS_1D = [[0, 1], [0, 1, 2], [0, 1, 2, 3]]
@@ -38,6 +38,8 @@ def kinds(p):
 ])
 def test_one_dimensional_conversions_take_the_one_optimal_step(ranks, shape, src, dst, step):
     p = plan(lay(ranks, src, shape), lay(ranks, dst, shape))
+    if step is AllGather and shape[src.dim] % len(ranks):
+        step = AllGatherV  # uneven pieces on CPU: the exact gather, no padding
     assert kinds(p) == [step]
     if step in (LocalSlice, ZeroFill):
         assert p.bytes_per_rank(4) == 0 and p.collectives() == 0
@@ -52,12 +54,43 @@ def test_bytes_follow_ring_formulas_and_pad_uneven_pieces():
     assert plan(lay(two, P, (4, 5)), lay(two, B, (4, 5))).bytes_per_rank(4) == 80
     assert plan(lay(two, P, (4, 5)), lay(two, S(0), (4, 5))).bytes_per_rank(4) == 40
     assert plan(lay(two, S(0), (4, 6)), lay(two, S(1), (4, 6))).bytes_per_rank(4) == 24
-    # uneven [5, 7] over 2: rows 3 + 2; the gather pads to 3 rows of 7 elements
+    # uneven [5, 7] over 2: rows 3 + 2; the busiest rank sends its 3 rows of 7 elements
     assert plan(lay(two, S(0), (5, 7)), lay(two, B, (5, 7))).bytes_per_rank(4) == 3 * 7 * 4
     # all_to_all sends exact pieces: rank 0 holds 3x7, keeps 3x4, sends 3x3
     assert plan(lay(two, S(0), (5, 7)), lay(two, S(1), (5, 7))).bytes_per_rank(4) == 3 * 3 * 4
     # itemsize scales bytes
     assert plan(lay(two, S(0), (4, 5)), lay(two, B, (4, 5))).bytes_per_rank(8) == 80
+
+
+@pytest.mark.parametrize("ranks, shape, dim", [
+    ([0, 1, 2], (4, 4), 0), ([0, 1, 2, 3], (2047, 4096), 0), ([0, 1, 2], (5, 7), 1),
+    ([0, 1, 2, 3], (2, 3), 0), ([3, 1, 0], (7, 2), 0),
+])
+def test_uneven_gathers_on_cpu_are_exact_and_cost_less_than_padded(ranks, shape, dim):
+    src, dst = lay(ranks, S(dim), shape), lay(ranks, B, shape)
+    p = plan(src, dst)
+    assert kinds(p) == [AllGatherV]
+    padded = _local_step(src, 0, B)
+    assert type(padded) is AllGather
+    # the busiest rank sends its (largest) piece to every other member either way; the exact
+    # gather copies less: no padded send buffer, and along dim 0 no unpacking
+    assert p.bytes_per_rank(4) == padded.bytes_sent(4)
+    assert p.steps[0].elements_copied() < padded.elements_copied()
+    assert p.cost() < padded.cost()
+    assert p.steps[0].elements_copied() == (0 if dim == 0 else padded.after.numel())
+    assert "all_gatherv" in p.describe(4)
+
+
+def test_even_and_cuda_gathers_stay_padded_all_gathers():
+    assert kinds(plan(lay([0, 1], S(0), (4, 6)), lay([0, 1], B, (4, 6)))) == [AllGather]
+    cuda = gt.placement("cuda", [0, 1, 2])
+    p = plan(Layout(cuda, (S(0),), (5, 6)), Layout(cuda, (B,), (5, 6)))
+    assert kinds(p) == [AllGather]
+    # rows 2, 2, 1: the short piece is copied into a padded send buffer (counted); only the
+    # last is short, so the gathered buffer is the result (no unpacking)
+    assert p.steps[0].elements_copied() == 2 * 6
+    p = plan(Layout(cuda, (S(0),), (4, 6)), Layout(cuda, (B,), (4, 6)))
+    assert p.steps[0].elements_copied() == 2 * 6 + 4 * 6  # rows 2, 1, 1: padding and unpacking
 
 
 def test_same_layout_is_an_empty_plan():

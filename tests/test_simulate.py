@@ -8,7 +8,7 @@ import globaltensor as gt
 from globaltensor import simulate
 from globaltensor.errors import ShapeMismatchError
 from globaltensor.layout import Layout
-from globaltensor.plan import plan
+from globaltensor.plan import AllGatherV, plan
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 VALUES = [S(0), S(1), B, P]
@@ -98,3 +98,14 @@ def test_random_layouts_preserve_the_value():
         full = value(src.shape)
         out = simulate.run(plan(src, dst), simulate.scatter(full, src, 8))
         assert torch.equal(simulate.gather(out, dst), full), plan(src, dst).describe()
+
+
+@pytest.mark.parametrize("dim", [0, 1])
+def test_exact_gathers_of_uneven_pieces_preserve_the_value(dim):
+    placement = gt.placement("cpu", [2, 0, 1])
+    full = value((5, 7))
+    src = Layout(placement, (S(dim),), full.shape)
+    p = plan(src, src.with_sbp((B,)))
+    assert [type(s) for s in p.steps] == [AllGatherV]
+    out = simulate.run(p, simulate.scatter(full, src, 3))
+    assert all(torch.equal(piece, full) for piece in out)

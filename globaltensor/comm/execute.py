@@ -4,7 +4,7 @@ SPMD: every rank of the world calls ``run`` with the same plan, in the same orde
 makes the same process-group calls for every step (torch.distributed needs all ranks of the
 world to create each group, in one order); a rank outside a step's group then skips its data
 part. Uneven pieces are padded to the largest piece of the group and trimmed, except all_to_all,
-which sends exact split sizes.
+which sends exact split sizes, and AllGatherV, which sends each piece as it is, point to point.
 
 The result is a fresh, contiguous tensor: the caller's tensor is never modified or aliased.
 """
@@ -13,8 +13,8 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..plan import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, Plan, ReduceScatter,
-                    ZeroFill, box_shape, relative)
+from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
+                    ReduceScatter, ZeroFill, box_shape, relative)
 from ..sbp import Broadcast
 from .groups import group_along, group_of_ranks, groups_along
 from .guard import step_guard
@@ -28,6 +28,11 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     """This rank's piece of ``plan.dst`` from its piece ``local`` of ``plan.src``."""
     if not plan.steps:
         return local
+    cuts = _slices_only(plan, rank)
+    if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
+        for dim, start, length in cuts:
+            local = local.narrow(dim, start, length)
+        return local.clone(memory_format=torch.contiguous_format)
     out = local
     for index, step in enumerate(plan.steps):
         with step_guard(plan, index):  # a timeout names the step and its ranks
@@ -37,13 +42,44 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     return out.contiguous()
 
 
+# (id(plan), rank) -> (plan, cuts): the plan is held, so its id cannot be reused while its
+# entry lives; cuts is None for a plan that is not made of local slices only
+_SLICES: dict = {}
+_SLICES_MAX = 4096
+
+
+def _slices_only(plan: Plan, rank: int):
+    """For a plan of local slices only (B -> S, on any axes): this rank's (dim, start, length)
+    narrows, worked out once per plan and rank; None for any other plan."""
+    key = (id(plan), rank)
+    hit = _SLICES.get(key)
+    if hit is None or hit[0] is not plan:
+        if len(_SLICES) >= _SLICES_MAX:
+            _SLICES.clear()
+        hit = _SLICES[key] = (plan, _cuts(plan, rank))
+    return hit[1]
+
+
+def _cuts(plan: Plan, rank: int):
+    if not all(isinstance(s, LocalSlice) for s in plan.steps):
+        return None
+    coord = plan.src.placement.coord_of(rank)
+    if coord is None:
+        return None  # outside the placement: the general path makes the empty piece
+    cuts = []
+    for step in plan.steps:
+        (lo, hi), (base, _) = step.after.box(coord)[step.dim], step.before.box(coord)[step.dim]
+        cuts.append((step.dim, lo - base, hi - lo))
+    return tuple(cuts)
+
+
 def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
     after = step.after
     if isinstance(step, Exchange):
         return _exchange(step, local, rank)
     # every rank of the world creates the axis's groups together, members or not
     n = after.placement.shape[step.axis]
-    if n > 1 and not isinstance(step, (LocalSlice, ZeroFill)):
+    if n > 1 and not isinstance(step, (LocalSlice, ZeroFill, AllGatherV)):
         groups_along(after.placement, step.axis)
     coord = after.placement.coord_of(rank)
     if coord is None:
@@ -55,6 +91,8 @@ def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
             return _zero_fill(step, local, coord)
     if n == 1:  # a group of one: the collective changes nothing
         return local
+    if isinstance(step, AllGatherV):  # point-to-point: no group needed
+        return _all_gatherv(step, local, coord, rank)
     group, ranks = group_along(after.placement, step.axis, coord)
     match step:
         case AllGather():
@@ -114,6 +152,38 @@ def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
     blocks = buf.view([n] + padded)
     at = {k: g for g, k in enumerate(order)}  # the block axis index k landed in
     return torch.cat([blocks[at[k]].narrow(d, 0, s) for k, s in enumerate(sizes)], dim=d)
+
+
+def _all_gatherv(step: AllGatherV, local, coord, rank: int) -> torch.Tensor:
+    """Uneven pieces, no padding: this rank sends its piece as it is to every other member and
+    receives each member's piece, all posted as one batch. Along dim 0 each piece is received
+    straight into its rows of the result; along another dim into a buffer, then placed."""
+    d, axis, placement = step.dim, step.axis, step.after.placement
+    members = _member_coords(placement, axis, coord)
+    sizes = _sizes_along(step.before, axis, coord, d)
+    starts, me = _starts(sizes), coord[axis]
+    out = local.new_empty(box_shape(step.after.box(coord)))
+    out.narrow(d, starts[me], sizes[me]).copy_(local)
+    send = local.contiguous()
+    ops, landing = [], []
+    for k, member in enumerate(members):
+        if k == me:
+            continue
+        peer = placement.rank_at(member)
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, peer))
+        place = out.narrow(d, starts[k], sizes[k])
+        if place.numel():
+            buf = place if d == 0 else local.new_empty(place.shape)
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            landing.append((place, buf))
+    if ops:
+        for work in dist.batch_isend_irecv(ops):
+            work.wait()
+    for place, buf in landing:
+        if buf is not place:
+            place.copy_(buf)
+    return out
 
 
 def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
