@@ -60,9 +60,7 @@ class GlobalTensor(torch.Tensor):
 
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        from .dispatch import dispatch
-
-        return dispatch(func, types, args, kwargs or {})
+        return _dispatch(func, types, args, kwargs or {})
 
     def __tensor_flatten__(self):
         return ["_local"], self._layout
@@ -418,3 +416,6 @@ def _install_tensor_methods():
 
 
 _install_tensor_methods()
+
+# bound once here (dispatch imports this module), not looked up on every operator call
+from .dispatch import dispatch as _dispatch  # noqa: E402
