@@ -341,6 +341,49 @@ class ViaFunctional:
         return args[0]
 
 
+class Contextual:
+    """A call whose cheapest signature moves inputs. Which signature is cheapest then also
+    depends on the *context*: which inputs will get a gradient (moving one costs the move its
+    gradient needs in backward, see ``rules.backward_cost``) and which layouts the inputs
+    already hold moved pieces for (those moves are free). The context is read on every call
+    (only calls that move inputs pay for it) and a decision is kept per context.
+
+    A signature that moves nothing costs nothing in any context and stays the cheapest, so the
+    no-communication path never gets here."""
+
+    __slots__ = ("by_context",)
+
+    def __init__(self):
+        self.by_context = {}
+
+    def run(self, func, args, kwargs, tensors):
+        context = _context(tensors)
+        decision = self.by_context.get(context)
+        if decision is None:
+            decision = _decide(func, args, kwargs, tensors, context)
+            if len(self.by_context) > 256:
+                self.by_context.clear()
+            self.by_context[context] = decision
+        return decision.run(func, args, kwargs, tensors)
+
+
+def _context(tensors) -> tuple:
+    """(which inputs will get a gradient, or None; the layouts each input holds moved pieces
+    of, or None). The same on every rank: requires_grad and the moves follow the program."""
+    grads = None
+    if torch.is_grad_enabled():
+        grads = tuple(t.requires_grad for t in tensors)
+        if not any(grads):
+            grads = None
+    free = None
+    moves = [t.__dict__.get("_gt_moves") for t in tensors]
+    if any(moves):
+        # the targets only, not whether a piece is stale: ranks outside the placement skip
+        # in-place ops, so versions may differ between ranks while the moves do not
+        free = tuple(frozenset(m) if m else frozenset() for m in moves)
+    return grads, free
+
+
 class Special:
     __slots__ = ("fn",)
 
@@ -454,7 +497,10 @@ def _mixed_placements(tensors, op):
         f"move them to one placement first with x.to_global(placement=...)")
 
 
-def _decide(func, args, kwargs, tensors):
+def _decide(func, args, kwargs, tensors, context=None):
+    """The decision for this call. Without ``context``, a signature that moves an input gives a
+    :class:`Contextual` decision instead (decided again per context); with it, the choice
+    counts the context (see :func:`_context`)."""
     name = _op_name(func)
     if not tensors:
         raise GlobalTensorError(f"internal: {name} reached dispatch with no global tensor")
@@ -475,7 +521,15 @@ def _decide(func, args, kwargs, tensors):
     inplace = _is_inplace(func) and isinstance(args[0], GlobalTensor)
     layouts = tuple(t._layout for t in tensors)
     itemsizes = tuple(t.dtype.itemsize for t in tensors)
-    choice = rules.choose(call, layouts, itemsizes, fixed=(0,) if inplace else ())
+    fixed = (0,) if inplace else ()
+    if context is None:
+        choice = rules.choose(call, layouts, itemsizes, fixed=fixed)
+        if choice is not None and any(t is not l and t != l for t, l in zip(choice.ins, layouts)):
+            return Contextual()  # it moves inputs: the context may change which signature wins
+    else:
+        grads, free = context
+        choice = rules.choose(call, layouts, itemsizes, fixed=fixed, grads=grads or (),
+                              free=free or ())
     has_rule = rules.rule_for(call) is not None
     if choice is None and not has_rule and _composite(func):
         return Decomposed(func.decompose)

@@ -922,21 +922,26 @@ def _candidates(rule: Rule, n_in: int, mesh):
 
 
 def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
-           fixed: tuple[int, ...] = ()) -> Choice | None:
+           fixed: tuple[int, ...] = (), grads: tuple[bool, ...] = (),
+           free: tuple = ()) -> Choice | None:
     """The cheapest signature for ``call`` on inputs laid out as ``layouts``.
 
     ``fixed``: inputs that must keep their layout (the ``self`` of an in-place op, whose result
-    must then have that layout too). Returns None
+    must then have that layout too). ``grads``: per input, whether it will receive a gradient
+    (it requires grad and grad mode is on): moving such an input also costs the move its
+    gradient will need in backward (:func:`backward_cost`). ``free``: per input, layouts it is
+    already available in at no cost (pieces moved earlier and remembered). Returns None
     when the op has no rule or no candidate fits (dispatch then falls back to broadcast inputs).
     Ties go to the candidate that changes fewest inputs, then to the earlier row.
     """
     rule = rows_for(call)
     if rule is None or not layouts:
         return None
-    return _choose(rule, call, tuple(layouts), tuple(itemsizes), tuple(fixed))
+    return _choose(rule, call, tuple(layouts), tuple(itemsizes), tuple(fixed), tuple(grads),
+                   tuple(free))
 
 
-def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed) -> Choice | None:
+def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()) -> Choice | None:
     placement = layouts[0].placement
     mesh = placement.shape
     best, best_key = None, None
@@ -955,13 +960,56 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed) -> Choice | None:
             continue
         if fixed and outs[0] != layouts[fixed[0]].sbp:
             continue  # an in-place result must land in self's own layout
-        cost = sum(_move_cost(s, t, n) for s, t, n in zip(layouts, targets, itemsizes))
+        cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
         if math.isinf(cost):
             continue
         key = (cost, sum(1 for s, t in zip(layouts, targets) if s != t), order)
         if best_key is None or key < best_key:
             best, best_key = Choice(targets, outs, kernel, cost), key
     return best
+
+
+def _candidate_cost(layouts, targets, itemsizes, outs, grads, free) -> float:
+    cost = 0.0
+    for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):
+        if src == dst:
+            continue
+        if not (free and dst in free[i]):
+            cost += _move_cost(src, dst, n)
+        if grads and grads[i]:
+            cost += backward_cost(src, dst, outs, n)
+    return cost
+
+
+def grad_layout(dst: Layout, outs) -> Layout:
+    """The layout the gradient of an input used as ``dst`` (by an op whose outputs have the
+    sbp tuples ``outs``) is expected to arrive in: per axis, S(d) stays S(d) (an elementwise
+    or batched backward keeps the split), P gives B (the gradient of a sum is the same on every
+    term), and B stays B when every output is B on that axis (a replicated computation has a
+    replicated gradient), otherwise becomes P (each rank's outputs contribute a part)."""
+    values = []
+    for a, v in enumerate(dst.sbp):
+        if isinstance(v, PartialSum):
+            values.append(B)
+        elif isinstance(v, Broadcast):
+            replicated = all(o[a] is None or isinstance(o[a], Broadcast) for o in outs)
+            values.append(B if replicated else P)
+        else:
+            values.append(v)
+    return Layout(dst.placement, tuple(values), dst.shape)
+
+
+def backward_cost(src: Layout, dst: Layout, outs, itemsize: int) -> float:
+    """What moving an input ``src -> dst`` in forward implies for backward: its gradient
+    arrives in :func:`grad_layout` and its producer takes it in the dual of ``src`` (S stays S,
+    P wants B; a B source accepts any layout, as partial sums or not). The cost of that plan
+    (0 when the gradient already fits): P -> S(d) costs a gather in backward, P -> B nothing."""
+    grad = grad_layout(dst, outs)
+    wanted = tuple(g if isinstance(s, Broadcast) else (B if isinstance(s, PartialSum) else s)
+                   for s, g in zip(src.sbp, grad.sbp))
+    if wanted == grad.sbp:
+        return 0.0
+    return plan(grad, grad.with_sbp(wanted)).cost(itemsize)
 
 
 def _outs(combo) -> tuple[tuple[SbpValue, ...], ...]:
@@ -988,5 +1036,6 @@ def describe(call: Call) -> str:
 
 
 __all__ = ["B", "P", "S", "KEEP", "LOCAL", "NUMBER", "Call", "Choice", "Ref", "Row", "Rule",
-           "RULES", "DECOMPOSE", "broadcast_shapes", "choose", "describe", "fit", "pointwise",
-           "resolve_size", "rule_for", "rows_for", "sig", "table", "view_groups"]
+           "RULES", "DECOMPOSE", "backward_cost", "broadcast_shapes", "choose", "describe", "fit",
+           "grad_layout", "pointwise", "resolve_size", "rule_for", "rows_for", "sig", "table",
+           "view_groups"]
