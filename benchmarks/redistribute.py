@@ -4,14 +4,23 @@
 
 Four real processes (gt.spawn) on gloo, float32. Each case starts from the same local pieces;
 per repetition the three contenders run in rotating order, each call after a barrier, timed on
-its slowest rank. Prints the median of the repetitions and the ratios ours/raw and
-ours/DTensor (of the medians, and of the fastest calls, which machine load blurs less). "raw" is the hand-written torch.distributed code for the same data movement
-(the fewest collectives and copies we know of), producing a contiguous local result.
+its slowest rank (cases whose calls take under 5 ms run 5x the repetitions). Prints the median
+of the repetitions and the ratios ours/raw and ours/DTensor (of the medians, and of the fastest
+calls, which machine load blurs less). "raw" is hand-written torch.distributed code for the same
+data movement as ours (the fewest collectives and copies we know of), producing a contiguous
+local result; "uneven S0->B pad" times the common idiom instead (pad, all_gather, trim).
+
+The ranks run with glibc's malloc told to keep freed memory (trim and mmap thresholds raised,
+see MALLOC_TUNING): every contender allocates its result fresh, and with glibc's default
+heuristics an 8 MiB allocation now and then lands on memory just returned to the OS and pays
+~2048 page faults (1-2 ms), on whichever contender happens to run then. --no-malloc-tuning
+keeps the defaults.
 """
 from __future__ import annotations
 
 import argparse
 import itertools
+import os
 import statistics
 import time
 
@@ -22,6 +31,9 @@ import globaltensor as gt
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 WORLD = 4
+# keep freed memory in the heap (no trimming; allocations below 32 MiB, glibc's largest allowed
+# threshold, never mmapped): results are comparable run to run, not luck of the allocator
+MALLOC_TUNING = "glibc.malloc.trim_threshold=4294967296:glibc.malloc.mmap_threshold=33554432"
 
 
 def shape_for(nbytes: int, uneven: bool) -> tuple[int, int]:
@@ -189,11 +201,11 @@ def worker(local_rank, sizes, reps, threads, only=None):
             check_same(rank, name, calls)
             times = {who: [] for who in calls}
             orders = itertools.cycle(itertools.permutations(calls))
-            for rep in range(reps + 1):
+            warm = [timed(calls[who]) for who in next(orders)]  # caches (plans, groups)
+            # calls of a few ms are the noisiest relative to their size: repeat them more
+            for rep in range(reps * (5 if max(warm) < 5e-3 else 1)):
                 for who in next(orders):
-                    took = timed(calls[who])
-                    if rep:  # the first round warms caches (plans, groups)
-                        times[who].append(took)
+                    times[who].append(timed(calls[who]))
             rows.append((name, nbytes, {w: statistics.median(t) for w, t in times.items()},
                          {w: min(t) for w, t in times.items()}))
     return rows
@@ -211,11 +223,18 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--cases", default="", help="case names separated by ';' (default: all)")
+    ap.add_argument("--no-malloc-tuning", action="store_true", help="glibc's default malloc")
     a = ap.parse_args()
+    if not a.no_malloc_tuning:  # read by each rank's process at start (gt.spawn starts them)
+        tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
+        os.environ["GLIBC_TUNABLES"] = ":".join(tunables + [MALLOC_TUNING])
     sizes = [parse_size(s) for s in a.sizes.split(",")]
+    load = os.getloadavg()[0]
     rows = gt.spawn(worker, args=(sizes, a.reps, a.threads, [c for c in a.cases.split(";") if c]), nproc_per_node=WORLD,
                     timeout=3600)[0]
-    print(f"redistribution, {WORLD} ranks, gloo, float32, median of {a.reps} (slowest rank per call)")
+    print(f"redistribution, {WORLD} ranks, gloo, float32, median of {a.reps} (slowest rank per call)"
+          f"{'' if a.no_malloc_tuning else ', malloc keeps freed memory'}; 1-min load average "
+          f"{load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
     print(f"{'case':16s} {'size':>5s} {'raw ms':>9s} {'DTensor ms':>11s} {'ours ms':>9s} "
           f"{'ours/raw':>9s} {'ours/DT':>8s}   (ratios of the fastest calls)")
     for name, nbytes, t, m in rows:
