@@ -12,6 +12,7 @@ are empty, with the output's ndim and dtype (from a run of the op on meta tensor
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 
 import torch
@@ -315,7 +316,12 @@ class Plain:
 
 
 class Decomposed:
-    """Run a decomposition into ops with rules (each re-enters dispatch)."""
+    """Run a decomposition into ops with rules (each re-enters dispatch).
+
+    The parts run below autograd, so the tensors made inside (``mm``'s result in ``addmm``)
+    do not require grad even when the op's inputs do; while a decomposition with an input that
+    will get a gradient runs, :func:`_context` takes every tensor but the op's own
+    grad-free inputs as getting one."""
 
     __slots__ = ("fn",)
 
@@ -323,7 +329,26 @@ class Decomposed:
         self.fn = fn
 
     def run(self, func, args, kwargs, tensors):
-        return self.fn(*args, **kwargs)
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return self.fn(*args, **kwargs)
+        stack = _decomposing()
+        stack.append(frozenset(id(t) for t in tensors if not t.requires_grad))
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            stack.pop()
+
+
+_THREAD = threading.local()  # per thread: ranks of run_ranks are threads
+
+
+def _decomposing() -> list:
+    """This thread's stack of running decompositions with gradients: each entry holds the ids
+    of that op's inputs that get no gradient."""
+    stack = getattr(_THREAD, "decomposing", None)
+    if stack is None:
+        stack = _THREAD.decomposing = []
+    return stack
 
 
 class ViaFunctional:
@@ -373,6 +398,10 @@ def _context(tensors) -> tuple:
     grads = None
     if torch.is_grad_enabled():
         grads = tuple(t.requires_grad for t in tensors)
+        stack = getattr(_THREAD, "decomposing", None)
+        if stack:  # inside a decomposition: tensors made by its parts are on the gradient path
+            grad_free = stack[-1]
+            grads = tuple(g or id(t) not in grad_free for g, t in zip(grads, tensors))
         if not any(grads):
             grads = None
     free = None

@@ -1,0 +1,231 @@
+"""Signatures chosen with their backward in mind: moving an input that will get a gradient also
+costs the move its gradient needs (rules.backward_cost), moves already made are free, and a
+data-parallel gradient's all-reduce runs asynchronously until the end of backward. Checked on
+the choice itself (pure), on the sbp an op gives, and by counting the collectives of a step."""
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import globaltensor as gt
+from globaltensor import env, rules
+from globaltensor.layout import Layout
+from globaltensor.plan import plan
+from globaltensor.rules import B, P, S, Call, Ref
+from globaltensor.testing import run_ranks
+
+from test_ops import make_global
+from test_rules import gen
+
+G2 = gt.placement("cpu", [0, 1])
+G22 = gt.placement("cpu", [[0, 1], [2, 3]])
+
+
+# ----------------------------------------------------------------------------- pure
+
+
+def test_grad_layout_follows_the_signature():
+    dst = Layout(G22, (S(0), P), (8, 4))
+    assert rules.grad_layout(dst, ((S(0), P),)).sbp == (S(0), B)     # P: the same on every term
+    dst = Layout(G22, (B, B), (8, 4))
+    assert rules.grad_layout(dst, ((B, B),)).sbp == (B, B)           # replicated: replicated
+    assert rules.grad_layout(dst, ((S(1), B),)).sbp == (P, B)        # a part per rank: partial
+
+
+def test_backward_cost_is_a_gather_after_a_reduce_scatter_and_nothing_after_an_all_reduce():
+    src = Layout(G2, (P,), (64, 32))
+    to_split, to_full = src.with_sbp((S(0),)), src.with_sbp((B,))
+    gather = plan(to_split, to_full).cost(4)
+    assert rules.backward_cost(src, to_split, ((S(0),),), 4) == pytest.approx(gather)
+    assert rules.backward_cost(src, to_full, ((B,),), 4) == 0.0
+    # all-gathered for mm with a column-split weight: the gradient is partial, reduce-scattered
+    x = Layout(G2, (S(0),), (64, 32))
+    rs = plan(x.with_sbp((P,)), x).cost(4)
+    assert rules.backward_cost(x, x.with_sbp((B,)), ((S(1),),), 4) == pytest.approx(rs)
+    # a B source takes its gradient in any layout (as partial sums): a slice costs nothing more
+    w = Layout(G2, (B,), (64, 32))
+    assert rules.backward_cost(w, w.with_sbp((S(0),)), ((S(0),),), 4) == 0.0
+
+
+def _mse_call(shape):
+    return Call("mse_loss.default", (shape, shape), (Ref(0), Ref(1)), (), frozenset())
+
+
+def test_a_partial_input_that_gets_a_gradient_is_all_reduced_not_reduce_scattered():
+    shape = (64, 256)
+    out, target = Layout(G22, (S(0), P), shape), Layout(G22, (S(0), B), shape)
+    greedy = rules.choose(_mse_call(shape), (out, target), (4, 4))
+    assert isinstance(greedy.ins[0].sbp[1], rules.Split)            # half the bytes, for this op
+    with_grad = rules.choose(_mse_call(shape), (out, target), (4, 4), grads=(True, False))
+    assert with_grad.ins[0].sbp == (S(0), B) and with_grad.outs == ((P, B),)
+    # one all_reduce beats a reduce_scatter plus the all_gather of the gradient by one latency
+    rs_ag = greedy.cost + rules.backward_cost(out, greedy.ins[0], greedy.outs, 4)
+    assert with_grad.cost < rs_ag
+    # a move already made is free: backward (no grad mode) keeps forward's choice
+    free = (frozenset({out.with_sbp((S(0), B))}), frozenset())
+    again = rules.choose(_mse_call(shape), (out, target), (4, 4), free=free)
+    assert again.ins[0].sbp == (S(0), B) and again.cost == 0.0
+
+
+def test_without_moves_the_context_changes_nothing():
+    shape = (8, 4)
+    x = Layout(G22, (S(0), B), shape)
+    for grads in ((), (True, True)):
+        choice = rules.choose(_mse_call(shape), (x, x), (4, 4), grads=grads)
+        assert choice.ins == (x, x) and choice.cost == 0.0
+
+
+# ----------------------------------------------------------------------------- on ranks
+
+
+def test_relu_of_a_partial_sum_is_broadcast_when_it_gets_a_gradient():
+    x, w = gen(4, 6, seed=1), gen(6, 4, seed=2)
+
+    def body(rank):
+        gx = make_global(x, Layout(G2, (S(1),), x.shape), rank)
+        gw = make_global(w, Layout(G2, (S(0),), w.shape), rank).requires_grad_()
+        with torch.no_grad():
+            no_grad = torch.relu(gx @ gw)
+        y = torch.relu(gx @ gw)
+        y.sum().backward()
+        return no_grad.sbp, y.sbp, y.detach().full_tensor(), gw.grad.full_tensor()
+
+    wr = w.clone().requires_grad_()
+    ref = torch.relu(x @ wr)
+    ref.sum().backward()
+    for no_grad, with_grad, value, grad in run_ranks(body, 2, timeout=30):
+        assert no_grad == (S(0),) and with_grad == (B,)
+        torch.testing.assert_close(value, ref.detach())
+        torch.testing.assert_close(grad, wr.grad)
+
+
+_COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+                "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "send",
+                "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+@pytest.fixture
+def collectives(monkeypatch):
+    """Counts torch.distributed calls per rank: {rank: [name, ...]} for the ranks in ``on``."""
+    calls: dict = {"on": set()}
+
+    def wrap(name, fn):
+        def counted(*args, **kwargs):
+            rank = env.get_rank()
+            if rank in calls["on"]:
+                calls.setdefault(rank, []).append(name)
+            return fn(*args, **kwargs)
+        return counted
+
+    for name in _COLLECTIVES:
+        monkeypatch.setattr(dist, name, wrap(name, getattr(dist, name)))
+    return calls
+
+
+class MLP(torch.nn.Module):
+    def __init__(self, w1, w2):
+        super().__init__()
+        self.w1, self.w2 = torch.nn.Parameter(w1.clone()), torch.nn.Parameter(w2.clone())
+
+    def forward(self, x):
+        return torch.relu(x @ self.w1) @ self.w2
+
+
+def _steps(model, x, y, counted, rank, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses, per_step = [], []
+    for i in range(steps):
+        if i > 0:  # the first step builds the groups
+            counted["on"].add(rank)
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        counted["on"].discard(rank)
+        per_step.append(counted.pop(rank, []))
+        losses.append(loss.detach().full_tensor().item())  # not counted: reading the loss
+    return losses, per_step[1:]
+
+
+def _reference(model, x, y, steps=3):
+    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
+    losses = []
+    for _ in range(steps):
+        loss = F.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+
+
+def test_tp_dp_mlp_step_runs_three_all_reduces_like_megatron(collectives):
+    """The partial output is all-reduced once (not reduce-scattered then gathered in backward)
+    and each weight's gradient once over the data-parallel axis: 3 collectives per step, the
+    hand-written count."""
+    w1, w2, x, y = gen(6, 8, seed=1), gen(8, 6, seed=2), gen(8, 6, seed=3), gen(8, 6, seed=4)
+    ref = _reference(MLP(w1, w2), x, y)
+
+    def body(rank):
+        model = MLP(w1, w2).to_global(G22, lambda n, t: (B, S(1)) if n == "w1" else (B, S(0)))
+        gx = make_global(x, Layout(G22, (S(0), B), x.shape), rank)
+        gy = make_global(y, Layout(G22, (S(0), B), y.shape), rank)
+        losses, per_step = _steps(model, gx, gy, collectives, rank)
+        return losses, per_step, model.w1.grad.sbp, model.w2.grad.sbp
+
+    for losses, per_step, s1, s2 in run_ranks(body, 4, timeout=60):
+        assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-10
+        assert s1 == (B, S(1)) and s2 == (B, S(0))
+        assert per_step == [["all_reduce"] * 3] * 2
+
+
+def test_linear_with_bias_all_reduces_the_partial_output_once(collectives):
+    """nn.Linear with a bias runs addmm, decomposed below autograd into mm + add: the mm result
+    made inside counts as getting a gradient, so the row-parallel output is all-reduced."""
+    gen_ = torch.Generator().manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 6)).double()
+    with torch.no_grad():
+        for p in net.parameters():
+            p.copy_(torch.randn(p.shape, generator=gen_, dtype=torch.float64))
+    state = {k: v.clone() for k, v in net.state_dict().items()}
+    x, y = gen(8, 6, seed=3), gen(8, 6, seed=4)
+    ref = _reference(net, x, y)
+    tp = {"0.weight": (B, S(0)), "0.bias": (B, S(0)), "2.weight": (B, S(1))}
+
+    def body(rank):
+        local = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(),
+                                    torch.nn.Linear(8, 6)).double()
+        local.load_state_dict(state)
+        local.to_global(G22, lambda n, t: tp.get(n, (B, B)))
+        gx = make_global(x, Layout(G22, (S(0), B), x.shape), rank)
+        gy = make_global(y, Layout(G22, (S(0), B), y.shape), rank)
+        losses, per_step = _steps(local, gx, gy, collectives, rank)
+        return losses, per_step
+
+    for losses, per_step in run_ranks(body, 4, timeout=60):
+        assert max(abs(a - b) for a, b in zip(losses, ref)) < 1e-10
+        # one in forward, then one per parameter (4) over the data-parallel axis
+        assert per_step == [["all_reduce"] * 5] * 2
+
+
+def test_async_gradient_all_reduce_with_a_rank_outside_the_placement():
+    """Data parallel on ranks 0 and 1 of a world of 3: rank 2 runs the same program with empty
+    pieces; the gradients are the summed ones on the members and empty on rank 2."""
+    w, x = gen(6, 3, seed=1), gen(4, 6, seed=2)
+    wr = w.clone().requires_grad_()
+    (x @ wr).square().sum().backward()
+
+    def body(rank):
+        model = MLP(w, gen(3, 3, seed=5))
+        del model.w2
+        model.to_global(G2, None)
+        gx = make_global(x, Layout(G2, (S(0),), x.shape), rank)
+        (gx @ model.w1).square().sum().backward()
+        grad = model.w1.grad
+        return grad.sbp, grad.to_local().shape, grad.full_tensor()
+
+    results = run_ranks(body, 3, timeout=60)
+    for rank, (sbp, local_shape, full) in enumerate(results):
+        assert sbp == (B,)
+        assert local_shape == ((6, 3) if rank < 2 else (0, 0))
+        torch.testing.assert_close(full, wr.grad)
