@@ -1,0 +1,199 @@
+"""Value-style calls: nested structures, Python numbers, picklable objects, ``reduce_op`` names.
+
+They never write into what the caller passed; they return the result. Tensors of one device and
+dtype travel together in one collective (docs/collectives.md, "Which style a call is").
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+
+from ..errors import GlobalTensorError
+from .built import all_reduce_in_place, gather_padded, gather_stacked
+from .common import (BITWISE, Red, agree, kind, no_async, object_device, op_fact, root, size,
+                     to_reduce_op)
+from .nested import flatten, has_tensor, structure_fact, unflatten
+
+_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
+_CODE = {d: i for i, d in enumerate(_DTYPES)}
+_MAX_NDIM = 64  # fixed-size shape records, so ranks exchange them in one collective
+
+
+def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
+    """Indices of ``tensors`` grouped by (device, dtype), in order of first appearance."""
+    buckets: dict = {}
+    for i, t in enumerate(tensors):
+        buckets.setdefault((t.device, t.dtype), []).append(i)
+    return list(buckets.values())
+
+
+# ---------------------------------------------------------------------------------------------
+# all_reduce
+# ---------------------------------------------------------------------------------------------
+
+
+def all_reduce(data, op, group, async_op: bool):
+    """The same structure as ``data`` (tensors and numbers as leaves), reduced with ``op``."""
+    no_async(async_op, "all_reduce")
+    agree("all_reduce", group, value=structure_fact(data, shapes=True), reduce_op=op_fact(op))
+    op = to_reduce_op(op)
+    spec, leaves, paths = flatten(data)
+    k = kind(op)
+    buffers = [_reduce_buffer(leaf, path, k, group) for leaf, path in zip(leaves, paths)]
+    with torch.no_grad():
+        reduced = _reduce_grouped(buffers, op, group)
+    return unflatten(spec, iter(_back_to_leaf(v, r, k) for v, r in zip(leaves, reduced)))
+
+
+def _reduce_buffer(leaf, path: str, op_kind, group) -> torch.Tensor:
+    """The tensor that carries ``leaf`` through the reduction (never the caller's own tensor)."""
+    if isinstance(leaf, torch.Tensor):
+        t = leaf.detach()
+        if op_kind == Red.AVG and not (t.dtype.is_floating_point or t.dtype.is_complex):
+            t = t.to(torch.get_default_dtype())  # the mean of integers is not an integer
+        return t
+    if isinstance(leaf, (bool, int, float, complex)):
+        bitwise = op_kind in BITWISE
+        dtype = torch.int64 if bitwise else (torch.complex128 if isinstance(leaf, complex) else torch.float64)
+        return torch.tensor(leaf, dtype=dtype, device=object_device(group))
+    raise GlobalTensorError(
+        f"expected tensors or Python numbers to all_reduce, found {type(leaf).__name__} at "
+        f"{path}; all_gather or broadcast it instead, or leave it out of the collection")
+
+
+def _reduce_grouped(tensors: list[torch.Tensor], op, group) -> list[torch.Tensor]:
+    """Reduce many tensors with one collective per (device, dtype): flatten, concatenate, split."""
+    out: list = [None] * len(tensors)
+    for idx in _buckets(tensors):
+        flat = torch.cat([tensors[i].reshape(-1) for i in idx])  # a copy: the caller's data stays
+        all_reduce_in_place(flat, op, group)
+        for i, piece in zip(idx, flat.split([tensors[i].numel() for i in idx])):
+            out[i] = piece.view(tensors[i].shape)
+    return out
+
+
+def _back_to_leaf(leaf, reduced: torch.Tensor, op_kind):
+    """A Python number comes back as the caller's type where the op keeps it (int sum -> int)."""
+    if isinstance(leaf, torch.Tensor):
+        return reduced
+    value = reduced.item()
+    if isinstance(leaf, bool) and op_kind in (Red.MAX, Red.MIN, *BITWISE):
+        return bool(value)
+    if isinstance(leaf, int) and op_kind != Red.AVG:
+        return int(round(value))
+    return value
+
+
+# ---------------------------------------------------------------------------------------------
+# all_gather
+# ---------------------------------------------------------------------------------------------
+
+
+def all_gather(data, group, async_op: bool):
+    """A tensor -> stacked on a new dim 0 (a list when shapes differ); a structure holding
+    tensors -> gathered leaf by leaf; anything else -> a list with one entry per rank."""
+    no_async(async_op, "all_gather")
+    agree("all_gather", group, value=structure_fact(data, shapes=False))
+    if isinstance(data, torch.Tensor):
+        return _gather_tensors([data], group)[0]
+    if not has_tensor(data):
+        return _gather_objects(data, group)
+    spec, leaves, _ = flatten(data)
+    tensor_at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
+    other_at = [i for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
+    out = list(leaves)
+    if other_at:
+        per_rank = _gather_objects([leaves[i] for i in other_at], group)
+        for j, i in enumerate(other_at):
+            out[i] = [values[j] for values in per_rank]
+    for i, gathered in zip(tensor_at, _gather_tensors([leaves[i] for i in tensor_at], group)):
+        out[i] = gathered
+    return unflatten(spec, iter(out))
+
+
+def _gather_objects(obj, group) -> list:
+    out = [None] * size(group)
+    dist.all_gather_object(out, obj, group=group)
+    return out
+
+
+def _shape_records(tensors: list[torch.Tensor], group) -> torch.Tensor:
+    """(group size, len(tensors), 2 + _MAX_NDIM) int64: every rank's dtype code, ndim and shape."""
+    rows = []
+    for t in tensors:
+        if t.ndim > _MAX_NDIM:
+            raise GlobalTensorError(f"expected tensors of at most {_MAX_NDIM} dims to all_gather, "
+                                    f"found {t.ndim}; reshape it first")
+        rows.append([_CODE[t.dtype], t.ndim, *t.shape] + [0] * (_MAX_NDIM - t.ndim))
+    mine = torch.tensor(rows, dtype=torch.int64, device=object_device(group))
+    out = mine.new_empty((size(group),) + tuple(mine.shape))
+    gather_stacked(out, mine, group)
+    return out.cpu()
+
+
+def _gather_tensors(tensors: list[torch.Tensor], group) -> list:
+    """Value-style all_gather of tensors: stacked per tensor, or a list where shapes differ."""
+    records = _shape_records(tensors, group).tolist()
+    shapes = [[tuple(rec[i][2: 2 + rec[i][1]]) for rec in records] for i in range(len(tensors))]
+    for i in range(len(tensors)):
+        codes = [rec[i][0] for rec in records]
+        if len(set(codes)) > 1:
+            found = {r: str(_DTYPES[c]) for r, c in enumerate(codes)}
+            raise GlobalTensorError(f"expected every rank to all_gather the same dtype, found "
+                                    f"{found}; cast with .to(dtype) before gathering")
+    out: list = [None] * len(tensors)
+    with torch.no_grad():
+        for idx in _buckets(tensors):
+            _gather_bucket(tensors, shapes, idx, group, out)
+    return out
+
+
+def _gather_bucket(tensors, shapes, idx: list[int], group, out: list) -> None:
+    """Gather tensors ``idx`` (one device and dtype) in one collective; fill ``out``."""
+    if len(idx) == 1 and len(set(shapes[idx[0]])) == 1:  # the common case: one tensor, one shape
+        t = tensors[idx[0]].detach().contiguous()
+        out[idx[0]] = t.new_empty((size(group),) + tuple(t.shape))
+        gather_stacked(out[idx[0]], t, group)
+        return
+    numels = [[math.prod(shapes[i][r]) for i in idx] for r in range(size(group))]
+    flat = torch.cat([tensors[i].detach().reshape(-1) for i in idx])
+    rows = gather_padded(flat, max(sum(n) for n in numels), group)
+    for i in idx:
+        out[i] = []
+    for r, row in enumerate(rows):
+        for i, piece in zip(idx, row[: sum(numels[r])].split(numels[r])):
+            out[i].append(piece.view(shapes[i][r]))
+    for i in idx:
+        if len(set(shapes[i])) == 1:
+            out[i] = torch.stack(out[i])
+
+
+# ---------------------------------------------------------------------------------------------
+# objects: broadcast, send, recv
+# ---------------------------------------------------------------------------------------------
+
+
+def broadcast(obj, group_src: int, group, async_op: bool):
+    """Rank ``group_src``'s ``obj`` (pickled) on every rank, whatever the others passed."""
+    no_async(async_op, "broadcast")
+    agree("broadcast", group, value="object", group_src=group_src)
+    box = [obj]
+    dist.broadcast_object_list(box, group=group, group_src=group_src)
+    return box[0]
+
+
+def send(obj, group_dst: int, group):
+    """Pickle ``obj`` and send it to ``group_dst`` (which gets it with ``recv(src=...)``)."""
+    return dist.send_object_list([obj], group=group, group_dst=group_dst)
+
+
+def recv(src: int | None, group_src: int | None, group):
+    """The object that rank ``src`` (or ``group_src``) sent with ``send(obj, dst)``."""
+    if src is None and group_src is None:
+        raise GlobalTensorError("expected src= (or group_src=) to receive an object, found neither; "
+                                "say which rank sent it")
+    box = [None]
+    dist.recv_object_list(box, group=group, group_src=root(group, src, group_src, "src"))
+    return box[0]
