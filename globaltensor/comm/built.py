@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from .common import BITWISE, Red, ReduceOp, backend_for, done, finish, kind, my_group_rank, size, to_reduce_op
+from .common import (BITWISE, Red, ReduceOp, backend_for, done, finish, kind, my_group_rank, size,
+                     to_reduce_op)
 
 # (backend, need) pairs a backend cannot do natively; each is built from operations it has
 LACKS = frozenset({("gloo", "premul_sum"), ("gloo", "avg_integer"), ("nccl", "bitwise")})

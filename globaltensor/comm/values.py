@@ -56,7 +56,8 @@ def _reduce_buffer(leaf, path: str, op_kind, group) -> torch.Tensor:
         return t
     if isinstance(leaf, (bool, int, float, complex)):
         bitwise = op_kind in BITWISE
-        dtype = torch.int64 if bitwise else (torch.complex128 if isinstance(leaf, complex) else torch.float64)
+        wide = torch.complex128 if isinstance(leaf, complex) else torch.float64
+        dtype = torch.int64 if bitwise else wide
         return torch.tensor(leaf, dtype=dtype, device=object_device(group))
     raise GlobalTensorError(
         f"expected tensors or Python numbers to all_reduce, found {type(leaf).__name__} at "
@@ -100,6 +101,11 @@ def all_gather(data, group, async_op: bool):
         return _gather_tensors([data], group)[0]
     if not has_tensor(data):
         return _gather_objects(data, group)
+    return _gather_leaves(data, group)
+
+
+def _gather_leaves(data, group):
+    """Nested ``data`` holding tensors: each tensor stacked, each other leaf a per-rank list."""
     spec, leaves, _ = flatten(data)
     tensor_at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     other_at = [i for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
