@@ -7,7 +7,7 @@ n-D grid, placement axes split in order, axis 0 outermost (nested).
 from __future__ import annotations
 
 import numbers
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import lru_cache
 
 from .errors import GlobalTensorError, PlacementError, SbpError
@@ -33,6 +33,7 @@ class Layout:
     placement: Placement
     sbp: tuple[SbpValue, ...]
     shape: tuple[int, ...]
+    _hash: int = field(default=0, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         if not isinstance(self.placement, Placement):
@@ -48,6 +49,11 @@ class Layout:
         except SbpError as e:
             raise SbpError(f"{e} (tensor shape {list(shape)}, sbp {format_sbp(values)})") from None
         object.__setattr__(self, "sbp", values)
+        # layouts key every plan and dispatch cache: hash once
+        object.__setattr__(self, "_hash", hash((self.placement, values, shape)))
+
+    def __hash__(self):
+        return self._hash
 
     def __repr__(self):
         return f"Layout({self.placement!r}, {format_sbp(self.sbp)}, {list(self.shape)})"

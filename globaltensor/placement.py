@@ -57,7 +57,7 @@ class Placement:
     ((2, 2), 2, (1, 0))
     """
 
-    __slots__ = ("type", "shape", "flat_ranks", "__dict__")
+    __slots__ = ("type", "shape", "flat_ranks", "_hash", "__dict__")
 
     def __init__(self, type: str = "cpu", ranks=None):
         if ranks is None:
@@ -84,6 +84,7 @@ class Placement:
         object.__setattr__(self, "type", type.split(":")[0])
         object.__setattr__(self, "shape", tuple(int(s) for s in arr.shape))
         object.__setattr__(self, "flat_ranks", flat)
+        object.__setattr__(self, "_hash", hash(self._key()))  # hashed on every plan lookup
 
     def __setattr__(self, name, value):
         raise AttributeError("Placement is immutable")
@@ -102,10 +103,13 @@ class Placement:
         return (self.type, self.shape, self.flat_ranks)
 
     def __eq__(self, other):
-        return isinstance(other, Placement) and self._key() == other._key()
+        if self is other:
+            return True
+        return (isinstance(other, Placement) and self._hash == other._hash
+                and self._key() == other._key())
 
     def __hash__(self):
-        return hash(self._key())
+        return self._hash
 
     def __repr__(self):
         return f"placement({self.type!r}, ranks={self.ranks.tolist()!r})"

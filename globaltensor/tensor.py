@@ -7,6 +7,8 @@ Functions whose backward uses the dual sbp (S<->S, B<->P) unless ``grad_sbp`` fi
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from . import debug as _debug
@@ -14,6 +16,8 @@ from . import env
 from .errors import GlobalTensorError, ShapeMismatchError
 from .layout import Layout
 from .placement import Placement
+from .comm.execute import run as _execute
+from .plan import plan as _plan
 from .sbp import Broadcast, PartialSum, Split, format_sbp, normalize, resolve
 
 broadcast, partial_sum = Broadcast(), PartialSum()
@@ -92,7 +96,9 @@ class GlobalTensor(torch.Tensor):
 
     def to_local(self) -> torch.Tensor:
         """This rank's piece (differentiable; the gradient flows back with the dual sbp)."""
-        return _ToLocal.apply(self)
+        if _records_graph(self):
+            return _ToLocal.apply(self)
+        return self._local.view_as(self._local)
 
     # --- collective views of the whole value ---
     def full_tensor(self) -> torch.Tensor:
@@ -155,10 +161,7 @@ def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.T
         return local
     if _debug.is_debug():
         _debug.check("redistribute", source=src, target=dst, dtype=local.dtype)
-    from .comm import execute
-    from .plan import plan
-
-    return execute.run(plan(src, dst), local, env.get_rank())
+    return _execute(_plan(src, dst), local, env.get_rank())
 
 
 def redistribute(x: GlobalTensor, layout: Layout) -> GlobalTensor:
@@ -203,16 +206,25 @@ def _as_global_grad(grad, like: Layout) -> GlobalTensor:
     return redistribute(GlobalTensor._make(local, full), like)
 
 
+def _redistributed(x: GlobalTensor, layout: Layout, copy: bool) -> GlobalTensor:
+    """A new global tensor holding ``x`` laid out as ``layout`` (what to_global computes)."""
+    local = redistribute_local(x._local, x._layout, layout)
+    if local is x._local:
+        # same layout: a new tensor object; with copy, new storage too
+        local = local.clone() if copy else local.view_as(local)
+    return GlobalTensor._make(local, layout)
+
+
+def _records_graph(x: torch.Tensor) -> bool:
+    return x.requires_grad and torch.is_grad_enabled()
+
+
 class _Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, layout: Layout, grad_sbp, copy=False):
         ctx.src = x._layout
         ctx.grad_sbp = grad_sbp
-        local = redistribute_local(x._local, x._layout, layout)
-        if local is x._local:
-            # same layout: a new tensor object; with copy, new storage too
-            local = local.clone() if copy else local.view_as(local)
-        return GlobalTensor._make(local, layout)
+        return _redistributed(x, layout, copy)
 
     @staticmethod
     def backward(ctx, grad):
@@ -380,6 +392,19 @@ def target_layout(src: Layout, placement, sbp, what: str) -> Layout:
     return Layout(placement, normalize(sbp, placement.ndim), src.shape)
 
 
+@functools.lru_cache(maxsize=4096)
+def _hashed_target(src: Layout, placement, sbp) -> Layout:
+    return target_layout(src, placement, sbp, "to_global")
+
+
+def _cached_target(src: Layout, placement, sbp) -> Layout:
+    """``target_layout`` for to_global, cached on (src, placement, sbp) when they hash."""
+    try:
+        return _hashed_target(src, placement, sbp)
+    except TypeError:  # an unhashable sbp (a list): compute it
+        return target_layout(src, placement, sbp, "to_global")
+
+
 def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
               sync_data=True, copy=False):
     """Make a global tensor (from a local piece) or redistribute one (from a global tensor).
@@ -390,7 +415,7 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
     if not isinstance(self, GlobalTensor):
         return _local_to_global(self, placement, sbp, grad_sbp, check_meta, sync_data, copy)
     src = self._layout
-    dst = target_layout(src, placement, sbp, "to_global")
+    dst = _cached_target(src, placement, sbp)
     placement = dst.placement
     _check_grad_sbp(grad_sbp, placement, len(src.shape))
     if _debug.is_debug():
@@ -398,7 +423,9 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
                      copy=copy)
     if dst == src and not copy:
         return self
-    return _Redistribute.apply(self, dst, grad_sbp, copy)
+    if _records_graph(self):
+        return _Redistribute.apply(self, dst, grad_sbp, copy)
+    return _redistributed(self, dst, copy)
 
 
 def to_local(self):

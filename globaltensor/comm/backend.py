@@ -11,8 +11,20 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
+# (default process group, this rank in it): a rank never changes within one world; keyed by the
+# group object so thread-worlds (gt.testing) and re-initialised worlds each get their own
+_LAST_RANK: tuple = (None, 0)
+
+
 def world_rank() -> int:
-    return dist.get_rank()
+    global _LAST_RANK
+    pg = dist.distributed_c10d._world.default_pg
+    last_pg, rank = _LAST_RANK
+    if pg is not None and pg is last_pg:
+        return rank
+    rank = dist.get_rank()
+    _LAST_RANK = (pg, rank)
+    return rank
 
 
 def world_size() -> int:
