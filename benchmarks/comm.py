@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
+from _sizes import parse_size  # benchmarks/ is on sys.path when run as a script
 
 
 def cases(n: int, numel: int):
@@ -90,12 +91,6 @@ def overhead_us(calls: int = 3000, rounds: int = 5) -> dict[str, tuple[float, fl
             best[who] = min(per_round)
         result[name] = (best["gt"], best["torch"])
     return result
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def main() -> None:

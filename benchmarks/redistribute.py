@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
+from _sizes import parse_size  # benchmarks/ is on sys.path when run as a script
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 WORLD = 4
@@ -209,12 +210,6 @@ def worker(local_rank, sizes, reps, threads, only=None):
             rows.append((name, nbytes, {w: statistics.median(t) for w, t in times.items()},
                          {w: min(t) for w, t in times.items()}))
     return rows
-
-
-def parse_size(text: str) -> int:
-    units = {"K": 1024, "M": 1024 ** 2, "G": 1024 ** 3}
-    text = text.strip().upper().rstrip("B").rstrip("I")
-    return int(float(text[:-1]) * units[text[-1]]) if text[-1] in units else int(text)
 
 
 def main() -> None:
