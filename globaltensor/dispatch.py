@@ -220,7 +220,9 @@ def _moved(t: GlobalTensor, target: Layout):
     Every rank takes the same path (the cache follows the op sequence), so SPMD holds.
     """
     cache = t.__dict__.get("_gt_moves")
-    version = t._local._version
+    # in-place ops through dispatch run below autograd, so they bump the wrapper's version, not
+    # the piece's (the same on every rank); writes into to_local() bump the piece's
+    version = (t._version, t._local._version)
     if cache is not None:
         hit = cache.get(target)
         if hit is not None and hit[0] == version:
