@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from _sizes import parse_size  # benchmarks/ is on sys.path when run as a script
+from _common import parse_size, timed  # benchmarks/ is on sys.path when run as a script
 
 
 def cases(n: int, numel: int):
@@ -45,15 +45,6 @@ def cases(n: int, numel: int):
         "reduce_scatter_tensor": (lambda: gt.comm.reduce_scatter_tensor(piece, big),
                                   lambda: dist.reduce_scatter_single(piece, big)),
     }
-
-
-def timed(call) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    call()
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item()
 
 
 def worker(local_rank: int, sizes: list[int], reps: int, threads: int):

@@ -22,13 +22,12 @@ import argparse
 import itertools
 import os
 import statistics
-import time
 
 import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from _sizes import parse_size  # benchmarks/ is on sys.path when run as a script
+from _common import parse_size, timed  # benchmarks/ is on sys.path when run as a script
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 WORLD = 4
@@ -171,15 +170,6 @@ def make_groups():
     cols = [dist.new_group([0, 2]), dist.new_group([1, 3])]
     return {0: (rows[0], cols[0]), 1: (rows[0], cols[1]), 2: (rows[1], cols[0]),
             3: (rows[1], cols[1])}
-
-
-def timed(call) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    call()
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item()
 
 
 def check_same(rank, name, calls):
