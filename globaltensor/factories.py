@@ -15,7 +15,7 @@ from . import env, random
 from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
-from .sbp import PartialSum, normalize
+from .sbp import normalize
 from .tensor import GlobalTensor, _check_placement, _device_for
 
 

@@ -19,13 +19,12 @@ import itertools
 import math
 import re
 from dataclasses import dataclass
-from functools import lru_cache
 from typing import Callable
 
 from .errors import GlobalTensorError
 from .layout import Layout
 from .plan import plan
-from .sbp import Broadcast, PartialSum, SbpValue, Split, broadcast, format_sbp, partial_sum
+from .sbp import Broadcast, PartialSum, SbpValue, Split, broadcast, partial_sum
 
 B, P = broadcast, partial_sum
 S = Split

@@ -21,7 +21,7 @@ from .errors import GlobalTensorError, ShapeMismatchError
 from .layout import Layout
 from .plan import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, Plan, ReduceScatter,
                    ZeroFill, box_shape, relative)
-from .sbp import Broadcast, PartialSum
+from .sbp import Broadcast
 
 
 def run(plan: Plan, locals):

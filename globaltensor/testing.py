@@ -188,7 +188,6 @@ def _run(fn, world_size, args, timeout, backend, pass_rank, local_world_size):
 # scripts). Each process start costs seconds when it imports torch: check several things per run.
 import os  # noqa: E402 - this section's imports stay with it
 import subprocess  # noqa: E402
-import sys  # noqa: E402
 import tempfile  # noqa: E402
 from dataclasses import dataclass  # noqa: E402
 

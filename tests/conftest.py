@@ -1,6 +1,5 @@
 import os
 
-import pytest
 import torch
 
 torch.set_num_threads(1)

@@ -3,7 +3,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.errors import GlobalTensorError, ShapeMismatchError
+from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.testing import RankFailed, run_ranks
 
