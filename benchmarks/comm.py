@@ -26,6 +26,13 @@ import globaltensor as gt
 from _common import parse_size, timed  # benchmarks/ is on sys.path when run as a script
 
 
+def _raw_gather_any_shape(t, n: int):
+    """What a hand-written gather of tensors of unknown shapes does: shapes, then the data."""
+    shapes = torch.empty(n * 2, dtype=torch.int64)
+    dist.all_gather_single(shapes, torch.tensor([t.dim(), t.numel()]))
+    return dist.all_gather_single(torch.empty(n * t.numel()), t)
+
+
 def cases(n: int, numel: int):
     """name -> (gt call, torch call); each call takes no argument and returns nothing useful."""
     t = torch.ones(numel)
@@ -40,6 +47,9 @@ def cases(n: int, numel: int):
                        lambda: dist.all_gather(out_list, t)),
         "all_gather value": (lambda: gt.comm.all_gather(t),
                              lambda: dist.all_gather_single(torch.empty(n * numel), t)),
+        # like for like: value style takes tensors of any shapes, so raw exchanges shapes first too
+        "all_gather value vs raw+shapes": (lambda: gt.comm.all_gather(t),
+                                           lambda: _raw_gather_any_shape(t, n)),
         "all_gather_into_tensor": (lambda: gt.comm.all_gather_into_tensor(big, t),
                                    lambda: dist.all_gather_single(big, t)),
         "reduce_scatter_tensor": (lambda: gt.comm.reduce_scatter_tensor(piece, big),
