@@ -23,7 +23,7 @@ from .sbp import Broadcast, PartialSum, Split, format_sbp, normalize, resolve
 broadcast, partial_sum = Broadcast(), PartialSum()
 
 
-def _device_for(placement: Placement, local: torch.Tensor | None = None) -> torch.device:
+def _device_for(placement: Placement) -> torch.device:
     if placement.type == "cuda":
         if not torch.cuda.is_available():
             raise GlobalTensorError(
@@ -81,10 +81,6 @@ class GlobalTensor(torch.Tensor):
     @property
     def sbp(self) -> tuple:
         return self._layout.sbp
-
-    @property
-    def layout_(self) -> Layout:
-        return self._layout
 
     @property
     def is_global(self) -> bool:
@@ -439,6 +435,7 @@ def _install_tensor_methods():
     torch.Tensor.to_global = to_global
     torch.Tensor.to_local = to_local
     torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor))
+    torch.Tensor.is_local = property(lambda self: not isinstance(self, GlobalTensor))  # OneFlow's name
     GlobalTensor.to_global = to_global
 
 

@@ -30,12 +30,13 @@ def test_split_pieces_concatenate_uneven():
     def body(rank):
         piece = torch.full(([3, 3, 2, 2][rank], 2), float(rank))
         x = piece.to_global(placement=P4, sbp=S(0))
-        return x.shape, x.sbp, x.placement, x.to_local().clone(), x.is_global, piece.is_global
+        return (x.shape, x.sbp, x.placement, x.to_local().clone(), x.is_global, piece.is_global,
+                x.is_local, piece.is_local)
 
     out = run_ranks(body, 4, timeout=30)
     assert all(o[0] == torch.Size([10, 2]) and o[1] == (S(0),) and o[2] == P4 for o in out)
     assert [o[3][:, 0].tolist() for o in out] == [[0, 0, 0], [1, 1, 1], [2, 2], [3, 3]]
-    assert all(o[4] is True and o[5] is False for o in out)
+    assert all(o[4] is True and o[5] is False and o[6] is False and o[7] is True for o in out)
 
 
 def test_check_meta_error_names_rank_and_sizes():
