@@ -34,6 +34,16 @@ def _device_for(placement: Placement) -> torch.device:
     return torch.device("cpu")
 
 
+@functools.lru_cache(maxsize=1024)
+def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """Row-major strides of the global shape (a size-0 dim counts as 1, as torch does)."""
+    strides, acc = [], 1
+    for s in reversed(shape):
+        strides.append(acc)
+        acc *= max(s, 1)
+    return tuple(reversed(strides))
+
+
 class GlobalTensor(torch.Tensor):
     """A global tensor. Create one with ``Tensor.to_global`` or the ``gt.*`` factories."""
 
@@ -43,15 +53,9 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
-        shape = layout.shape
-        strides = []
-        acc = 1
-        for s in reversed(shape):
-            strides.append(acc)
-            acc *= max(s, 1)
         out = torch.Tensor._make_wrapper_subclass(
-            cls, shape, strides=tuple(reversed(strides)), dtype=local.dtype, device=local.device,
-            requires_grad=requires_grad,
+            cls, layout.shape, strides=_contiguous_strides(layout.shape), dtype=local.dtype,
+            device=local.device, requires_grad=requires_grad,
         )
         out._local = local
         out._layout = layout
