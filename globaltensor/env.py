@@ -47,9 +47,8 @@ def is_initialized() -> bool:
 
 
 def get_rank() -> int:
-    if _backend.is_initialized():
-        return _backend.world_rank()
-    return _int_env("RANK", 0)
+    rank = _backend.cached_rank()
+    return _int_env("RANK", 0) if rank is None else rank
 
 
 def get_world_size() -> int:

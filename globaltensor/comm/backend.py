@@ -14,17 +14,27 @@ def is_initialized() -> bool:
 # (default process group, this rank in it): a rank never changes within one world; keyed by the
 # group object so thread-worlds (gt.testing) and re-initialised worlds each get their own
 _LAST_RANK: tuple = (None, 0)
+_AVAILABLE = dist.is_available()
 
 
-def world_rank() -> int:
+def cached_rank() -> int | None:
+    """This rank in the current default world, None when there is none. Once a world is known
+    this is one attribute read and a compare: the warm paths (to_global, dispatch) call it."""
     global _LAST_RANK
-    pg = dist.distributed_c10d._world.default_pg
+    pg = dist.distributed_c10d._world.default_pg if _AVAILABLE else None
     last_pg, rank = _LAST_RANK
-    if pg is not None and pg is last_pg:
+    if pg is last_pg and pg is not None:
         return rank
+    if pg is None:
+        return None
     rank = dist.get_rank()
     _LAST_RANK = (pg, rank)
     return rank
+
+
+def world_rank() -> int:
+    rank = cached_rank()
+    return dist.get_rank() if rank is None else rank  # no world: torch's own error
 
 
 def world_size() -> int:
