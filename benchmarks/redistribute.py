@@ -8,7 +8,9 @@ its slowest rank (cases whose calls take under 5 ms run 5x the repetitions). Pri
 of the repetitions and the ratios ours/raw and ours/DTensor (of the medians, and of the fastest
 calls, which machine load blurs less). "raw" is hand-written torch.distributed code for the same
 data movement as ours (the fewest collectives and copies we know of), producing a contiguous
-local result; "uneven S0->B pad" times the common idiom instead (pad, all_gather, trim).
+local result. On gloo gt runs gathers as one batch of isend/irecv, so raw does too; the rows
+"... all_gather" time the common idiom instead (dist.all_gather_single), and "uneven S0->B pad"
+the idiom for uneven pieces (pad, all_gather, trim).
 
 The ranks run with glibc's malloc told to keep freed memory (trim and mmap thresholds raised,
 see MALLOC_TUNING): every contender allocates its result fresh, and with glibc's default
@@ -77,6 +79,30 @@ def raw_gather_rows_p2p(local, rows_each, rank, n=WORLD):
     return out
 
 
+def raw_gather_p2p(local, dim, members, rank):
+    """S(dim) -> B among ``members`` (global ranks in axis order), even pieces, as gt runs it on
+    gloo: one batch of isend/irecv, each piece received straight into its rows along dim 0,
+    into a buffer and then placed along another dim."""
+    me, size = members.index(rank), local.shape[dim]
+    shape = list(local.shape)
+    shape[dim] = size * len(members)
+    out = local.new_empty(shape)
+    out.narrow(dim, me * size, size).copy_(local)
+    ops, landing = [], []
+    for k, peer in enumerate(members):
+        if peer != rank:
+            place = out.narrow(dim, k * size, size)
+            buf = place if dim == 0 else torch.empty_like(local)
+            ops += [dist.P2POp(dist.isend, local, peer), dist.P2POp(dist.irecv, buf, peer)]
+            landing.append((place, buf))
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for place, buf in landing:
+        if buf is not place:
+            place.copy_(buf)
+    return out
+
+
 def raw_s0_to_s1(local):
     rows, cols = local.shape
     send = local.view(rows, WORLD, cols // WORLD).transpose(0, 1).contiguous()
@@ -102,8 +128,16 @@ def raw_slice(local, rank):
     return local[rank * rows: (rank + 1) * rows].clone()
 
 
+def raw_grid_gather_p2p(local, rank):
+    """(S(0), S(1)) -> (B, B) on [[0, 1], [2, 3]] as gt runs it on gloo: dim 1 among the row's
+    ranks, then dim 0 among the column's, each as one batch of isend/irecv."""
+    row, col = [2 * (rank // 2), 2 * (rank // 2) + 1], [rank % 2, rank % 2 + 2]
+    return raw_gather_p2p(raw_gather_p2p(local, 1, row, rank), 0, col, rank)
+
+
 def raw_grid_gather(local, row_group, col_group):
-    """(S(0), S(1)) -> (B, B) on [[0, 1], [2, 3]]: gather dim 1 along axis 1, then dim 0 along axis 0."""
+    """(S(0), S(1)) -> (B, B) on [[0, 1], [2, 3]] with all_gather (the idiom): gather dim 1
+    along axis 1, then dim 0 along axis 0."""
     rows, cols = local.shape
     half = local.new_empty((2 * rows, cols))
     dist.all_gather_single(half, local.contiguous(), group=row_group)
@@ -149,7 +183,8 @@ def build_cases(rank, nbytes, groups):
 
     rows = shape_for(nbytes, True)[0]
     uneven_rows = [rows // WORLD + (1 if k < rows % WORLD else 0) for k in range(WORLD)]
-    add("S0->B", line, mesh1, (S(0),), (B,),
+    add("S0->B", line, mesh1, (S(0),), (B,), lambda x: raw_gather_p2p(x, 0, list(range(WORLD)), rank))
+    add("S0->B all_gather", line, mesh1, (S(0),), (B,),
         lambda x: raw_gather_rows(x, [x.shape[0]] * WORLD))
     add("P->B", line, mesh1, (P,), (B,), raw_all_reduce)
     add("P->S0", line, mesh1, (P,), (S(0),), raw_reduce_scatter)
@@ -159,7 +194,8 @@ def build_cases(rank, nbytes, groups):
         lambda x: raw_gather_rows_p2p(x, uneven_rows, rank), uneven=True)
     add("uneven S0->B pad", line, mesh1, (S(0),), (B,),
         lambda x: raw_gather_rows(x, uneven_rows), uneven=True)
-    add("(S0,S1)->(B,B)", grid, mesh2, (S(0), S(1)), (B, B),
+    add("(S0,S1)->(B,B)", grid, mesh2, (S(0), S(1)), (B, B), lambda x: raw_grid_gather_p2p(x, rank))
+    add("(S0,S1)->(B,B) all_gather", grid, mesh2, (S(0), S(1)), (B, B),
         lambda x: raw_grid_gather(x, *groups[rank]))
     return cases
 
@@ -220,11 +256,11 @@ def main() -> None:
     print(f"redistribution, {WORLD} ranks, gloo, float32, median of {a.reps} (slowest rank per call)"
           f"{'' if a.no_malloc_tuning else ', malloc keeps freed memory'}; 1-min load average "
           f"{load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
-    print(f"{'case':16s} {'size':>5s} {'raw ms':>9s} {'DTensor ms':>11s} {'ours ms':>9s} "
+    print(f"{'case':26s} {'size':>5s} {'raw ms':>9s} {'DTensor ms':>11s} {'ours ms':>9s} "
           f"{'ours/raw':>9s} {'ours/DT':>8s}   (ratios of the fastest calls)")
     for name, nbytes, t, m in rows:
         size = f"{nbytes // 1024 ** 2}M" if nbytes >= 1024 ** 2 else f"{nbytes // 1024}K"
-        print(f"{name:16s} {size:>5s} {t['raw'] * 1e3:9.3f} {t['dtensor'] * 1e3:11.3f} "
+        print(f"{name:26s} {size:>5s} {t['raw'] * 1e3:9.3f} {t['dtensor'] * 1e3:11.3f} "
               f"{t['ours'] * 1e3:9.3f} {t['ours'] / t['raw']:9.2f} {t['ours'] / t['dtensor']:8.2f}"
               f"   ({m['ours'] / m['raw']:.2f}, {m['ours'] / m['dtensor']:.2f})")
 
