@@ -174,22 +174,17 @@ def _gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
     other member and receives each member's piece, all posted as one batch. Along dim 0 each
     piece is received straight into its rows of the result; along another dim into a buffer,
     then placed."""
-    d, axis, placement = step.dim, step.axis, step.after.placement
-    members = _member_coords(placement, axis, coord)
-    sizes = _sizes_along(step.before, axis, coord, d)
-    starts, me = _starts(sizes), coord[axis]
-    out = local.new_empty(box_shape(step.after.box(coord)))
-    out.narrow(d, starts[me], sizes[me]).copy_(local)
+    m = _static(step, coord, None, _GatherStatic)
+    d = step.dim
+    out = local.new_empty(m.out_shape)
+    out.narrow(d, m.starts[m.me], m.sizes[m.me]).copy_(local)
     send = local.contiguous()
     ops, landing = [], []
-    for k, member in enumerate(members):
-        if k == me:
-            continue
-        peer = placement.rank_at(member)
+    for peer, start, size in m.peers:
         if send.numel():
             ops.append(dist.P2POp(dist.isend, send, peer))
-        place = out.narrow(d, starts[k], sizes[k])
-        if place.numel():
+        place = out.narrow(d, start, size)
+        if place.numel():  # (a member's piece with another dim of size 0 is not sent either)
             buf = place if d == 0 else local.new_empty(place.shape)
             ops.append(dist.P2POp(dist.irecv, buf, peer))
             landing.append((place, buf))
@@ -198,6 +193,21 @@ def _gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
         if buf is not place:
             place.copy_(buf)
     return out
+
+
+class _GatherStatic:
+    """What a pairwise gather needs at one coordinate, worked out once (see ``_static``)."""
+
+    __slots__ = ("sizes", "starts", "me", "out_shape", "peers")
+
+    def __init__(self, step: AllGather, coord, _ranks):
+        placement = step.after.placement
+        members = _member_coords(placement, step.axis, coord)
+        self.sizes = _sizes_along(step.before, step.axis, coord, step.dim)
+        self.starts, self.me = _starts(self.sizes), coord[step.axis]
+        self.out_shape = box_shape(step.after.box(coord))
+        self.peers = [(placement.rank_at(c), self.starts[k], self.sizes[k])
+                      for k, c in enumerate(members) if k != self.me]
 
 
 def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
@@ -226,32 +236,69 @@ def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
     """Member k sends member m its slice of dst_dim; received pieces concatenate along src_dim.
 
     Each slice travels as one flat run (exact sizes, no padding), packed in the group's rank
-    order; along src_dim 0 in axis order the received buffer is the result (no copy)."""
-    i, j, axis = step.src_dim, step.dst_dim, step.axis
-    before, after = step.before, step.after
-    members = _member_coords(after.placement, axis, coord)
-    order = _group_order(ranks)
-    in_order = order == sorted(order)
-    lengths = [after.box(c)[j][1] - after.box(c)[j][0] for c in members]
-    starts = _starts(lengths)
-    chunks = [local.narrow(j, starts[k], lengths[k]) for k in range(len(members))]
-    send_splits = [chunks[k].numel() for k in order]
-    if j == 0 and in_order:
+    order; along src_dim 0 in axis order the received buffer is the result (no copy), and even
+    slices in axis order pack (and unpack) with one strided copy."""
+    m = _static(step, coord, ranks, _AllToAllStatic)
+    i, j, n = step.src_dim, step.dst_dim, len(ranks)
+    if j == 0 and m.in_order:
         send = local.contiguous().view(-1)
+    elif m.in_order and m.even_j:  # one copy: (.., n, len, ..) with the n blocks outermost
+        send = local.unflatten(j, (n, m.lengths[0])).movedim(j, 0).contiguous().view(-1)
     else:
-        send = local.new_empty(sum(send_splits))
-        for run, k in zip(send.split(send_splits), order):
-            run.view(chunks[k].shape).copy_(chunks[k])
-    mine = list(box_shape(after.box(coord)))
-    shapes = [mine[:i] + [before.box(c)[i][1] - before.box(c)[i][0]] + mine[i + 1:] for c in members]
-    recv_splits = [_prod(shapes[k]) for k in order]
-    recv = send.new_empty(sum(recv_splits))
-    if before.numel():  # decided by the plan, so every member agrees
-        dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
-    if i == 0 and in_order:
-        return recv.view(mine)
-    received = dict(zip(order, recv.split(recv_splits)))
-    return torch.cat([received[k].view(shapes[k]) for k in range(len(members))], dim=i)
+        send = local.new_empty(sum(m.send_splits))
+        for run, k in zip(send.split(m.send_splits), m.order):
+            run.view(m.chunk_shapes[k]).copy_(local.narrow(j, m.starts[k], m.lengths[k]))
+    recv = send.new_empty(sum(m.recv_splits))
+    if step.before.numel():  # decided by the plan, so every member agrees
+        dist.all_to_all_single(recv, send, m.recv_splits, m.send_splits, group=group)
+    if i == 0 and m.in_order:
+        return recv.view(m.mine)
+    if m.in_order and m.even_i:
+        return recv.view([n] + m.shapes[0]).movedim(0, i).reshape(m.mine)
+    received = dict(zip(m.order, recv.split(m.recv_splits)))
+    return torch.cat([received[k].view(m.shapes[k]) for k in range(n)], dim=i)
+
+
+class _AllToAllStatic:
+    """What an all_to_all step needs at one coordinate, worked out once (see ``_static``)."""
+
+    __slots__ = ("order", "in_order", "lengths", "starts", "even_j", "chunk_shapes",
+                 "send_splits", "mine", "shapes", "even_i", "recv_splits")
+
+    def __init__(self, step: AllToAll, coord, ranks):
+        i, j = step.src_dim, step.dst_dim
+        before, after = step.before, step.after
+        members = _member_coords(after.placement, step.axis, coord)
+        self.order = _group_order(ranks)
+        self.in_order = self.order == sorted(self.order)
+        self.lengths = [after.box(c)[j][1] - after.box(c)[j][0] for c in members]
+        self.starts = _starts(self.lengths)
+        self.even_j = min(self.lengths) == max(self.lengths)
+        have = list(box_shape(before.box(coord)))
+        self.chunk_shapes = [have[:j] + [n] + have[j + 1:] for n in self.lengths]
+        self.send_splits = [_prod(self.chunk_shapes[k]) for k in self.order]
+        self.mine = list(box_shape(after.box(coord)))
+        self.shapes = [self.mine[:i] + [before.box(c)[i][1] - before.box(c)[i][0]] + self.mine[i + 1:]
+                       for c in members]
+        self.even_i = min(s[i] for s in self.shapes) == max(s[i] for s in self.shapes)
+        self.recv_splits = [_prod(self.shapes[k]) for k in self.order]
+
+
+# (id(step), coord) -> (step, what the step needs there): shapes, splits and orders depend only
+# on the step and the coordinate (ranks follow from the coordinate), never on the world, so
+# thread-ranks share them. The entry holds the step, so its id is not reused while it lives.
+_STATIC: dict = {}
+_STATIC_MAX = 4096
+
+
+def _static(step, coord, ranks, build):
+    key = (id(step), coord)
+    hit = _STATIC.get(key)
+    if hit is None or hit[0] is not step:
+        if len(_STATIC) >= _STATIC_MAX:
+            _STATIC.clear()
+        hit = _STATIC[key] = (step, build(step, coord, ranks))
+    return hit[1]
 
 
 def _send_recv(ops) -> None:
