@@ -35,16 +35,6 @@ def _device_for(placement: Placement) -> torch.device:
     return torch.device("cpu")
 
 
-@functools.lru_cache(maxsize=1024)
-def _contiguous_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
-    """Row-major strides of the global shape (a size-0 dim counts as 1, as torch does)."""
-    strides, acc = [], 1
-    for s in reversed(shape):
-        strides.append(acc)
-        acc *= max(s, 1)
-    return tuple(reversed(strides))
-
-
 class GlobalTensor(torch.Tensor):
     """A global tensor. Create one with ``Tensor.to_global`` or the ``gt.*`` factories."""
 
@@ -54,10 +44,14 @@ class GlobalTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
-        out = torch.Tensor._make_wrapper_subclass(
-            cls, layout.shape, strides=_contiguous_strides(layout.shape), dtype=local.dtype,
-            device=local.device, requires_grad=requires_grad,
-        )
+        # torch's default strides are the contiguous ones of the global shape; every keyword
+        # left out is parsed less on this warm path (a redistribution makes one wrapper per call)
+        if requires_grad:
+            out = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype,
+                                                      device=local.device, requires_grad=True)
+        else:
+            out = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype,
+                                                      device=local.device)
         out._local = local
         out._layout = layout
         return out

@@ -67,6 +67,7 @@ def _forward(name):
 
 for _name in vars(_WorldData()):
     setattr(_ThreadLocalWorld, _name, _forward(_name))
+_ThreadLocalWorld._default_pg = _forward("default_pg")  # torch's own attribute behind the property
 
 _in_harness = threading.local()
 

@@ -183,3 +183,14 @@ def test_factory_errors():
         gt.zeros(-1, 2, placement=gt.placement("cpu", [0]), sbp=B)
     with pytest.raises(GlobalTensorError, match="low < high"):
         gt.randint(5, 5, (2,), placement=gt.placement("cpu", [0]), sbp=B)
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (0, 3, 0, 2), (4, 0), (), (5,)])
+def test_global_strides_are_the_contiguous_strides_of_the_global_shape(shape):
+    def body(rank):
+        x = gt.zeros(*shape, placement=P4, sbp=B)
+        y = gt.zeros(*shape, placement=P4, sbp=B).requires_grad_()
+        return x.stride(), y.stride(), x.is_contiguous(), y.requires_grad, x.requires_grad
+
+    for got in run_ranks(body, 4, timeout=30):
+        assert got == (torch.empty(shape).stride(), torch.empty(shape).stride(), True, True, False)

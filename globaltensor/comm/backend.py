@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import datetime
+import weakref
 
 import torch
 import torch.distributed as dist
@@ -11,24 +12,30 @@ def is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-# (default process group, this rank in it): a rank never changes within one world; keyed by the
-# group object so thread-worlds (gt.testing) and re-initialised worlds each get their own
-_LAST_RANK: tuple = (None, 0)
+# (weak reference to the default process group, this rank in it): a rank never changes within
+# one world; keyed by the group object so thread-worlds (gt.testing) and re-initialised worlds
+# each get their own. Weak: after dist.destroy_process_group() this must not keep the group
+# alive until interpreter exit (see comm/groups.py).
+_LAST_RANK: tuple = (lambda: None, 0)
 _AVAILABLE = dist.is_available()
+# torch's registry keeps the default group in ``_default_pg`` behind a ``default_pg`` property:
+# reading the attribute saves a Python call on every warm path (the property where it is absent)
+_DEFAULT_PG = ("_default_pg" if _AVAILABLE and hasattr(dist.distributed_c10d._world, "_default_pg")
+               else "default_pg")
 
 
 def cached_rank() -> int | None:
     """This rank in the current default world, None when there is none. Once a world is known
     this is one attribute read and a compare: the warm paths (to_global, dispatch) call it."""
     global _LAST_RANK
-    pg = dist.distributed_c10d._world.default_pg if _AVAILABLE else None
+    pg = getattr(dist.distributed_c10d._world, _DEFAULT_PG) if _AVAILABLE else None
     last_pg, rank = _LAST_RANK
-    if pg is last_pg and pg is not None:
+    if pg is not None and last_pg() is pg:
         return rank
     if pg is None:
         return None
     rank = dist.get_rank()
-    _LAST_RANK = (pg, rank)
+    _LAST_RANK = (weakref.ref(pg), rank)
     return rank
 
 

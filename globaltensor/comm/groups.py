@@ -13,7 +13,10 @@ import torch.distributed as dist
 from ..placement import Placement
 from .guard import world_timeout
 
-# default process group -> {(placement, axis): {ranks_tuple: ProcessGroup}}
+# default process group -> {key: ProcessGroup, or None for the world's own group}. Weakly
+# keyed, and never holding the world's group itself: after dist.destroy_process_group() nothing
+# here keeps a group alive (a gloo group destroyed at interpreter exit instead can abort the
+# process with "terminate called without an active exception").
 _CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
 
@@ -34,27 +37,34 @@ def group_of_ranks(ranks: tuple[int, ...]):
     through the sorted order. Every rank of the world must call this with the same set at the
     same point.
     """
+    return _resolve(_cached_group(tuple(sorted(ranks))))
+
+
+def _cached_group(members: tuple[int, ...]):
+    """The cache's entry for ``members``: a group, or None for the whole world."""
     cache = _world_cache()
-    members = tuple(sorted(ranks))
     key = ("ranks", members)
-    pg = cache.get(key)
-    if pg is None:
+    if key not in cache:
         if members == tuple(range(dist.get_world_size())):
-            pg = dist.group.WORLD
+            cache[key] = None
         else:
             # new groups do not inherit the world's timeout (gt.init(timeout=...)) by themselves
-            pg = dist.new_group(list(members), timeout=world_timeout())
-        cache[key] = pg
-    return pg
+            cache[key] = dist.new_group(list(members), timeout=world_timeout())
+    return cache[key]
+
+
+def _resolve(pg):
+    return dist.group.WORLD if pg is None else pg
 
 
 def groups_along(placement: Placement, axis: int) -> dict[tuple[int, ...], object]:
-    """Every group along ``axis`` of ``placement``; created together, on every rank, once."""
+    """Every group along ``axis`` of ``placement``, created together, on every rank, once:
+    {ranks in axis order: the cache's entry (None for the whole world)}."""
     cache = _world_cache()
     key = ("axis", placement, axis)
     groups = cache.get(key)
     if groups is None:
-        groups = {ranks: group_of_ranks(ranks) for ranks in placement.groups_along(axis)}
+        groups = {ranks: _cached_group(tuple(sorted(ranks))) for ranks in placement.groups_along(axis)}
         cache[key] = groups
     return groups
 
@@ -63,4 +73,4 @@ def group_along(placement: Placement, axis: int, coord) -> tuple[object, tuple[i
     """This coordinate's group along ``axis`` and its ranks in axis order (the group's own
     numbering is by ascending global rank: see ``group_of_ranks``)."""
     ranks = placement.group_along(axis, coord)
-    return groups_along(placement, axis)[ranks], ranks
+    return _resolve(groups_along(placement, axis)[ranks]), ranks
