@@ -174,3 +174,39 @@ def test_local_slice_plans_return_fresh_contiguous_pieces_on_every_rank():
                 assert got.is_contiguous()
                 if got.numel():
                     assert got.untyped_storage().data_ptr() != pieces[rank].untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.bool])
+def test_partial_sums_on_cpu_are_pairwise_in_axis_order_and_agree_bitwise(dtype):
+    """P -> B and P -> S run as point-to-point messages on CPU (no group is created) and sum the
+    members' pieces in axis order: every rank of P -> B holds the same bits, equal to
+    ((p0 + p1) + p2) + p3 in axis order, and P -> S(0) gives exactly their rows of it."""
+    line = gt.placement("cpu", [2, 0, 3, 1])  # axis order is not rank order
+    shape = (7, 5)  # 7 rows over 4 ranks: uneven slices; 35 elements: uneven all_reduce runs
+    src = Layout(line, (P,), shape)
+
+    def piece(k):
+        g = torch.Generator().manual_seed(100 + k)
+        if dtype == torch.bool:
+            return torch.rand(shape, generator=g) < 0.3
+        if dtype.is_floating_point:
+            return (torch.randn(shape, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+        return torch.randint(-1000, 1000, shape, generator=g, dtype=dtype)
+
+    def body(rank):
+        from globaltensor.comm import groups
+        mine = piece(line.coord_of(rank)[0])
+        created = len(groups._world_cache())
+        to_b = execute.run(plan(src, Layout(line, (B,), shape)), mine, rank)
+        to_s = execute.run(plan(src, Layout(line, (S(0),), shape)), mine, rank)
+        return to_b, to_s, len(groups._world_cache()) - created
+
+    expected = piece(0).clone()
+    for k in range(1, 4):
+        expected += piece(k)
+    results = run_ranks(body, 4, timeout=60)
+    rows = Layout(line, (S(0),), shape)
+    for rank, (to_b, to_s, new_groups) in enumerate(results):
+        assert new_groups == 0
+        assert to_b.dtype == dtype and torch.equal(to_b, expected)
+        assert torch.equal(to_s, expected[rows.slices(line.coord_of(rank))])
