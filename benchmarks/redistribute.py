@@ -8,9 +8,10 @@ its slowest rank (cases whose calls take under 5 ms run 5x the repetitions). Pri
 of the repetitions and the ratios ours/raw and ours/DTensor (of the medians, and of the fastest
 calls, which machine load blurs less). "raw" is hand-written torch.distributed code for the same
 data movement as ours (the fewest collectives and copies we know of), producing a contiguous
-local result. On gloo gt runs gathers as one batch of isend/irecv, so raw does too; the rows
-"... all_gather" time the common idiom instead (dist.all_gather_single), and "uneven S0->B pad"
-the idiom for uneven pieces (pad, all_gather, trim).
+local result. On gloo gt runs gathers, reduce_scatters and all_reduces as batches of
+isend/irecv, so raw does too; the rows named after a collective ("S0->B all_gather", "P->B
+all_reduce", ...) time the common idiom instead (that one torch.distributed collective), and
+"uneven S0->B pad" the idiom for uneven pieces (pad, all_gather, trim).
 
 The ranks run with glibc's malloc told to keep freed memory (trim and mmap thresholds raised,
 see MALLOC_TUNING): every contender allocates its result fresh, and with glibc's default
@@ -103,6 +104,42 @@ def raw_gather_p2p(local, dim, members, rank):
     return out
 
 
+def raw_reduce_scatter_p2p(local, rank, n=WORLD):
+    """P -> S(0) as gt runs it on gloo: each rank isends every other rank its rows, receives its
+    own rows from each, and sums them in rank order (even rows)."""
+    rows = local.shape[0] // n
+    parts, ops = {rank: local[rank * rows: (rank + 1) * rows]}, []
+    for k in range(n):
+        if k != rank:
+            parts[k] = local.new_empty((rows,) + tuple(local.shape[1:]))
+            ops += [dist.P2POp(dist.isend, local[k * rows: (k + 1) * rows], k),
+                    dist.P2POp(dist.irecv, parts[k], k)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    out = parts[0].clone()
+    for k in range(1, n):
+        out += parts[k]
+    return out
+
+
+def raw_all_reduce_p2p(local, rank, n=WORLD):
+    """P -> B as gt runs it on gloo: the reduce_scatter above on the flattened piece, then the
+    summed runs gathered pairwise into the result (even runs)."""
+    flat = local.view(-1)
+    mine = raw_reduce_scatter_p2p(flat, rank, n)
+    run = mine.numel()
+    out = flat.new_empty(flat.shape)
+    out[rank * run: (rank + 1) * run] = mine
+    ops = []
+    for k in range(n):
+        if k != rank:
+            ops += [dist.P2POp(dist.isend, mine, k),
+                    dist.P2POp(dist.irecv, out[k * run: (k + 1) * run], k)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    return out.view(local.shape)
+
+
 def raw_s0_to_s1(local):
     rows, cols = local.shape
     send = local.view(rows, WORLD, cols // WORLD).transpose(0, 1).contiguous()
@@ -186,8 +223,10 @@ def build_cases(rank, nbytes, groups):
     add("S0->B", line, mesh1, (S(0),), (B,), lambda x: raw_gather_p2p(x, 0, list(range(WORLD)), rank))
     add("S0->B all_gather", line, mesh1, (S(0),), (B,),
         lambda x: raw_gather_rows(x, [x.shape[0]] * WORLD))
-    add("P->B", line, mesh1, (P,), (B,), raw_all_reduce)
-    add("P->S0", line, mesh1, (P,), (S(0),), raw_reduce_scatter)
+    add("P->B", line, mesh1, (P,), (B,), lambda x: raw_all_reduce_p2p(x, rank))
+    add("P->B all_reduce", line, mesh1, (P,), (B,), raw_all_reduce)
+    add("P->S0", line, mesh1, (P,), (S(0),), lambda x: raw_reduce_scatter_p2p(x, rank))
+    add("P->S0 reduce_scatter", line, mesh1, (P,), (S(0),), raw_reduce_scatter)
     add("S0->S1", line, mesh1, (S(0),), (S(1),), raw_s0_to_s1)
     add("B->S0", line, mesh1, (B,), (S(0),), lambda x: raw_slice(x, rank))
     add("uneven S0->B", line, mesh1, (S(0),), (B,),

@@ -238,9 +238,11 @@ def _reduce_scatter_pairwise(step: ReduceScatter, local, coord) -> torch.Tensor:
     return _sum_in_order(parts, len(m.sizes))
 
 
-def _sum_in_order(parts: dict, n: int) -> torch.Tensor:
-    out = parts[0].clone(memory_format=torch.contiguous_format)
-    for k in range(1, n):
+def _sum_in_order(parts: dict, n: int, out=None) -> torch.Tensor:
+    """parts[0] + parts[1] + ... + parts[n-1] (n >= 2), left to right, in one new tensor (or
+    into ``out``): the first add makes it, no copy of parts[0] first."""
+    out = torch.add(parts[0], parts[1], out=out)
+    for k in range(2, n):
         out += parts[k]
     return out
 
@@ -276,7 +278,7 @@ def _all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
     _send_recv(ops)
     out = flat.new_empty(flat.shape)
     places = out.split(m.sizes)
-    places[m.me].copy_(_sum_in_order(parts, n))
+    _sum_in_order(parts, n, out=places[m.me])
     ops = []
     for k, peer in m.peers:
         if m.sizes[m.me]:
