@@ -1,6 +1,6 @@
 """Redistribution: raw torch.distributed vs DTensor.redistribute vs x.to_global(sbp=...), side by side.
 
-    python benchmarks/redistribute.py [--sizes 4K,32M] [--reps 10] [--threads 1]
+    python benchmarks/redistribute.py [--sizes 4K,32M] [--reps 10] [--runs 1] [--threads 1]
 
 Four real processes (gt.spawn) on gloo, float32. Each case starts from the same local pieces;
 per repetition the three contenders run in rotating order, each call after a barrier, timed on
@@ -282,6 +282,7 @@ def main() -> None:
     ap.add_argument("--sizes", default="4K,32M")
     ap.add_argument("--reps", type=int, default=10)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--runs", type=int, default=1, help="whole runs, summarised together")
     ap.add_argument("--cases", default="", help="case names separated by ';' (default: all)")
     ap.add_argument("--no-malloc-tuning", action="store_true", help="glibc's default malloc")
     a = ap.parse_args()
@@ -289,20 +290,49 @@ def main() -> None:
         tunables = [t for t in os.environ.get("GLIBC_TUNABLES", "").split(":") if t]
         os.environ["GLIBC_TUNABLES"] = ":".join(tunables + [MALLOC_TUNING])
     sizes = [parse_size(s) for s in a.sizes.split(",")]
-    load = os.getloadavg()[0]
-    rows = gt.spawn(worker, args=(sizes, a.reps, a.threads, [c for c in a.cases.split(";") if c]), nproc_per_node=WORLD,
-                    timeout=3600)[0]
+    only = [c for c in a.cases.split(";") if c]
+    loads, runs = [os.getloadavg()[0]], []
+    for _ in range(a.runs):
+        runs.append(gt.spawn(worker, args=(sizes, a.reps, a.threads, only), nproc_per_node=WORLD,
+                             timeout=3600)[0])
+        loads.append(os.getloadavg()[0])
     print(f"redistribution, {WORLD} ranks, gloo, float32, median of {a.reps} (slowest rank per call)"
           f"{'' if a.no_malloc_tuning else ', malloc keeps freed memory'}; 1-min load average "
-          f"{load:.1f} at start, {os.getloadavg()[0]:.1f} at end")
+          + ", ".join(f"{x:.1f}" for x in loads) + " (start, after each run)")
+    if a.runs == 1:
+        _print_run(runs[0])
+    else:
+        _print_runs(runs)
+
+
+def _size(nbytes: int) -> str:
+    return f"{nbytes // 1024 ** 2}M" if nbytes >= 1024 ** 2 else f"{nbytes // 1024}K"
+
+
+def _print_run(rows) -> None:
     print(f"{'case':26s} {'size':>5s} {'raw ms':>9s} {'DTensor ms':>11s} {'ours ms':>9s} "
           f"{'ours/raw':>9s} {'ours/DT':>8s}   (ratios of the fastest calls)")
     for name, nbytes, t, m in rows:
-        size = f"{nbytes // 1024 ** 2}M" if nbytes >= 1024 ** 2 else f"{nbytes // 1024}K"
-        print(f"{name:26s} {size:>5s} {t['raw'] * 1e3:9.3f} {t['dtensor'] * 1e3:11.3f} "
+        print(f"{name:26s} {_size(nbytes):>5s} {t['raw'] * 1e3:9.3f} {t['dtensor'] * 1e3:11.3f} "
               f"{t['ours'] * 1e3:9.3f} {t['ours'] / t['raw']:9.2f} {t['ours'] / t['dtensor']:8.2f}"
               f"   ({m['ours'] / m['raw']:.2f}, {m['ours'] / m['dtensor']:.2f})")
 
+
+def _print_runs(runs) -> None:
+    """Per case: the median over runs of each run's median time, and the median [min-max] over
+    runs of each run's ratio."""
+    print(f"{len(runs)} runs: times are the median of the runs' medians; ratios the median "
+          f"[lowest-highest] of the runs' ratios")
+    print(f"{'case':26s} {'size':>5s} {'raw ms':>9s} {'DTensor ms':>11s} {'ours ms':>9s} "
+          f"{'ours/raw':>17s} {'ours/DTensor':>17s}")
+    for k, (name, nbytes, _, _) in enumerate(runs[0]):
+        t = {who: statistics.median(run[k][2][who] for run in runs) for who in ("raw", "dtensor", "ours")}
+        vs_raw = [run[k][2]["ours"] / run[k][2]["raw"] for run in runs]
+        vs_dt = [run[k][2]["ours"] / run[k][2]["dtensor"] for run in runs]
+        print(f"{name:26s} {_size(nbytes):>5s} {t['raw'] * 1e3:9.3f} {t['dtensor'] * 1e3:11.3f} "
+              f"{t['ours'] * 1e3:9.3f} "
+              f"{statistics.median(vs_raw):5.2f} [{min(vs_raw):.2f}-{max(vs_raw):.2f}] "
+              f"{statistics.median(vs_dt):5.2f} [{min(vs_dt):.2f}-{max(vs_dt):.2f}]")
 
 if __name__ == "__main__":
     main()
