@@ -52,6 +52,14 @@ def check_against_simulator(cases, world, timeout=60):
                            full_of(src.shape))
 
 
+@pytest.fixture(params=["p2p", "gloo"])
+def cpu_path(request, monkeypatch):
+    """Both ways the executor runs gathers and reductions on CPU: point to point (the default)
+    and gloo's own collectives (GT_CPU_COLLECTIVES=gloo, the code path NCCL takes)."""
+    monkeypatch.setattr(execute, "_CPU_POINT_TO_POINT", request.param == "p2p")
+    return request.param
+
+
 def all_pairs(src_p, dst_p, shapes):
     return [(Layout(src_p, a, shape), Layout(dst_p, b, shape))
             for shape in shapes
@@ -60,12 +68,12 @@ def all_pairs(src_p, dst_p, shapes):
 
 
 @pytest.mark.parametrize("grid, world", [([0, 1], 2), ([0, 1, 2, 3], 4), ([[0, 1], [2, 3]], 4)])
-def test_every_pair_on_a_grid_matches_the_simulator(grid, world):
+def test_every_pair_on_a_grid_matches_the_simulator(grid, world, cpu_path):
     placement = gt.placement("cpu", grid)
     check_against_simulator(all_pairs(placement, placement, [(4, 4), (5, 7)]), world)
 
 
-def test_ranks_outside_the_placement_take_part_in_group_creation():
+def test_ranks_outside_the_placement_take_part_in_group_creation(cpu_path):
     placement = gt.placement("cpu", [0, 2, 3])
     check_against_simulator(all_pairs(placement, placement, [(5, 7)]), 4)
 
@@ -79,7 +87,7 @@ def test_placement_changes_match_the_simulator(src, dst):
                                       [(4, 6), (5, 7)]), 4)
 
 
-def test_other_dtypes_and_higher_rank_tensors():
+def test_other_dtypes_and_higher_rank_tensors(cpu_path):
     placement = gt.placement("cpu", [[0, 1], [2, 3]])
     cases = [(Layout(placement, (S(2), S(0)), (3, 5, 6)), Layout(placement, (S(1), B), (3, 5, 6))),
              (Layout(placement, (P, S(1)), (3, 5, 6)), Layout(placement, (S(2), S(2)), (3, 5, 6)))]
@@ -105,7 +113,7 @@ def test_same_layout_returns_the_input_itself():
     assert execute.run(plan(layout, layout), x, 0) is x
 
 
-def test_rank_order_on_the_axis_is_not_the_group_order():
+def test_rank_order_on_the_axis_is_not_the_group_order(cpu_path):
     # torch numbers a group's members by global rank; the placement's order must win
     grid = gt.placement("cpu", [[3, 1], [0, 2]])
     line = gt.placement("cpu", [2, 0, 3, 1])
@@ -136,7 +144,7 @@ def random_cases(seed, count, world):
     return cases
 
 
-def test_random_layouts_match_the_simulator():
+def test_random_layouts_match_the_simulator(cpu_path):
     check_against_simulator(random_cases(seed=7, count=120, world=6), 6, timeout=120)
 
 
@@ -177,10 +185,11 @@ def test_local_slice_plans_return_fresh_contiguous_pieces_on_every_rank():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.int32, torch.bool])
-def test_partial_sums_on_cpu_are_pairwise_in_axis_order_and_agree_bitwise(dtype):
+def test_partial_sums_on_cpu_are_pairwise_in_axis_order_and_agree_bitwise(dtype, monkeypatch):
     """P -> B and P -> S run as point-to-point messages on CPU (no group is created) and sum the
     members' pieces in axis order: every rank of P -> B holds the same bits, equal to
     ((p0 + p1) + p2) + p3 in axis order, and P -> S(0) gives exactly their rows of it."""
+    monkeypatch.setattr(execute, "_CPU_POINT_TO_POINT", True)  # whatever GT_CPU_COLLECTIVES says
     line = gt.placement("cpu", [2, 0, 3, 1])  # axis order is not rank order
     shape = (7, 5)  # 7 rows over 4 ranks: uneven slices; 35 elements: uneven all_reduce runs
     src = Layout(line, (P,), shape)
@@ -210,3 +219,22 @@ def test_partial_sums_on_cpu_are_pairwise_in_axis_order_and_agree_bitwise(dtype)
         assert new_groups == 0
         assert to_b.dtype == dtype and torch.equal(to_b, expected)
         assert torch.equal(to_s, expected[rows.slices(line.coord_of(rank))])
+
+
+@pytest.mark.parametrize("value, p2p", [(None, True), ("p2p", True), ("gloo", False), (" GLOO ", False),
+                                        ("nccl", "GlobalTensorError: expected GT_CPU_COLLECTIVES to be "
+                                                 "'p2p' or 'gloo', found 'nccl'")])
+def test_gt_cpu_collectives_chooses_the_cpu_path_at_import(value, p2p):
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in __import__("os").environ.items() if k != "GT_CPU_COLLECTIVES"}
+    if value is not None:
+        env["GT_CPU_COLLECTIVES"] = value
+    out = subprocess.run([sys.executable, "-c", "from globaltensor.comm import execute; "
+                          "print(execute._CPU_POINT_TO_POINT)"],
+                         env=env, capture_output=True, text=True, timeout=60)
+    if isinstance(p2p, bool):
+        assert out.stdout.strip() == str(p2p), out.stderr
+    else:
+        assert out.returncode != 0 and p2p in out.stderr

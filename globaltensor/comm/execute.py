@@ -12,9 +12,12 @@ The result is a fresh, contiguous tensor: the caller's tensor is never modified 
 """
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.distributed as dist
 
+from ..errors import GlobalTensorError
 from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
                     ReduceScatter, ZeroFill, box_shape, relative)
 from ..sbp import Broadcast
@@ -119,6 +122,22 @@ def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
     raise TypeError(f"the executor does not know the step {step!r}")
 
 
+def _cpu_point_to_point() -> bool:
+    """GT_CPU_COLLECTIVES: ``p2p`` (the default) or ``gloo`` to keep gloo's own collectives
+    for the steps below. Read once, at import; the tests also flip the result to run the
+    collective code path, NCCL's, on gloo."""
+    raw = os.environ.get("GT_CPU_COLLECTIVES", "p2p").strip().lower()
+    if raw not in ("p2p", "gloo"):
+        raise GlobalTensorError(
+            f"expected GT_CPU_COLLECTIVES to be 'p2p' or 'gloo', found {raw!r}; unset it for "
+            f"point-to-point gathers and reductions on CPU, or set it to 'gloo' for gloo's "
+            f"collectives")
+    return raw == "p2p"
+
+
+_CPU_POINT_TO_POINT = _cpu_point_to_point()
+
+
 def _pairwise(step) -> bool:
     """Whether a step runs as batches of point-to-point messages instead of a collective: on
     CPU (gloo) every gather, reduce_scatter and all_reduce (AllGatherV everywhere). gloo's
@@ -129,7 +148,8 @@ def _pairwise(step) -> bool:
     4 KiB (docs/performance.md). NCCL keeps its collectives, pipelined rings. (The sums are
     ``+=``, as gloo's: for bool that is a logical or, as gloo's sum of bools.)"""
     return isinstance(step, AllGatherV) or (
-        step.after.placement.type == "cpu" and isinstance(step, (AllGather, ReduceScatter, AllReduce)))
+        _CPU_POINT_TO_POINT and step.after.placement.type == "cpu"
+        and isinstance(step, (AllGather, ReduceScatter, AllReduce)))
 
 
 def _member_coords(placement, axis: int, coord):
@@ -183,16 +203,16 @@ def _gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
     other member and receives each member's piece, all posted as one batch. Along dim 0 each
     piece is received straight into its rows of the result; along another dim into a buffer,
     then placed."""
-    m = _static(step, coord, None, _GatherStatic)
+    m = _static(step, coord, None, _Pairs)
     d = step.dim
     out = local.new_empty(m.out_shape)
     out.narrow(d, m.starts[m.me], m.sizes[m.me]).copy_(local)
     send = local.contiguous()
     ops, landing = [], []
-    for peer, start, size in m.peers:
+    for k, peer in m.peers:
         if send.numel():
             ops.append(dist.P2POp(dist.isend, send, peer))
-        place = out.narrow(d, start, size)
+        place = out.narrow(d, m.starts[k], m.sizes[k])
         if place.numel():  # (a member's piece with another dim of size 0 is not sent either)
             buf = place if d == 0 else local.new_empty(place.shape)
             ops.append(dist.P2POp(dist.irecv, buf, peer))
@@ -204,26 +224,35 @@ def _gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
     return out
 
 
-class _GatherStatic:
-    """What a pairwise gather needs at one coordinate, worked out once (see ``_static``)."""
+class _Pairs:
+    """Who a pairwise step at one coordinate exchanges with, and how its data is cut, worked out
+    once (see ``_static``): ``me`` (this member's axis index), ``peers`` ([(axis index, global
+    rank)] of the others), and per member in axis order the ``sizes`` / ``starts`` of the cut:
+    along the step's dim (a gather's pieces, a reduce_scatter's slices) or, for an all_reduce,
+    of the flattened piece (the first numel % n runs one element longer)."""
 
-    __slots__ = ("sizes", "starts", "me", "out_shape", "peers")
+    __slots__ = ("me", "peers", "sizes", "starts", "out_shape")
 
-    def __init__(self, step: AllGather, coord, _ranks):
+    def __init__(self, step, coord, _ranks):
         placement = step.after.placement
         members = _member_coords(placement, step.axis, coord)
-        self.sizes = _sizes_along(step.before, step.axis, coord, step.dim)
-        self.starts, self.me = _starts(self.sizes), coord[step.axis]
+        self.me = coord[step.axis]
+        self.peers = [(k, placement.rank_at(c)) for k, c in enumerate(members) if k != self.me]
+        if isinstance(step, AllReduce):
+            n, numel = len(members), _prod(box_shape(step.before.box(coord)))
+            self.sizes = [numel // n + (1 if k < numel % n else 0) for k in range(n)]
+        else:
+            layout = step.before if isinstance(step, AllGather) else step.after
+            self.sizes = _sizes_along(layout, step.axis, coord, step.dim)
+        self.starts = _starts(self.sizes)
         self.out_shape = box_shape(step.after.box(coord))
-        self.peers = [(placement.rank_at(c), self.starts[k], self.sizes[k])
-                      for k, c in enumerate(members) if k != self.me]
 
 
 def _reduce_scatter_pairwise(step: ReduceScatter, local, coord) -> torch.Tensor:
     """P -> S(dim) without a group: this rank sends each other member that member's slice of
     dim and receives its own slice from every member, all posted as one batch; the slices are
     then summed in axis order (so every layout of the same partial value sums alike)."""
-    m = _static(step, coord, None, _ReduceScatterStatic)
+    m = _static(step, coord, None, _Pairs)
     d = step.dim
     mine = local.narrow(d, m.starts[m.me], m.sizes[m.me])
     ops, parts = [], {m.me: mine}
@@ -247,24 +276,11 @@ def _sum_in_order(parts: dict, n: int, out=None) -> torch.Tensor:
     return out
 
 
-class _ReduceScatterStatic:
-    """What a pairwise reduce_scatter needs at one coordinate, worked out once."""
-
-    __slots__ = ("sizes", "starts", "me", "peers")
-
-    def __init__(self, step: ReduceScatter, coord, _ranks):
-        placement = step.after.placement
-        members = _member_coords(placement, step.axis, coord)
-        self.sizes = _sizes_along(step.after, step.axis, coord, step.dim)
-        self.starts, self.me = _starts(self.sizes), coord[step.axis]
-        self.peers = [(k, placement.rank_at(c)) for k, c in enumerate(members) if k != self.me]
-
-
 def _all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
     """P -> B without a group: a pairwise reduce_scatter of the flattened piece in n runs (the
     first numel % n one element longer), then a pairwise gather of the summed runs; every
     member ends with the same bits."""
-    m = _static(step, coord, None, _AllReduceStatic)
+    m = _static(step, coord, None, _Pairs)
     flat = local.contiguous().view(-1)
     n = len(m.sizes)
     runs = flat.split(m.sizes)
@@ -287,20 +303,6 @@ def _all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
             ops.append(dist.P2POp(dist.irecv, places[k], peer))
     _send_recv(ops)
     return out.view(local.shape)
-
-
-class _AllReduceStatic:
-    """What a pairwise all_reduce needs at one coordinate, worked out once."""
-
-    __slots__ = ("sizes", "me", "peers")
-
-    def __init__(self, step: AllReduce, coord, _ranks):
-        placement = step.after.placement
-        members = _member_coords(placement, step.axis, coord)
-        n, numel = len(members), _prod(box_shape(step.before.box(coord)))
-        self.sizes = [numel // n + (1 if k < numel % n else 0) for k in range(n)]
-        self.me = coord[step.axis]
-        self.peers = [(k, placement.rank_at(c)) for k, c in enumerate(members) if k != self.me]
 
 
 def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
