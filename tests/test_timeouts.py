@@ -98,7 +98,8 @@ def test_subgroups_inherit_the_world_timeout():
     (6, "B", "(B), [6]), step 1 of 1 (all_gather axis 0 dim 0)"),
     (5, "B", "(B), [5]), step 1 of 1 (all_gatherv axis 0 dim 0)"),
     (6, "[1]", "(S(0)), [6]), step 1 of 1 (send/recv ranks [0, 1] -> [1])"),
-], ids=["all_gather", "all_gatherv", "exchange"])
+    (6, "P->B", "(B), [6]), step 1 of 1 (all_reduce axis 0"),
+], ids=["all_gather", "all_gatherv", "exchange", "all_reduce"])
 def test_skipped_redistribution_times_out_naming_the_step(n, dst, words):
     """Debug off: the rank that waits names the operation, its ranks and the way to learn more.
     Gathers and exchanges are point-to-point messages on CPU: they keep the world's timeout."""
@@ -106,16 +107,19 @@ def test_skipped_redistribution_times_out_naming_the_step(n, dst, words):
         _shorten_world_timeout(1)
         p = gt.placement("cpu", [0, 1])
         x = gt.arange(n, placement=p, sbp=gt.sbp.split(0))
+        if dst == "P->B":
+            x = gt.ones(n, placement=p, sbp=gt.sbp.partial_sum)
         if rank == 1:
             return None  # skips the redistribution
-        if dst == "B":
+        if dst in ("B", "P->B"):
             return _error_or_none(lambda: x.to_global(sbp=gt.sbp.broadcast))
         return _error_or_none(lambda: x.to_global(placement=gt.placement("cpu", [1])))
 
     out = run_ranks(body, 2, timeout=30)
     kind, msg = out[0]
     assert kind == "CollectiveTimeoutError"
-    assert msg.startswith(f"redistribution Layout(placement('cpu', ranks=[0, 1]), (S(0)), [{n}]) -> ")
+    src = "(P)" if dst == "P->B" else "(S(0))"
+    assert msg.startswith(f"redistribution Layout(placement('cpu', ranks=[0, 1]), {src}, [{n}]) -> ")
     assert words in msg
     assert "timed out on rank 0 among ranks [0, 1]" in msg
     assert "Run with GT_DEBUG=1 to learn where each rank was" in msg

@@ -279,30 +279,36 @@ def _sum_in_order(parts: dict, n: int, out=None) -> torch.Tensor:
 def _all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
     """P -> B without a group: a pairwise reduce_scatter of the flattened piece in n runs (the
     first numel % n one element longer), then a pairwise gather of the summed runs; every
-    member ends with the same bits."""
+    member ends with the same bits. The gather's receives are posted with the reduce_scatter's
+    messages (on their own tag), so a peer's summed run can arrive as soon as it is ready."""
     m = _static(step, coord, None, _Pairs)
     flat = local.contiguous().view(-1)
     n = len(m.sizes)
     runs = flat.split(m.sizes)
-    ops, parts = [], {m.me: runs[m.me]}
-    for k, peer in m.peers:
-        if m.sizes[k]:
-            ops.append(dist.P2POp(dist.isend, runs[k], peer))
-        parts[k] = flat.new_empty(m.sizes[m.me])
-        if m.sizes[m.me]:
-            ops.append(dist.P2POp(dist.irecv, parts[k], peer))
-    _send_recv(ops)
     out = flat.new_empty(flat.shape)
     places = out.split(m.sizes)
-    _sum_in_order(parts, n, out=places[m.me])
-    ops = []
+    first, gather, parts = [], [], {m.me: runs[m.me]}
     for k, peer in m.peers:
-        if m.sizes[m.me]:
-            ops.append(dist.P2POp(dist.isend, places[m.me], peer))
         if m.sizes[k]:
-            ops.append(dist.P2POp(dist.irecv, places[k], peer))
-    _send_recv(ops)
+            first.append(dist.P2POp(dist.isend, runs[k], peer))
+            gather.append(dist.P2POp(dist.irecv, places[k], peer, tag=_GATHER_TAG))
+        parts[k] = flat.new_empty(m.sizes[m.me])
+        if m.sizes[m.me]:
+            first.append(dist.P2POp(dist.irecv, parts[k], peer))
+    timeout = world_timeout()
+    scattering = _post(first)
+    gathering = _post(gather)
+    for work in scattering:
+        work.wait(timeout)
+    _sum_in_order(parts, n, out=places[m.me])
+    sends = [dist.P2POp(dist.isend, places[m.me], peer, tag=_GATHER_TAG)
+             for _, peer in m.peers if m.sizes[m.me]]
+    for work in gathering + _post(sends):
+        work.wait(timeout)
     return out.view(local.shape)
+
+
+_GATHER_TAG = 1  # an all_reduce's second phase: its messages never match the first phase's
 
 
 def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
@@ -402,8 +408,13 @@ def _send_recv(ops) -> None:
     that never sends would hang past gt.init(timeout=...)."""
     if ops:
         timeout = world_timeout()
-        for work in dist.batch_isend_irecv(ops):
+        for work in _post(ops):
             work.wait(timeout)
+
+
+def _post(ops) -> list:
+    """Start a batch of isend/irecv; their works (none for no ops)."""
+    return list(dist.batch_isend_irecv(ops)) if ops else []
 
 
 def _prod(xs) -> int:
