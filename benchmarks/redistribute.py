@@ -123,19 +123,27 @@ def raw_reduce_scatter_p2p(local, rank, n=WORLD):
 
 
 def raw_all_reduce_p2p(local, rank, n=WORLD):
-    """P -> B as gt runs it on gloo: the reduce_scatter above on the flattened piece, then the
-    summed runs gathered pairwise into the result (even runs)."""
+    """P -> B as gt runs it on gloo: the reduce_scatter above on the flattened piece, with the
+    gather's receives posted up front (tag 1), then this rank's summed run sent to every other
+    rank (even runs)."""
     flat = local.view(-1)
-    mine = raw_reduce_scatter_p2p(flat, rank, n)
-    run = mine.numel()
+    run = flat.numel() // n
     out = flat.new_empty(flat.shape)
-    out[rank * run: (rank + 1) * run] = mine
-    ops = []
+    parts, scatter, gather = {rank: flat[rank * run: (rank + 1) * run]}, [], []
     for k in range(n):
         if k != rank:
-            ops += [dist.P2POp(dist.isend, mine, k),
-                    dist.P2POp(dist.irecv, out[k * run: (k + 1) * run], k)]
-    for work in dist.batch_isend_irecv(ops):
+            parts[k] = flat.new_empty(run)
+            scatter += [dist.P2POp(dist.isend, flat[k * run: (k + 1) * run], k),
+                        dist.P2POp(dist.irecv, parts[k], k)]
+            gather.append(dist.P2POp(dist.irecv, out[k * run: (k + 1) * run], k, tag=1))
+    scattering, gathering = dist.batch_isend_irecv(scatter), dist.batch_isend_irecv(gather)
+    for work in scattering:
+        work.wait()
+    mine = torch.add(parts[0], parts[1], out=out[rank * run: (rank + 1) * run])
+    for k in range(2, n):
+        mine += parts[k]
+    sends = [dist.P2POp(dist.isend, mine, k, tag=1) for k in range(n) if k != rank]
+    for work in gathering + dist.batch_isend_irecv(sends):
         work.wait()
     return out.view(local.shape)
 

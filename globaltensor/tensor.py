@@ -203,11 +203,16 @@ def _as_global_grad(grad, like: Layout) -> GlobalTensor:
 
 def _redistributed(x: GlobalTensor, layout: Layout, copy: bool) -> GlobalTensor:
     """A new global tensor holding ``x`` laid out as ``layout`` (what to_global computes)."""
-    local = redistribute_local(x._local, x._layout, layout)
+    return _rewrapped(x, redistribute_local(x._local, x._layout, layout), layout, copy)
+
+
+def _rewrapped(x: GlobalTensor, local: torch.Tensor, layout: Layout, copy: bool = False) -> GlobalTensor:
+    """``local`` (x's piece of ``layout``) as a new global tensor: if the move left x's own
+    piece (the same layout, or nothing to do on this rank), a new tensor object; with copy,
+    new storage too."""
     if local is x._local:
-        # same layout: a new tensor object; with copy, new storage too
         local = local.clone() if copy else local.view_as(local)
-    return GlobalTensor._make(local, layout)
+    return GlobalTensor(local, layout)
 
 
 def _records_graph(x: torch.Tensor) -> bool:
@@ -433,10 +438,7 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
                 return self
             rank = _backend.cached_rank()
             if rank is not None:
-                local = _execute(hit[2], self._local, rank)
-                if local is self._local:  # a plan with nothing to do here: a new tensor object
-                    local = local.view_as(local)
-                return GlobalTensor(local, hit[1])
+                return _rewrapped(self, _execute(hit[2], self._local, rank), hit[1])
     dst = _cached_target(src, placement, sbp)
     _check_grad_sbp(grad_sbp, dst.placement, len(src.shape))
     if _debug.is_debug():

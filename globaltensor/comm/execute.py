@@ -3,10 +3,10 @@
 SPMD: every rank of the world calls ``run`` with the same plan, in the same order. Every rank
 makes the same process-group calls for every step (torch.distributed needs all ranks of the
 world to create each group, in one order); a rank outside a step's group then skips its data
-part. Uneven pieces are padded to the largest piece of the group and trimmed, except all_to_all,
-which sends exact split sizes, and gathers run point to point (below), which send each piece as
-it is. On CPU (gloo) every gather -- AllGather and AllGatherV -- is one batch of isend/irecv
-between the members (``_pairwise``); on CUDA an AllGather is NCCL's all_gather.
+part. On CPU (gloo) gathers (AllGather, AllGatherV), reduce_scatters and all_reduces run as
+batches of isend/irecv between the members (``_pairwise``), with exact sizes; on CUDA they are
+NCCL's collectives, which pad uneven pieces to the largest of the group and trim after (an
+AllGatherV is point to point there too). all_to_all sends exact split sizes everywhere.
 
 The result is a fresh, contiguous tensor: the caller's tensor is never modified or aliased.
 """
@@ -144,8 +144,8 @@ def _pairwise(step) -> bool:
     collectives go round a ring in lockstep, n-1 rounds (2(n-1) for all_reduce), each waiting
     on the slowest member; the pairwise messages send the same bytes per rank, all in flight at
     once, and land in place. On 4 ranks: all_gather 1.5-3.7x and reduce_scatter 2.6-6x faster,
-    all_reduce (a pairwise reduce_scatter, then a pairwise gather) 1.1x at 32 MiB and 2-3x at
-    4 KiB (docs/performance.md). NCCL keeps its collectives, pipelined rings. (The sums are
+    all_reduce (a pairwise reduce_scatter, then a pairwise gather) 1.1-1.2x at 32 MiB and 2-3x
+    at 4 KiB (docs/performance.md). NCCL keeps its collectives, pipelined rings. (The sums are
     ``+=``, as gloo's: for bool that is a logical or, as gloo's sum of bools.)"""
     return isinstance(step, AllGatherV) or (
         _CPU_POINT_TO_POINT and step.after.placement.type == "cpu"
