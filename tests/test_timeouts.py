@@ -14,6 +14,8 @@ from globaltensor.comm.guard import guard, is_timeout, world_timeout
 from globaltensor.errors import CollectiveTimeoutError, GlobalTensorError
 from globaltensor.testing import run_ranks, run_script
 
+from test_debug import _error_or_none  # (type name, message) of the GlobalTensorError, or None
+
 
 def _shorten_world_timeout(seconds: float) -> None:
     """Like gt.init(timeout=seconds) for a thread-rank: groups made from now on inherit it.
@@ -23,14 +25,6 @@ def _shorten_world_timeout(seconds: float) -> None:
     """
     backend = dist.group.WORLD._get_backend(torch.device("cpu"))
     backend._set_default_timeout(datetime.timedelta(seconds=seconds))
-
-
-def _error_or_none(fn):
-    try:
-        fn()
-    except GlobalTensorError as e:
-        return type(e).__name__, str(e)
-    return None
 
 
 # --- pure ----------------------------------------------------------------------------------------
