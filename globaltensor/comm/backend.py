@@ -39,11 +39,6 @@ def cached_rank() -> int | None:
     return rank
 
 
-def world_rank() -> int:
-    rank = cached_rank()
-    return dist.get_rank() if rank is None else rank  # no world: torch's own error
-
-
 def world_size() -> int:
     return dist.get_world_size()
 

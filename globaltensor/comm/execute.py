@@ -33,8 +33,8 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     """This rank's piece of ``plan.dst`` from its piece ``local`` of ``plan.src``."""
     if not plan.steps:
         return local
-    hit = _SLICES.get((id(plan), rank))  # _slices_only's lookup, inlined: a warm path
-    cuts = hit[1] if hit is not None and hit[0] is plan else _slices_only(plan, rank)
+    hit = _STATIC.get((id(plan), rank))  # _static's lookup, inlined: a warm path
+    cuts = hit[1] if hit is not None and hit[0] is plan else _static(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:
             local = local.narrow(dim, start, length)
@@ -49,25 +49,28 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     return out.contiguous()
 
 
-# (id(plan), rank) -> (plan, cuts): the plan is held, so its id cannot be reused while its
-# entry lives; cuts is None for a plan that is not made of local slices only
-_SLICES: dict = {}
-_SLICES_MAX = 4096
+# (id(obj), where) -> (obj, what obj needs there): a plan's local-slice cuts per rank, a step's
+# shapes, splits, orders and peers per coordinate. These depend only on the plan or step and the
+# rank or coordinate, never on the world, so thread-ranks share them. An entry holds obj, so
+# its id is not reused while the entry lives.
+_STATIC: dict = {}
+_STATIC_MAX = 4096
 
 
-def _slices_only(plan: Plan, rank: int):
-    """For a plan of local slices only (B -> S, on any axes): this rank's (dim, start, length)
-    narrows, worked out once per plan and rank; None for any other plan."""
-    key = (id(plan), rank)
-    hit = _SLICES.get(key)
-    if hit is None or hit[0] is not plan:
-        if len(_SLICES) >= _SLICES_MAX:
-            _SLICES.clear()
-        hit = _SLICES[key] = (plan, _cuts(plan, rank))
+def _static(obj, where, build):
+    """``build(obj, where)``, worked out once per (obj, where)."""
+    key = (id(obj), where)
+    hit = _STATIC.get(key)
+    if hit is None or hit[0] is not obj:
+        if len(_STATIC) >= _STATIC_MAX:
+            _STATIC.clear()
+        hit = _STATIC[key] = (obj, build(obj, where))
     return hit[1]
 
 
 def _cuts(plan: Plan, rank: int):
+    """For a plan of local slices only (B -> S, on any axes): this rank's (dim, start, length)
+    narrows; None for any other plan."""
     if not all(isinstance(s, LocalSlice) for s in plan.steps):
         return None
     coord = plan.src.placement.coord_of(rank)
@@ -203,7 +206,7 @@ def _gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
     other member and receives each member's piece, all posted as one batch. Along dim 0 each
     piece is received straight into its rows of the result; along another dim into a buffer,
     then placed."""
-    m = _static(step, coord, None, _Pairs)
+    m = _static(step, coord, _Pairs)
     d = step.dim
     out = local.new_empty(m.out_shape)
     out.narrow(d, m.starts[m.me], m.sizes[m.me]).copy_(local)
@@ -233,7 +236,7 @@ class _Pairs:
 
     __slots__ = ("me", "peers", "sizes", "starts", "out_shape")
 
-    def __init__(self, step, coord, _ranks):
+    def __init__(self, step, coord):
         placement = step.after.placement
         members = _member_coords(placement, step.axis, coord)
         self.me = coord[step.axis]
@@ -252,7 +255,7 @@ def _reduce_scatter_pairwise(step: ReduceScatter, local, coord) -> torch.Tensor:
     """P -> S(dim) without a group: this rank sends each other member that member's slice of
     dim and receives its own slice from every member, all posted as one batch; the slices are
     then summed in axis order (so every layout of the same partial value sums alike)."""
-    m = _static(step, coord, None, _Pairs)
+    m = _static(step, coord, _Pairs)
     d = step.dim
     mine = local.narrow(d, m.starts[m.me], m.sizes[m.me])
     ops, parts = [], {m.me: mine}
@@ -281,7 +284,7 @@ def _all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
     first numel % n one element longer), then a pairwise gather of the summed runs; every
     member ends with the same bits. The gather's receives are posted with the reduce_scatter's
     messages (on their own tag), so a peer's summed run can arrive as soon as it is ready."""
-    m = _static(step, coord, None, _Pairs)
+    m = _static(step, coord, _Pairs)
     flat = local.contiguous().view(-1)
     n = len(m.sizes)
     runs = flat.split(m.sizes)
@@ -339,7 +342,7 @@ def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
     Each slice travels as one flat run (exact sizes, no padding), packed in the group's rank
     order; along src_dim 0 in axis order the received buffer is the result (no copy), and even
     slices in axis order pack (and unpack) with one strided copy."""
-    m = _static(step, coord, ranks, _AllToAllStatic)
+    m = _static(step, coord, _AllToAllStatic)
     i, j, n = step.src_dim, step.dst_dim, len(ranks)
     if j == 0 and m.in_order:
         send = local.contiguous().view(-1)
@@ -366,11 +369,11 @@ class _AllToAllStatic:
     __slots__ = ("order", "in_order", "lengths", "starts", "even_j", "chunk_shapes",
                  "send_splits", "mine", "shapes", "even_i", "recv_splits")
 
-    def __init__(self, step: AllToAll, coord, ranks):
+    def __init__(self, step: AllToAll, coord):
         i, j = step.src_dim, step.dst_dim
         before, after = step.before, step.after
         members = _member_coords(after.placement, step.axis, coord)
-        self.order = _group_order(ranks)
+        self.order = _group_order(after.placement.group_along(step.axis, coord))
         self.in_order = self.order == sorted(self.order)
         self.lengths = [after.box(c)[j][1] - after.box(c)[j][0] for c in members]
         self.starts = _starts(self.lengths)
@@ -383,23 +386,6 @@ class _AllToAllStatic:
                        for c in members]
         self.even_i = min(s[i] for s in self.shapes) == max(s[i] for s in self.shapes)
         self.recv_splits = [_prod(self.shapes[k]) for k in self.order]
-
-
-# (id(step), coord) -> (step, what the step needs there): shapes, splits and orders depend only
-# on the step and the coordinate (ranks follow from the coordinate), never on the world, so
-# thread-ranks share them. The entry holds the step, so its id is not reused while it lives.
-_STATIC: dict = {}
-_STATIC_MAX = 4096
-
-
-def _static(step, coord, ranks, build):
-    key = (id(step), coord)
-    hit = _STATIC.get(key)
-    if hit is None or hit[0] is not step:
-        if len(_STATIC) >= _STATIC_MAX:
-            _STATIC.clear()
-        hit = _STATIC[key] = (step, build(step, coord, ranks))
-    return hit[1]
 
 
 def _send_recv(ops) -> None:
