@@ -16,6 +16,11 @@ from .factories import (arange, empty, empty_like, full, full_like, ones, ones_l
 from .random import manual_seed
 from .spawn import spawn
 from .visualize import visualize
+from .convert import install_tensor_methods
+from .nn.module import install_module_methods
+
+install_tensor_methods()
+install_module_methods()
 
 __all__ = [
     "GlobalTensor",

@@ -1,7 +1,7 @@
 """Debug checks: every rank agrees on each global operation before it communicates.
 
 With ``GT_DEBUG=1`` in the environment, or ``gt.set_debug(True)``, every global operation first
-calls ``check(op, **facts)``: each rank publishes ``(sequence number, op, facts)`` and waits for the
+calls ``runtime.agreement.check(op, **facts)``: each rank publishes ``(sequence number, op, facts)`` and waits for the
 same from every other rank. Ranks that disagree, or do not arrive within the timeout, make every
 rank raise an error naming those ranks and what differs -- instead of a silent deadlock or
 corrupted data::
@@ -12,7 +12,8 @@ corrupted data::
 When debug is off, a hook costs one ContextVar read. The flag lives in a ContextVar (ranks may be
 threads of one interpreter in tests); ``GT_DEBUG`` is read the first time a context asks.
 
-This module is pure formatting and bookkeeping; the store traffic is in ``comm/consistency.py``.
+This module is pure: the flag and the messages. The hook, ``runtime.agreement.check``, and the
+store traffic behind it live in ``runtime/agreement.py``.
 """
 from __future__ import annotations
 
@@ -27,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import GlobalTensorError
+from .sbp import SBP_TYPES
 
 # None: not decided in this context yet -> read GT_DEBUG once and remember it here
 _FLAG: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug", default=None)
@@ -126,8 +128,6 @@ def fact_text(value) -> str:
 
 
 def _is_sbp(value) -> bool:
-    from .sbp import SBP_TYPES
-
     return isinstance(value, SBP_TYPES)
 
 
@@ -223,34 +223,16 @@ def missing_message(me: int, mine: Descriptor, missing: list[int], last: dict[in
     )
 
 
-# ---------------------------------------------------------------------------------------------
-# the hook
-
-
-def check(op: str, *, ranks=None, **facts) -> None:
-    """Make every rank (of the world, or of ``ranks``) agree on ``op`` and ``facts`` first.
-
-    A no-op when debug is off, outside an initialised world, or in a world of one. Pass only
-    facts every rank must share (layouts, global shapes, dtypes, flags), never a local shape
-    that may differ between ranks.
-    """
-    if not is_debug():
-        return
-    from .comm import consistency
-
-    consistency.agree(op, facts, ranks=ranks, timeout=timeout_seconds())
-
-
-def op_args(args, kwargs) -> "_Plain":
+def op_args(args, kwargs) -> "Verbatim":
     """An operator's arguments as every rank must share them: global tensors by layout and dtype,
     local tensors by shape and dtype, ints and flags by value; floats are left out (a scale may
     rightly differ per rank, e.g. 1 / local batch size on a split tensor)."""
     parts = [_arg_text(a) for a in args]
     parts += [f"{k}={_arg_text(v)}" for k, v in (kwargs or {}).items()]
-    return _Plain("(" + ", ".join(parts) + ")")
+    return Verbatim("(" + ", ".join(parts) + ")")
 
 
-class _Plain(str):
+class Verbatim(str):
     """Text shown as is in a fact (a plain str fact is shown quoted)."""
 
     __slots__ = ()
@@ -284,4 +266,4 @@ def caller(module: str, skip: int = 1) -> str:
     return module.rsplit(".", 1)[-1]
 
 
-__all__ = ["set_debug", "is_debug", "debugging", "check", "Descriptor", "disagreement"]
+__all__ = ["set_debug", "is_debug", "debugging", "Descriptor", "disagreement"]

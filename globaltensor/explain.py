@@ -1,7 +1,10 @@
 """``gt.explain``: the plan a redistribution would run, with bytes per rank (no communication)."""
 from __future__ import annotations
 
+from .convert import target_layout
 from .errors import GlobalTensorError
+from .plan import plan
+from .tensor import GlobalTensor
 
 
 class Explanation:
@@ -43,9 +46,6 @@ def explain(x, placement=None, sbp=None) -> Explanation:
     (S(0),) -> (B,)  on placement('cpu', ranks=[0, 1])  shape [4, 5] float32
       1. all_gather ...
     """
-    from .plan import plan
-    from .tensor import GlobalTensor, target_layout
-
     if not isinstance(x, GlobalTensor):
         raise GlobalTensorError(
             f"explain expects a global tensor, found {type(x).__name__}; make one with "

@@ -16,7 +16,9 @@ from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
 from .sbp import normalize
-from .tensor import GlobalTensor, _check_placement, _device_for
+from .convert import check_placement, device_for
+from .runtime.agreement import check
+from .tensor import GlobalTensor
 
 
 def _size(size) -> tuple[int, ...]:
@@ -65,7 +67,7 @@ def _layout(size, placement, sbp) -> Layout:
             f"gt.placement('cpu', [0, 1]), sbp=gt.sbp.split(0)); found placement={placement!r}, "
             f"sbp={sbp!r}"
         )
-    placement = _check_placement(placement)
+    placement = check_placement(placement)
     return Layout(placement, normalize(sbp, placement.ndim), size)
 
 
@@ -81,7 +83,7 @@ def _finish(local: torch.Tensor, layout: Layout, coord, requires_grad: bool) -> 
             f"pass dtype=torch.float32 or leave requires_grad off"
         )
     if _debug.is_debug():
-        _debug.check("gt." + _debug.caller(__name__), layout=layout, dtype=local.dtype,
+        check("gt." + _debug.caller(__name__), layout=layout, dtype=local.dtype,
                      requires_grad=requires_grad)
     if coord is not None and not _holds_value(layout, coord):
         local = torch.zeros_like(local)
@@ -93,7 +95,7 @@ def _make(fill, size, placement, sbp, dtype, requires_grad):
     """``fill(local_shape, dtype, device)`` builds this rank's piece."""
     layout = _layout(_size(size), placement, sbp)
     coord = layout.placement.coord_of(env.get_rank())
-    device = _device_for(layout.placement)
+    device = device_for(layout.placement)
     dtype = _checked_dtype(dtype) or torch.get_default_dtype()
     shape = layout.local_shape(coord) if coord is not None else (0,) * layout.ndim
     return _finish(fill(shape, dtype, device), layout, coord, requires_grad)
@@ -128,7 +130,7 @@ def _random(piece, size, placement, sbp, dtype, requires_grad):
     layout = _layout(_size(size), placement, sbp)
     coord = layout.placement.coord_of(env.get_rank())
     dtype = _checked_dtype(dtype) or torch.get_default_dtype()
-    local = piece(layout, coord, dtype, _device_for(layout.placement))
+    local = piece(layout, coord, dtype, device_for(layout.placement))
     return _finish(local, layout, coord, requires_grad)
 
 
@@ -175,7 +177,7 @@ def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, req
     dtype = dtype or (torch.int64 if is_int else torch.get_default_dtype())
     a, b = layout.box(coord)[0] if coord is not None else (0, 0)
     index = torch.arange(a, b, dtype=torch.int64 if is_int else torch.float64)
-    local = (start + step * index).to(dtype).to(_device_for(layout.placement))
+    local = (start + step * index).to(dtype).to(device_for(layout.placement))
     return _finish(local, layout, coord, requires_grad)
 
 
@@ -192,7 +194,7 @@ def tensor(data, *, placement=None, sbp=None, dtype=None, requires_grad=False):
         full_value = full_value.detach()
     layout = _layout(tuple(full_value.shape), placement, sbp)
     coord = layout.placement.coord_of(env.get_rank())
-    device = _device_for(layout.placement)
+    device = device_for(layout.placement)
     if coord is None:
         local = full_value.new_empty((0,) * full_value.dim())
     else:

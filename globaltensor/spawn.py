@@ -114,9 +114,10 @@ def _set_threads(omp: str | None) -> None:
 
 def _leave_world() -> None:
     if "torch" in sys.modules:
-        from .comm import backend
+        from . import world  # only once torch is imported: spawn itself does not import it
+
         try:
-            backend.destroy_world()
+            world.destroy_world()
         except Exception:  # noqa: BLE001 - a broken world is being left anyway
             pass
 

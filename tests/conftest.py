@@ -1,6 +1,15 @@
+"""Shared by every tier: tests/core (one process, no ranks), tests/ranks (thread-ranks on real
+gloo) and tests/processes (real processes). Test modules import shared helpers from
+tests/helpers.py (``from helpers import ...``), never from one another."""
 import os
+import pathlib
+import sys
 
 import torch
+
+_TESTS = str(pathlib.Path(__file__).resolve().parent)
+if _TESTS not in sys.path:  # ``helpers`` importable from every tier, in any import mode
+    sys.path.insert(0, _TESTS)
 
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")

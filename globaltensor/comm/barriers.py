@@ -11,11 +11,13 @@ import datetime
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from .. import env
 from ..errors import CollectiveTimeoutError
 from .common import agree, ensure_world
-from .guard import guard_collectives
+from ..runtime.guard import guarded
 
 
+@guarded("barrier")
 def barrier(group=None, async_op: bool = False, device_ids=None, timeout=None):
     """Wait until every rank of ``group`` has reached this point."""
     ensure_world()
@@ -33,8 +35,6 @@ def rank_zero_first(local: bool = False, group=None):
             data = load_or_download()
     """
     ensure_world()
-    from .. import env
-
     first = (env.get_local_rank() if local else dist.get_rank()) == 0
     if not first:
         barrier(group)
@@ -121,7 +121,3 @@ def _forget_round(store, base: str, seq: int, ranks) -> None:
         store.delete_key(f"{base}/{seq}/release")
     except Exception:  # noqa: BLE001 - a store without delete_key keeps a few bytes per round
         pass
-
-
-# a barrier that times out says so, and on which ranks (comm/guard.py); rank_zero_first's too
-guard_collectives(globals(), ["barrier"])

@@ -31,7 +31,7 @@ from ..errors import GlobalTensorError
 from . import built, torch_style, values
 from .barriers import barrier, monitored_barrier, rank_zero_first
 from .common import ReduceOp, Red, ensure_world, group_rank, group_size, kind, root, to_reduce_op
-from .guard import guard_collectives
+from ..runtime.guard import guarded
 from .torch_style import (all_gather_into_tensor, all_to_all, all_to_all_single, gather, irecv,
                           isend, reduce, reduce_scatter, reduce_scatter_tensor, scatter)
 
@@ -43,6 +43,7 @@ __all__ = [
 ]
 
 
+@guarded("all_reduce")
 def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *, reduce_op=None):
     """Reduce over the ranks of ``group``.
 
@@ -64,6 +65,7 @@ def all_reduce(tensor, op=ReduceOp.SUM, group=None, async_op: bool = False, *, r
     return values.all_reduce(tensor, reduce_op if reduce_op is not None else op, group, async_op)
 
 
+@guarded("all_gather")
 def all_gather(tensor_list, tensor=None, group=None, async_op: bool = False):
     """Gather from every rank of ``group``.
 
@@ -80,6 +82,7 @@ def all_gather(tensor_list, tensor=None, group=None, async_op: bool = False):
     return torch_style.all_gather_list(tensor_list, tensor, group, async_op)
 
 
+@guarded("broadcast")
 def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False,
               group_src: int | None = None):
     """Rank ``src``'s value on every rank of ``group`` (``src`` defaults to 0).
@@ -95,6 +98,7 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
     return values.broadcast(tensor, gsrc, group, async_op)
 
 
+@guarded("send")
 def send(tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None):
     """torch style for a tensor; any other value is pickled and sent (``recv(src=...)`` gets it)."""
     ensure_world()
@@ -104,6 +108,7 @@ def send(tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: in
     return values.send(tensor, gdst, group)
 
 
+@guarded("recv")
 def recv(tensor=None, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None):
     """torch style with a tensor (returns the sender's rank); without one, returns the object
     that rank ``src`` sent with ``send(obj, dst)``."""
@@ -112,10 +117,6 @@ def recv(tensor=None, src: int | None = None, group=None, tag: int = 0, group_sr
         return dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
     return values.recv(src, group_src, group)
 
-
-# a collective that times out says which one, and on which ranks (comm/guard.py); the calls
-# imported above are guarded where they are defined
-guard_collectives(globals(), ["all_reduce", "all_gather", "broadcast", "send", "recv"])
 
 # the built operations under the names tests/test_comm.py calls directly
 _LACKS, _need, _Lowered = built.LACKS, built.need, built.Lowered

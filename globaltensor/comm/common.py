@@ -8,8 +8,9 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .. import debug
+from .. import debug, env
 from ..errors import GlobalTensorError
+from ..runtime.agreement import check
 
 ReduceOp = dist.ReduceOp
 Red = dist.ReduceOp.RedOpType
@@ -22,8 +23,6 @@ Red = dist.ReduceOp.RedOpType
 def ensure_world() -> None:
     """Collectives before gt.init(): join the job (a world of 1 when nothing is set)."""
     if not (dist.is_available() and dist.is_initialized()):
-        from .. import env  # imported here: env imports comm.backend
-
         env.init()
 
 
@@ -113,7 +112,7 @@ def agree(name: str, group, **facts) -> None:
     (otherwise every rank raises, naming the ranks that differ, instead of hanging)."""
     if debug.is_debug():
         ranks = None if group is None else dist.get_process_group_ranks(group)
-        debug.check("gt.comm." + name, ranks=ranks, **facts)
+        check("gt.comm." + name, ranks=ranks, **facts)
 
 
 def tensor_fact(t: torch.Tensor, shape: bool = True) -> str:

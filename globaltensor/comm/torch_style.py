@@ -15,7 +15,7 @@ import torch.distributed as dist
 
 from . import built
 from .common import ReduceOp, agree, done, ensure_world, finish, op_fact, root, size, tensor_fact
-from .guard import guard_collectives
+from ..runtime.guard import guarded
 
 # ---------------------------------------------------------------------------------------------
 # the torch halves of the two-style calls (the world is already joined)
@@ -48,6 +48,7 @@ def broadcast_tensor(tensor: torch.Tensor, group_src: int, group, async_op: bool
 # ---------------------------------------------------------------------------------------------
 
 
+@guarded("reduce")
 def reduce(tensor, dst: int | None = None, op=ReduceOp.SUM, group=None, async_op: bool = False,
            group_dst: int | None = None):
     """torch style: the reduction lands in ``tensor`` on ``dst`` (default 0); returns ``tensor``."""
@@ -59,12 +60,14 @@ def reduce(tensor, dst: int | None = None, op=ReduceOp.SUM, group=None, async_op
         t, op=o, group=group, async_op=a, group_dst=gdst))
 
 
+@guarded("gather")
 def gather(tensor, gather_list=None, dst: int | None = None, group=None, async_op: bool = False,
            group_dst: int | None = None):
     """torch style: every rank's ``tensor`` into ``gather_list`` on ``dst`` (default 0)."""
     return _gather_or_scatter(_GATHER, tensor, gather_list, dst, group_dst, group, async_op)
 
 
+@guarded("scatter")
 def scatter(tensor, scatter_list=None, src: int | None = None, group=None, async_op: bool = False,
             group_src: int | None = None):
     """torch style: ``scatter_list[r]`` on ``src`` (default 0) lands in rank r's ``tensor``."""
@@ -102,6 +105,7 @@ def _gather_or_scatter(call: _Rooted, tensor, pieces, rank, group_rank, group, a
 # ---------------------------------------------------------------------------------------------
 
 
+@guarded("reduce_scatter")
 def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """torch style: ``output`` on rank r = reduction of every rank's ``input_list[r]``."""
     ensure_world()
@@ -113,6 +117,7 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
                                              async_op=async_op))
 
 
+@guarded("reduce_scatter_tensor")
 def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: bool = False):
     """torch style: ``input`` split on dim 0 into group-size pieces; piece r reduced into rank r's ``output``."""
     ensure_world()
@@ -125,6 +130,7 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
                                                     async_op=async_op))
 
 
+@guarded("all_gather_into_tensor")
 def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bool = False):
     """torch style: every rank's ``input_tensor`` concatenated on dim 0 into ``output_tensor``."""
     ensure_world()
@@ -134,6 +140,7 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     return finish(output_tensor, work, async_op)
 
 
+@guarded("all_to_all")
 def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool = False):
     """torch style: rank r's ``input_tensor_list[s]`` lands in rank s's ``output_tensor_list[r]``."""
     ensure_world()
@@ -142,6 +149,7 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     return finish(output_tensor_list, work, async_op)
 
 
+@guarded("all_to_all_single")
 def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=None, group=None,
                       async_op: bool = False):
     ensure_world()
@@ -151,18 +159,15 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
     return finish(output, work, async_op)
 
 
+@guarded("isend")
 def isend(tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None):
     ensure_world()
     return dist.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
 
 
+@guarded("irecv")
 def irecv(tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None):
     ensure_world()
     return dist.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
 
 
-# a collective that times out says which one, and on which ranks (comm/guard.py)
-guard_collectives(globals(), [
-    "all_gather_into_tensor", "all_to_all", "all_to_all_single", "gather", "reduce",
-    "reduce_scatter", "reduce_scatter_tensor", "scatter", "isend", "irecv",
-])

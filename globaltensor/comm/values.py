@@ -9,16 +9,37 @@ import math
 
 import torch
 import torch.distributed as dist
+from torch.utils import _pytree as pytree
 
+from ..debug import Verbatim
 from ..errors import GlobalTensorError
+from ..runtime.meta import exchange_meta
 from .built import all_reduce_in_place, gather_padded, gather_stacked
 from .common import (BITWISE, Red, agree, kind, no_async, object_device, op_fact, root, size,
-                     to_reduce_op)
-from .nested import flatten, has_tensor, structure_fact, unflatten
+                     tensor_fact, to_reduce_op)
 
-_DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
-_CODE = {d: i for i, d in enumerate(_DTYPES)}
-_MAX_NDIM = 64  # fixed-size shape records, so ranks exchange them in one collective
+
+def _is_leaf(x) -> bool:
+    return x is None  # a None in the data is a value to gather, not an empty container
+
+
+def _flatten(data):
+    """``(leaves, paths, spec)`` of nested ``data`` (torch's pytree: dict, list, tuple,
+    namedtuple, OrderedDict, defaultdict), each leaf with its path text for messages."""
+    with_paths, spec = pytree.tree_flatten_with_path(data, is_leaf=_is_leaf)
+    paths = [pytree.keystr(p) or "the value" for p, _ in with_paths]
+    return [leaf for _, leaf in with_paths], paths, spec
+
+
+def _has_tensor(data) -> bool:
+    return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(data, is_leaf=_is_leaf))
+
+
+def _structure_fact(data, shapes: bool) -> str:
+    """A rank-independent text of nested data: containers, keys, tensor dtypes (and shapes)."""
+    def fact(v):
+        return Verbatim(tensor_fact(v, shapes) if isinstance(v, torch.Tensor) else type(v).__name__)
+    return str(pytree.tree_map(fact, data, is_leaf=_is_leaf))
 
 
 def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
@@ -37,14 +58,14 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
 def all_reduce(data, op, group, async_op: bool):
     """The same structure as ``data`` (tensors and numbers as leaves), reduced with ``op``."""
     no_async(async_op, "all_reduce")
-    agree("all_reduce", group, value=structure_fact(data, shapes=True), reduce_op=op_fact(op))
+    agree("all_reduce", group, value=_structure_fact(data, shapes=True), reduce_op=op_fact(op))
     op = to_reduce_op(op)
-    spec, leaves, paths = flatten(data)
+    leaves, paths, spec = _flatten(data)
     k = kind(op)
     buffers = [_reduce_buffer(leaf, path, k, group) for leaf, path in zip(leaves, paths)]
     with torch.no_grad():
         reduced = _reduce_grouped(buffers, op, group)
-    return unflatten(spec, iter(_back_to_leaf(v, r, k) for v, r in zip(leaves, reduced)))
+    return pytree.tree_unflatten([_back_to_leaf(v, r, k) for v, r in zip(leaves, reduced)], spec)
 
 
 def _reduce_buffer(leaf, path: str, op_kind, group) -> torch.Tensor:
@@ -96,17 +117,17 @@ def all_gather(data, group, async_op: bool):
     """A tensor -> stacked on a new dim 0 (a list when shapes differ); a structure holding
     tensors -> gathered leaf by leaf; anything else -> a list with one entry per rank."""
     no_async(async_op, "all_gather")
-    agree("all_gather", group, value=structure_fact(data, shapes=False))
+    agree("all_gather", group, value=_structure_fact(data, shapes=False))
     if isinstance(data, torch.Tensor):
         return _gather_tensors([data], group)[0]
-    if not has_tensor(data):
+    if not _has_tensor(data):
         return _gather_objects(data, group)
     return _gather_leaves(data, group)
 
 
 def _gather_leaves(data, group):
     """Nested ``data`` holding tensors: each tensor stacked, each other leaf a per-rank list."""
-    spec, leaves, _ = flatten(data)
+    leaves, _, spec = _flatten(data)
     tensor_at = [i for i, v in enumerate(leaves) if isinstance(v, torch.Tensor)]
     other_at = [i for i, v in enumerate(leaves) if not isinstance(v, torch.Tensor)]
     out = list(leaves)
@@ -116,7 +137,7 @@ def _gather_leaves(data, group):
             out[i] = [values[j] for values in per_rank]
     for i, gathered in zip(tensor_at, _gather_tensors([leaves[i] for i in tensor_at], group)):
         out[i] = gathered
-    return unflatten(spec, iter(out))
+    return pytree.tree_unflatten(out, spec)
 
 
 def _gather_objects(obj, group) -> list:
@@ -125,28 +146,14 @@ def _gather_objects(obj, group) -> list:
     return out
 
 
-def _shape_records(tensors: list[torch.Tensor], group) -> torch.Tensor:
-    """(group size, len(tensors), 2 + _MAX_NDIM) int64: every rank's dtype code, ndim and shape."""
-    rows = []
-    for t in tensors:
-        if t.ndim > _MAX_NDIM:
-            raise GlobalTensorError(f"expected tensors of at most {_MAX_NDIM} dims to all_gather, "
-                                    f"found {t.ndim}; reshape it first")
-        rows.append([_CODE[t.dtype], t.ndim, *t.shape] + [0] * (_MAX_NDIM - t.ndim))
-    mine = torch.tensor(rows, dtype=torch.int64, device=object_device(group))
-    out = mine.new_empty((size(group),) + tuple(mine.shape))
-    gather_stacked(out, mine, group)
-    return out.cpu()
-
-
 def _gather_tensors(tensors: list[torch.Tensor], group) -> list:
     """Value-style all_gather of tensors: stacked per tensor, or a list where shapes differ."""
-    records = _shape_records(tensors, group).tolist()
-    shapes = [[tuple(rec[i][2: 2 + rec[i][1]]) for rec in records] for i in range(len(tensors))]
+    records = exchange_meta(tensors, group, "gt.comm.all_gather: exchanging shapes")
+    shapes = [[rec[i][0] for rec in records] for i in range(len(tensors))]
     for i in range(len(tensors)):
-        codes = [rec[i][0] for rec in records]
-        if len(set(codes)) > 1:
-            found = {r: str(_DTYPES[c]) for r, c in enumerate(codes)}
+        dtypes = [rec[i][1] for rec in records]
+        if len(set(dtypes)) > 1:
+            found = {r: str(d) for r, d in enumerate(dtypes)}
             raise GlobalTensorError(f"expected every rank to all_gather the same dtype, found "
                                     f"{found}; cast with .to(dtype) before gathering")
     out: list = [None] * len(tensors)

@@ -14,13 +14,14 @@ import torch
 
 from .. import comm, env
 from .. import debug as _debug
-from ..comm.groups import group_along, groups_along
+from ..runtime.groups import group_along, groups_along
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..placement import Placement
 from ..plan import AllReduce, plan
 from ..sbp import SBP_TYPES, Broadcast, PartialSum, format_sbp, normalize
-from ..tensor import GlobalTensor, _check_placement, redistribute
+from ..convert import check_placement
+from ..tensor import GlobalTensor, redistribute
 
 __all__ = ["to_global"]
 
@@ -32,7 +33,7 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp_fn=None) -> tor
     an sbp value instead of a function applies to every tensor; None (or a function returning
     None) means broadcast. Shared parameters stay shared.
     """
-    placement = _check_placement(placement)
+    placement = check_placement(placement)
     choose = _sbp_chooser(sbp_fn, placement)
     converted: dict[int, torch.Tensor] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
@@ -163,4 +164,6 @@ def _module_to_global(self: torch.nn.Module, placement: Placement, sbp=None) -> 
     return to_global(self, placement, sbp)
 
 
-torch.nn.Module.to_global = _module_to_global
+def install_module_methods():
+    """``nn.Module.to_global`` (called once by globaltensor/__init__.py)."""
+    torch.nn.Module.to_global = _module_to_global

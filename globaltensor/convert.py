@@ -1,0 +1,253 @@
+"""``Tensor.to_global`` and ``to_local``: making global tensors and redistributing them.
+
+From a local tensor, ``to_global(placement, sbp)`` wraps this rank's piece (checking the pieces'
+shapes across ranks with ``check_meta``, syncing broadcast pieces with ``sync_data``). From a
+global tensor it redistributes: plan, then execute, as an autograd Function whose backward runs
+the plan of the dual layout. A repeated sbp-only call on one layout takes a warm path.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import debug as _debug
+from . import env, world
+from ._cache import ById, memo
+from .errors import GlobalTensorError, ShapeMismatchError
+from .layout import Layout
+from .placement import Placement
+from .plan import plan as _plan
+from .runtime.agreement import check
+from .runtime.execute import run as _execute
+from .runtime.meta import broadcast_along, exchange_meta
+from .sbp import Broadcast, Split, format_sbp, normalize, resolve
+from .tensor import (GlobalTensor, _FromLocal, _Redistribute, _records_graph, _redistributed,
+                     _rewrapped)
+
+
+def device_for(placement: Placement) -> torch.device:
+    if placement.type == "cuda":
+        if not torch.cuda.is_available():
+            raise GlobalTensorError(
+                f"{placement!r} needs CUDA, found none on this machine (torch.cuda.is_available() "
+                f"is False); use gt.placement('cpu', ...) or run where GPUs are visible"
+            )
+        return torch.device("cuda", env.get_local_rank())
+    return torch.device("cpu")
+
+
+def _check_grad_sbp(grad_sbp, placement: Placement, ndim: int) -> None:
+    """Reject a bad grad_sbp now, not at backward time."""
+    if grad_sbp is not None:
+        resolve(normalize(grad_sbp, placement.ndim), ndim)
+
+
+def check_placement(placement) -> Placement:
+    if not isinstance(placement, Placement):
+        raise GlobalTensorError(
+            f"expected placement=gt.placement(type, ranks), found {placement!r} "
+            f"({type(placement).__name__})"
+        )
+    placement.check_world(world.get_world_size())
+    return placement
+
+
+def _global_shape_from_pieces(placement: Placement, sbp, metas, ndim):
+    """Global shape implied by the piece shapes: a split dim sums the pieces along its axes
+    (other axes at coordinate 0); any other dim is the piece's size at coordinate 0."""
+    shape = []
+    for dim in range(ndim):
+        axes = [a for a, v in enumerate(sbp) if isinstance(v, Split) and v.dim == dim]
+        along = [c for c in placement.coords()
+                 if all(c[a] == 0 for a in range(placement.ndim) if a not in axes)]
+        shape.append(sum(metas[placement.rank_at(c)][0][dim] for c in along))
+    return tuple(shape)
+
+
+def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, sync_data, copy):
+    if placement is None or sbp is None:
+        raise GlobalTensorError(
+            "to_global on a local tensor needs both placement and sbp, e.g. "
+            "x.to_global(placement=gt.placement('cpu', [0, 1]), sbp=gt.sbp.split(0)); "
+            f"found placement={placement!r}, sbp={sbp!r}"
+        )
+    placement = check_placement(placement)
+    values = resolve(normalize(sbp, placement.ndim), local.dim())
+    _check_grad_sbp(grad_sbp, placement, local.dim())
+    if _debug.is_debug():
+        check("to_global", source="local tensor", placement=placement, sbp=values,
+                     dtype=local.dtype, ndim=local.dim(), grad_sbp=grad_sbp, check_meta=check_meta,
+                     sync_data=sync_data)
+    rank = world.get_rank()
+    coord = placement.coord_of(rank)
+    device = device_for(placement)
+    if local.device != device:
+        local = local.to(device)
+    if check_meta:
+        shape = _checked_global_shape(local, placement, values, rank)
+    else:
+        shape = list(local.shape)
+        for axis, v in enumerate(values):
+            if isinstance(v, Split):
+                shape[v.dim] *= placement.shape[axis]
+        shape = tuple(shape)
+    layout = Layout(placement, values, shape)
+    if coord is None:
+        piece = local.new_empty((0,) * local.dim())
+    else:
+        piece = local.clone() if copy else local
+        if sync_data and any(isinstance(v, Broadcast) for v in values):
+            piece = _sync_broadcast(piece, layout, rank, already_copied=copy)
+    if coord is None and sync_data:
+        _sync_broadcast(piece, layout, rank, already_copied=True)  # take part in group creation
+    return _FromLocal.apply(piece, layout, grad_sbp)
+
+
+def _sync_broadcast(piece, layout: Layout, rank: int, already_copied: bool):
+    if not already_copied:
+        piece = piece.clone()
+    piece = piece.contiguous()
+    for axis, v in enumerate(layout.sbp):
+        if isinstance(v, Broadcast):
+            broadcast_along(layout.placement, axis, piece, rank)
+    return piece
+
+
+def _checked_global_shape(local, placement: Placement, values, rank: int):
+    metas = [per_rank[0] for per_rank in exchange_meta([local])]  # (shape, dtype) by rank
+    members = [placement.rank_at(c) for c in placement.coords()]
+    first = members[0]
+    for r in members:
+        if len(metas[r][0]) != len(metas[first][0]):
+            raise ShapeMismatchError(
+                f"to_global: expected every rank of {placement!r} to pass a piece with "
+                f"{len(metas[first][0])} dims (rank {first}: {list(metas[first][0])}), found rank "
+                f"{r} with {list(metas[r][0])}"
+            )
+        if metas[r][1] != metas[first][1]:
+            raise ShapeMismatchError(
+                f"to_global: expected one dtype on every rank, found {metas[first][1]} "
+                f"on rank {first} and {metas[r][1]} on rank {r}; cast the pieces first"
+            )
+    shape = _global_shape_from_pieces(placement, values, metas, len(metas[first][0]))
+    layout = Layout(placement, values, shape)
+    for c in placement.coords():
+        r = placement.rank_at(c)
+        if metas[r][0] != layout.local_shape(c):
+            expected = {placement.rank_at(k): list(layout.local_shape(k)) for k in placement.coords()}
+            found = {placement.rank_at(k): list(metas[placement.rank_at(k)][0])
+                     for k in placement.coords()}
+            raise ShapeMismatchError(
+                f"to_global with sbp {format_sbp(values)}: rank {r} passed a piece of shape "
+                f"{list(metas[r][0])}, expected {list(layout.local_shape(c))} for a global shape "
+                f"{list(shape)} (uneven split: the first N % k ranks hold one more). Pieces by "
+                f"rank, found: {found}; expected: {expected}. Pass pieces that follow the rule, "
+                f"or build the tensor from full data with gt.tensor(...)"
+            )
+    return shape
+
+
+def target_layout(src: Layout, placement, sbp, what: str) -> Layout:
+    """The layout a redistribution of ``src`` aims at: a missing placement or sbp is kept."""
+    if placement is None:
+        placement = src.placement
+    else:
+        placement = check_placement(placement)
+    if placement.type != src.placement.type:
+        raise GlobalTensorError(
+            f"{what} cannot move between device types ({src.placement.type} -> "
+            f"{placement.type}) yet; move the local piece with .to_local().to(device) first"
+        )
+    if sbp is None:
+        if placement.ndim != src.placement.ndim:
+            raise GlobalTensorError(
+                f"{what} to {placement!r} ({placement.ndim}-D) from a {src.placement.ndim}-D "
+                f"placement needs an sbp for each of its {placement.ndim} axes; pass sbp=..."
+            )
+        return Layout(placement, src.sbp, src.shape)
+    return Layout(placement, normalize(sbp, placement.ndim), src.shape)
+
+
+@memo(4096)
+def _hashed_target(src: Layout, placement, sbp) -> Layout:
+    return target_layout(src, placement, sbp, "to_global")
+
+
+def _cached_target(src: Layout, placement, sbp) -> Layout:
+    """``target_layout`` for to_global, cached on (src, placement, sbp) when they hash."""
+    try:
+        return _hashed_target(src, placement, sbp)
+    except TypeError:  # an unhashable sbp (a list): compute it
+        return target_layout(src, placement, sbp, "to_global")
+
+
+# The warm path of ``x.to_global(sbp=...)`` on a global tensor: (id(src layout), sbp argument)
+# -> (dst, plan or None for the same layout). Filled by the full path below and used only where
+# that path does nothing but plan and execute: no placement argument (that one is checked
+# against the current world every time), no grad_sbp, no copy, debug checks off and no autograd
+# graph. A redistribution that is a 1 ms copy then costs one dict lookup, the executor and the
+# wrapper, instead of some thirty Python calls that each touch memory the copy just evicted from
+# the caches (docs/performance.md). An entry pins src, so its id is not reused while it lives.
+_MOVES = ById(4096)
+
+
+def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
+              sync_data=True, copy=False):
+    """Make a global tensor (from a local piece) or redistribute one (from a global tensor).
+
+    >>> x = torch.randn(2, 5).to_global(placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
+    >>> y = x.to_global(sbp=gt.sbp.broadcast)        # all_gather
+    """
+    if not isinstance(self, GlobalTensor):
+        return _local_to_global(self, placement, sbp, grad_sbp, check_meta, sync_data, copy)
+    src = self._layout
+    plain = (placement is None and grad_sbp is None and not copy and _debug._FLAG.get() is False
+             and not (self.requires_grad and torch.is_grad_enabled()))
+    if plain:
+        try:
+            hit = _MOVES.get((id(src), sbp))
+        except TypeError:  # an unhashable argument (an sbp list): the full path
+            hit = None
+        if hit is not None:
+            if hit[1] is None:
+                return self
+            rank = world.cached_rank()
+            if rank is not None:
+                return _rewrapped(self, _execute(hit[1], self._local, rank), hit[0])
+    dst = _cached_target(src, placement, sbp)
+    _check_grad_sbp(grad_sbp, dst.placement, len(src.shape))
+    if _debug.is_debug():
+        check("to_global", source=src, target=dst, dtype=self.dtype, grad_sbp=grad_sbp,
+                     copy=copy)
+    elif plain:  # debug was off before this call too: the next such call may take the warm path
+        _remember_move(src, sbp, dst)
+    if dst == src and not copy:
+        return self
+    if _records_graph(self):
+        return _Redistribute.apply(self, dst, grad_sbp, copy)
+    return _redistributed(self, dst, copy)
+
+
+def _remember_move(src: Layout, sbp, dst: Layout) -> None:
+    try:
+        key = (id(src), sbp)
+        hash(key)
+    except TypeError:
+        return
+    _MOVES.put(key, (dst, None if dst == src else _plan(src, dst)), pinned=src)
+
+
+def to_local(self):
+    """A local tensor is already local: returns itself."""
+    if isinstance(self, GlobalTensor):
+        return GlobalTensor.to_local(self)
+    return self
+
+
+def install_tensor_methods():
+    """``Tensor.to_global``, ``to_local``, ``is_global`` and ``is_local`` (called once by
+    globaltensor/__init__.py)."""
+    torch.Tensor.to_global = to_global
+    torch.Tensor.to_local = to_local
+    torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor))
+    torch.Tensor.is_local = property(lambda self: not isinstance(self, GlobalTensor))  # OneFlow's name
+    GlobalTensor.to_global = to_global

@@ -1,0 +1,80 @@
+"""Operators on global tensors: ``__torch_dispatch__`` below autograd.
+
+Every aten op on a GlobalTensor lands in :func:`dispatch`: one walk over the arguments gives the
+cache key (args.py); a cached *decision* (decisions.py) runs the call: redistribute the inputs
+the chosen signature asks for, run the op on the local pieces, wrap the outputs (outputs.py).
+A miss decides (decide.py) by the op's rule in ``ops/``. So an op that needs no communication
+costs the walk, a dict lookup, the local op and the wrapping.
+
+    args.py       the one walk over (args, kwargs): key by id, key by value, Call, local args
+    decide.py     the choice on a miss: special op, decomposition, rule, broadcast fallback
+    decisions.py  Plain, Decomposed, ViaFunctional, Contextual, Special
+    special.py    copy_, item, foreach
+    outputs.py    output layouts (a meta run), wrappers, the empty pieces of outside ranks
+
+Ranks outside the placement run every redistribution (SPMD) but skip the local op: their pieces
+are empty, with the output's ndim and dtype.
+"""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from .. import debug as _debug
+from .._cache import Bounded, ById
+from ..errors import GlobalTensorError
+from ..layout import Layout
+from ..ops import B
+from ..runtime.agreement import check
+from ..tensor import GlobalTensor
+from .args import by_value, flatten, local_tensor_error
+from .decide import decide, op_name
+from .decisions import my_coord
+
+_DECISIONS = Bounded(100_000)  # (op, layouts by value, args) -> decision: a pure function's cache
+_BY_ID = ById(20_000)          # the same decisions keyed by the layouts' ids (no hashing of layouts)
+
+
+def dispatch(func, types, args, kwargs):
+    """Run aten op ``func`` on global tensors (called by GlobalTensor.__torch_dispatch__)."""
+    key, tensors, found = flatten(func, args, kwargs)
+    if found:
+        args, kwargs = _adopt_locals(args, kwargs, found, tensors)
+        key, tensors, found = flatten(func, args, kwargs)
+    if _debug.is_debug():  # GT_DEBUG: every rank runs this op on these layouts (see debug.py)
+        check("aten." + op_name(func), args=_debug.op_args(args, kwargs))
+    decision = _BY_ID.get(key)
+    if decision is None:
+        decision = _lookup(func, args, kwargs, tensors, key)
+    return decision.run(func, args, kwargs, tensors)
+
+
+def _lookup(func, args, kwargs, tensors, key):
+    """The decision by value (layouts compared by value), deciding on a miss; then remembered
+    under ``key`` too, pinning the layouts it names so their ids stay theirs."""
+    value_key = by_value(key, tensors)
+    decision = _DECISIONS.get(value_key)
+    if decision is None:
+        decision = _DECISIONS.put(value_key, decide(func, args, kwargs, tensors, key))
+    return _BY_ID.put(key, decision, pinned=[t._layout for t in tensors])
+
+
+def _adopt_locals(args, kwargs, found, tensors):
+    """Inside backward, autograd makes full-size local tensors (zeros for the gradients of
+    unused outputs): take them as broadcast values on the placement of the global inputs."""
+    if torch._C._current_graph_task_id() < 0:
+        raise local_tensor_error(found[0])
+    if not tensors:
+        raise GlobalTensorError("internal: no global tensor among the arguments; please report this")
+    placement = tensors[0]._layout.placement
+    inside = my_coord(placement) is not None
+
+    def adopt(v):
+        if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor) and v.dim() != 0:
+            layout = Layout(placement, (B,) * placement.ndim, tuple(v.shape))
+            return GlobalTensor._make(v if inside else v.new_empty((0,) * v.dim()), layout)
+        return v
+    return tree_map(adopt, (list(args), kwargs))
+
+
+__all__ = ["dispatch"]

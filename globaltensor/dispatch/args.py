@@ -1,0 +1,143 @@
+"""One walk over an op's (args, kwargs) per call, and what is derived from it.
+
+:func:`flatten` is the only walk on the warm path. It gives the cache key *by id* (a global
+tensor counts as ``(GLOBAL, id(layout), dtype)``: hashing ints, not layouts), the global tensors
+in order, and the local non-scalar tensors found (which only autograd's engine may pass). On a
+miss, the key by value (:func:`by_value`), the :class:`~globaltensor.ops.Call` a rule sees
+(:func:`call_of`) and the fast-path slots (:func:`slots_of`) are derived from that key, not from
+another walk over the arguments. :func:`local_args` puts the local pieces in the global tensors'
+places for the local op.
+
+Floats and complex numbers enter neither key nor Call (``NUMBER``): no rule looks at a value like
+lr, eps or alpha, so calls that differ only there share one decision.
+"""
+from __future__ import annotations
+
+import torch
+
+from ..errors import GlobalTensorError
+from ..ops import LOCAL, NUMBER, Call, Ref
+from ..tensor import GlobalTensor
+
+
+class _Global:
+    __slots__ = ()
+
+    def __repr__(self):
+        return "GLOBAL"
+
+
+GLOBAL = _Global()  # the first entry of a global tensor's part of the key
+
+
+def flatten(func, args, kwargs):
+    """``(key, tensors, locals)``: the cache key by id (``(func, args parts, kwargs parts)``), the
+    global tensors in argument order, and the non-scalar local tensors met on the way."""
+    tensors: list = []
+    found: list = []
+    parts = []
+    for a in args:
+        if type(a) is GlobalTensor:  # the common case, inline
+            tensors.append(a)
+            parts.append((GLOBAL, id(a._layout), a.dtype))
+        else:
+            parts.append(_part(a, tensors, found))
+    kw = ()
+    if kwargs:
+        kw = tuple((k, _part(v, tensors, found)) for k, v in kwargs.items())
+    return (func, tuple(parts), kw), tensors, found
+
+
+def _part(value, tensors: list, found: list):
+    cls = type(value)
+    if cls is float or cls is complex:
+        return NUMBER
+    if cls is list or cls is tuple:
+        return tuple(_part(v, tensors, found) for v in value)
+    if isinstance(value, GlobalTensor):
+        tensors.append(value)
+        return GLOBAL, id(value._layout), value.dtype
+    if isinstance(value, torch.Tensor):
+        if value.dim() != 0:
+            found.append(value)
+        return LOCAL, value.dtype
+    if isinstance(value, torch.Generator):
+        return None
+    return value
+
+
+def _is_global(part) -> bool:
+    return type(part) is tuple and len(part) == 3 and part[0] is GLOBAL
+
+
+def _map(part, fn):
+    """``part`` with every global tensor's entry replaced by ``fn(entry)``."""
+    if type(part) is tuple:
+        if _is_global(part):
+            return fn(part)
+        return tuple(_map(p, fn) for p in part)
+    return part
+
+
+def by_value(key, tensors) -> tuple:
+    """The key with layouts compared by value: equal layouts made apart share a decision."""
+    it = iter(tensors)
+    return (key[0],) + _map(key[1:], lambda part: (GLOBAL, next(it)._layout, part[2]))
+
+
+def call_of(name: str, key, tensors, tags) -> Call:
+    """What a rule sees of this call: global tensors as ``Ref(i)``, shapes by index."""
+    counter = iter(range(len(tensors)))
+
+    def mark(part):
+        if type(part) is not tuple:
+            return part
+        if _is_global(part):
+            return Ref(next(counter))
+        if len(part) == 2 and part[0] is LOCAL:
+            return LOCAL
+        return tuple(mark(p) for p in part)
+
+    args = tuple(mark(p) for p in key[1])
+    kwargs = tuple(sorted((k, mark(v)) for k, v in key[2]))
+    return Call(name, tuple(t._layout.shape for t in tensors), args, kwargs, tags)
+
+
+def slots_of(key) -> tuple[int, ...] | None:
+    """Positions of the global tensors if every one is a plain positional arg, else None."""
+    def nested(part):
+        return type(part) is tuple and not _is_global(part) and any(
+            _is_global(p) or nested(p) for p in part)
+    if any(_is_global(v) or nested(v) for _, v in key[2]):
+        return None
+    if any(nested(p) for p in key[1]):
+        return None
+    return tuple(i for i, p in enumerate(key[1]) if _is_global(p))
+
+
+def _swap(value, it):
+    """``value`` with every global tensor replaced by the next piece from ``it``."""
+    cls = type(value)
+    if cls is GlobalTensor:
+        return next(it)
+    if cls is list or cls is tuple:
+        if not any(isinstance(v, GlobalTensor) for v in value):
+            return value
+        return cls(_swap(v, it) for v in value)
+    return value
+
+
+def local_args(args, kwargs, pieces):
+    """``(args, kwargs)`` for the local op: each global tensor replaced by its piece."""
+    it = iter(pieces)
+    largs = [_swap(a, it) for a in args]
+    lkwargs = {k: _swap(v, it) for k, v in kwargs.items()} if kwargs else {}
+    return largs, lkwargs
+
+
+def local_tensor_error(value: torch.Tensor) -> GlobalTensorError:
+    return GlobalTensorError(
+        f"an operator got a global tensor and a local tensor of shape {list(value.shape)}; "
+        f"expected global tensors (or 0-dim local scalars) only. Make the local tensor "
+        f"global first, e.g. t.to_global(placement=x.placement, sbp=gt.sbp.broadcast) for "
+        f"a full value on every rank")

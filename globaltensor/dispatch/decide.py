@@ -1,0 +1,130 @@
+"""Deciding what to do with a call (a cache miss): the special handlers, decompositions, the
+rule's cheapest signature, or the broadcast fallback for ops without a rule."""
+from __future__ import annotations
+
+import warnings
+
+import torch
+
+from .._cache import Bounded
+from ..errors import GlobalTensorError
+from ..ops import DECOMPOSE, REWRITES, B, Choice, choose, rule_for
+from ..tensor import GlobalTensor
+from .args import call_of, slots_of
+from .decisions import Contextual, Decomposed, Plain, Special, ViaFunctional
+from .outputs import OutSpec, meta_result, out_specs
+from .special import SPECIAL, foreach, mixed_placements, write_into
+
+_WARNED = Bounded(10_000)  # ops already warned about (no rule: broadcast fallback)
+
+
+def op_name(func) -> str:
+    return f"{func._schema.name.split('::')[1]}.{func._overloadname}"
+
+
+def decide(func, args, kwargs, tensors, key, context=None):
+    """The decision for this call (``key``: its cache key by id, see args.flatten). Without
+    ``context``, a signature that moves an input gives a :class:`Contextual` decision instead
+    (decided again per context); with it, the choice counts the context (see
+    ``decisions.context``)."""
+    name = op_name(func)
+    if not tensors:
+        raise GlobalTensorError(f"internal: {name} reached dispatch with no global tensor")
+    placement = tensors[0]._layout.placement
+    if any(t._layout.placement != placement for t in tensors):
+        mixed_placements(tensors, name)
+    if func in SPECIAL:
+        return Special(SPECIAL[func])
+    if name.startswith("_foreach_"):
+        return Special(foreach)
+    _check_no_out(func, name)
+    if name.split(".")[0] in DECOMPOSE:
+        fn = _decomposition(func)
+        if fn is not None:
+            return Decomposed(fn)
+    call = call_of(name, key, tensors, frozenset(str(t).split(".")[-1] for t in func.tags))
+    inplace = _is_inplace(func) and isinstance(args[0], GlobalTensor)
+    layouts = tuple(t._layout for t in tensors)
+    itemsizes = tuple(t.dtype.itemsize for t in tensors)
+    fixed = (0,) if inplace else ()
+    if context is None:
+        choice = choose(call, layouts, itemsizes, fixed=fixed)
+        if choice is not None and any(t is not l and t != l for t, l in zip(choice.ins, layouts)):
+            return Contextual(decide, key)  # it moves inputs: the context may change the winner
+    else:
+        grads, free = context
+        choice = choose(call, layouts, itemsizes, fixed=fixed, grads=grads or (), free=free or ())
+    has_rule = rule_for(call) is not None
+    if choice is None and not has_rule and _composite(func):
+        return Decomposed(func.decompose)
+    if choice is None and inplace:
+        return _via_functional(func, name)
+    if choice is None:
+        choice = _broadcast_choice(func, name, layouts, has_rule)
+    return _plain(func, args, kwargs, tensors, choice, inplace, call, key)
+
+
+def _plain(func, args, kwargs, tensors, choice, inplace, call, key):
+    meta = meta_result(func, args, kwargs, call.op)
+    if inplace:
+        outs = OutSpec(tensors[0]._layout, tensors[0].dtype)
+    else:
+        outs = out_specs(meta, choice.outs, choice.ins[0].placement, call.op)
+    return Plain(choice.ins, outs, choice.kernel, REWRITES.get(call.packet), inplace, call,
+                 slots_of(key), getattr(func, "_op", func))
+
+
+def _check_no_out(func, name):
+    for a in func._schema.arguments:
+        if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write:
+            raise GlobalTensorError(
+                f"{name}: out= arguments are not supported on global tensors; assign the result "
+                f"instead (y = op(x)) or use the in-place form")
+
+
+def _is_inplace(func) -> bool:
+    args = func._schema.arguments
+    return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _composite(func) -> bool:
+    return torch._C._dispatch_has_kernel_for_dispatch_key(func.name(), "CompositeImplicitAutograd")
+
+
+def _decomposition(func):
+    if _composite(func):
+        return func.decompose
+    from torch._decomp import decomposition_table  # torch's table is slow to import: on first use
+
+    return decomposition_table.get(func)
+
+
+def _via_functional(func, name):
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        raise GlobalTensorError(
+            f"{name}: cannot fill a partial_sum global tensor with random values; convert it "
+            f"with .to_global(sbp=gt.sbp.broadcast) first")
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[1].rstrip("_"), None)
+    functional = getattr(packet, func._overloadname, None) if packet is not None else None
+    if functional is None:
+        raise GlobalTensorError(
+            f"{name}: no signature keeps the target's layout and the op has no out-of-place "
+            f"form; convert the target to gt.sbp.broadcast first")
+    return ViaFunctional(functional, write_into)
+
+
+def _broadcast_choice(func, name, layouts, has_rule):
+    if torch.Tag.nondeterministic_seeded in func.tags:
+        raise GlobalTensorError(
+            f"{name}: random op without an SBP rule; running it on each rank would give "
+            f"broadcast replicas different values. Use gt.rand/gt.randn or ops with rules "
+            f"(dropout, rand_like, bernoulli_, uniform_, normal_)")
+    if not has_rule and name not in _WARNED:
+        _WARNED.put(name, True)
+        warnings.warn(
+            f"globaltensor: no SBP rule for aten.{name}; running it on broadcast inputs "
+            f"(correct, but every rank gathers the whole inputs). See docs/ops.md to add a rule.",
+            stacklevel=4)
+    full = (B,) * layouts[0].placement.ndim
+    targets = tuple(l if l.sbp == full else l.with_sbp(full) for l in layouts)
+    return Choice(targets, (full,), None, 0.0)

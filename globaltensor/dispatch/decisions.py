@@ -1,0 +1,206 @@
+"""What dispatch does for one (op, input layouts, arguments): a decision, made once and cached.
+
+    Plain         redistribute the inputs to the chosen targets, run the op (or a kernel) on the
+                  pieces, wrap the outputs
+    Decomposed    run the op's decomposition into ops with rules (each part re-enters dispatch)
+    ViaFunctional an in-place op whose result cannot keep self's layout: out of place, then write
+    Contextual    a choice that moves inputs: decided again per context (gradients, moved pieces)
+    Special       copy_, item, foreach (special.py)
+"""
+from __future__ import annotations
+
+import threading
+
+import torch
+
+from .. import world
+from ..ops import KERNELS, KernelContext
+from ..redistribute import moved, moved_targets, redistribute_local
+from ..tensor import GlobalTensor
+from .args import local_args
+from .outputs import OutSpec, empties, new_wrapper, wrap
+
+
+def my_coord(placement):
+    return placement.coord_of(world.get_rank())
+
+
+def _maybe_outside(piece) -> bool:
+    """A rank outside the placement holds (0,)*ndim pieces; a non-empty piece of ndim > 0 proves
+    this rank is inside, so the common case skips asking for the rank."""
+    return piece.numel() == 0 or piece.dim() == 0
+
+
+class Plain:
+    """Redistribute inputs to ``targets``, run the op (or a kernel) locally, wrap the outputs."""
+
+    __slots__ = ("targets", "outs", "kernel", "rewrite", "inplace", "call", "placement", "slots",
+                 "op", "single")
+
+    def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op):
+        self.targets, self.outs, self.kernel = targets, outs, kernel
+        self.rewrite, self.inplace, self.call = rewrite, inplace, call
+        self.placement = targets[0].placement
+        # positions of the global tensors when they are all plain positional args (fast path)
+        self.slots = slots if kernel is None and rewrite is None else None
+        self.op = op  # the C++ op behind the OpOverload: one Python frame less per call
+        self.single = type(outs) is OutSpec and not inplace
+
+    def pieces(self, tensors):
+        out = []
+        for t, target in zip(tensors, self.targets):
+            layout = t._layout
+            out.append(t._local if layout is target or layout == target else moved(t, target))
+        return out
+
+    def run(self, func, args, kwargs, tensors):
+        if self.slots is not None:
+            return self._run_simple(args, kwargs, tensors)
+        pieces = self.pieces(tensors)
+        if self.kernel is not None:
+            largs, lkwargs = local_args(args, kwargs, pieces)
+            ctx = KernelContext(func, self.call, self.targets, self.outs, my_coord(self.placement),
+                                pieces, redistribute_local, lambda: empties(self.outs, pieces))
+            result = KERNELS[self.kernel](ctx, largs, lkwargs)
+        elif _maybe_outside(pieces[0]) and my_coord(self.placement) is None:
+            result = empties(self.outs, pieces)
+        else:
+            largs, lkwargs = local_args(args, kwargs, pieces)
+            if self.rewrite is not None:
+                self.rewrite(self, largs, pieces)
+            result = func(*largs, **lkwargs)
+        if self.inplace:
+            return args[0]
+        return wrap(result, self.outs)
+
+    def _run_simple(self, args, kwargs, tensors):
+        # pieces() and wrap(), inlined: the path of every op that needs no communication
+        # (benchmarks/dispatch.py, "x + y" and "x @ w")
+        largs = list(args)
+        first = None
+        for t, target, slot in zip(tensors, self.targets, self.slots):
+            layout = t._layout
+            piece = t._local if layout is target or layout == target else moved(t, target)
+            largs[slot] = piece
+            if first is None:
+                first = piece
+        if _maybe_outside(first) and my_coord(self.placement) is None:
+            result = empties(self.outs, [first])
+        else:
+            result = self.op(*largs, **kwargs)
+        if self.single:
+            outs = self.outs
+            out = new_wrapper(GlobalTensor, outs.shape, strides=outs.strides, dtype=result.dtype,
+                              device=result.device, requires_grad=False)
+            out._local = result
+            out._layout = outs.layout
+            return out
+        if self.inplace:
+            return args[0]
+        return wrap(result, self.outs)
+
+
+_THREAD = threading.local()  # per thread: ranks of run_ranks are threads
+
+
+def _decomposing() -> list:
+    """This thread's stack of running decompositions with gradients: each entry holds the ids
+    of that op's inputs that get no gradient."""
+    stack = getattr(_THREAD, "decomposing", None)
+    if stack is None:
+        stack = _THREAD.decomposing = []
+    return stack
+
+
+class Decomposed:
+    """Run a decomposition into ops with rules (each re-enters dispatch).
+
+    The parts run below autograd, so the tensors made inside (``mm``'s result in ``addmm``)
+    do not require grad even when the op's inputs do; while a decomposition with an input that
+    will get a gradient runs, :func:`context` takes every tensor but the op's own grad-free
+    inputs as getting one."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def run(self, func, args, kwargs, tensors):
+        if not (torch.is_grad_enabled() and any(t.requires_grad for t in tensors)):
+            return self.fn(*args, **kwargs)
+        stack = _decomposing()
+        stack.append(frozenset(id(t) for t in tensors if not t.requires_grad))
+        try:
+            return self.fn(*args, **kwargs)
+        finally:
+            stack.pop()
+
+
+class ViaFunctional:
+    """An in-place op whose result cannot keep ``self``'s layout: compute the out-of-place op,
+    then write the value back into ``self``'s layout (the write may make a P piece)."""
+
+    __slots__ = ("functional", "write")
+
+    def __init__(self, functional, write):
+        self.functional, self.write = functional, write
+
+    def run(self, func, args, kwargs, tensors):
+        self.write(args[0], self.functional(*args, **kwargs))
+        return args[0]
+
+
+class Contextual:
+    """A call whose cheapest signature moves inputs. Which signature is cheapest then also
+    depends on the *context*: which inputs will get a gradient (moving one costs the move its
+    gradient needs in backward, see ``ops.backward_cost``) and which layouts the inputs
+    already hold moved pieces for (those moves are free). The context is read on every call
+    (only calls that move inputs pay for it) and a decision is kept per context.
+
+    A signature that moves nothing costs nothing in any context and stays the cheapest, so the
+    no-communication path never gets here."""
+
+    __slots__ = ("by_context", "decide", "key")
+
+    def __init__(self, decide, key):
+        self.by_context, self.decide, self.key = {}, decide, key
+
+    def run(self, func, args, kwargs, tensors):
+        ctx = context(tensors)
+        decision = self.by_context.get(ctx)
+        if decision is None:
+            decision = self.decide(func, args, kwargs, tensors, self.key, ctx)
+            if len(self.by_context) > 256:
+                self.by_context.clear()
+            self.by_context[ctx] = decision
+        return decision.run(func, args, kwargs, tensors)
+
+
+def context(tensors) -> tuple:
+    """(which inputs will get a gradient, or None; the layouts each input holds moved pieces
+    of, or None). The same on every rank: requires_grad and the moves follow the program."""
+    grads = None
+    if torch.is_grad_enabled():
+        grads = tuple(t.requires_grad for t in tensors)
+        stack = getattr(_THREAD, "decomposing", None)
+        if stack:  # inside a decomposition: tensors made by its parts are on the gradient path
+            grad_free = stack[-1]
+            grads = tuple(g or id(t) not in grad_free for g, t in zip(grads, tensors))
+        if not any(grads):
+            grads = None
+    # the targets only, not whether a piece is stale: ranks outside the placement skip in-place
+    # ops, so versions may differ between ranks while the moves do not
+    free = tuple(moved_targets(t) for t in tensors)
+    return grads, (free if any(free) else None)
+
+
+class Special:
+    """An op with its own handler: ``fn(func, args, kwargs, tensors)``."""
+
+    __slots__ = ("fn",)
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def run(self, func, args, kwargs, tensors):
+        return self.fn(func, args, kwargs, tensors)

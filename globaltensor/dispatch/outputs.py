@@ -1,0 +1,103 @@
+"""Outputs: their layouts (from a run of the op on meta tensors), the wrappers, and the empty
+pieces of ranks outside the placement."""
+from __future__ import annotations
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..errors import GlobalTensorError
+from ..layout import Layout
+from ..tensor import GlobalTensor
+
+
+def _to_meta(value):
+    if isinstance(value, GlobalTensor):
+        return torch.empty(value._layout.shape, dtype=value.dtype, device="meta")
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
+
+
+def meta_result(func, args, kwargs, name):
+    """The op's result on meta tensors of the global shapes: output shapes and dtypes."""
+    margs, mkwargs = tree_map(_to_meta, (tuple(args), kwargs))
+    try:
+        return func(*margs, **mkwargs)
+    except (NotImplementedError, RuntimeError) as e:
+        if isinstance(e, RuntimeError) and "meta" not in str(e).lower():
+            raise GlobalTensorError(f"{name} on global tensors: {e}") from e
+        raise GlobalTensorError(
+            f"{name}: cannot work out the output shape without running the op (no meta "
+            f"kernel: {e}); gather the inputs with x.full_tensor() and run it locally") from e
+
+
+class OutSpec:
+    """An output's layout and dtype, with the global strides a wrapper needs."""
+
+    __slots__ = ("layout", "dtype", "shape", "strides")
+
+    def __init__(self, layout, dtype):
+        self.layout, self.dtype = layout, dtype
+        self.shape = layout.shape
+        strides, acc = [], 1
+        for n in reversed(self.shape):
+            strides.append(acc)
+            acc *= max(n, 1)
+        self.strides = tuple(reversed(strides))
+
+
+        self.shape = layout.shape
+        strides, acc = [], 1
+        for n in reversed(self.shape):
+            strides.append(acc)
+            acc *= max(n, 1)
+        self.strides = tuple(reversed(strides))
+
+
+def out_specs(meta, outs, placement, name):
+    """The output specs of a decision: the meta result's structure, each tensor an OutSpec
+    with the signature's sbp (one sbp tuple per output, or one for all)."""
+    count = iter(range(1 << 30))
+
+    def build(m):
+        if isinstance(m, torch.Tensor):
+            k = next(count)
+            sbp = outs[k] if len(outs) > 1 else outs[0]
+            return OutSpec(Layout(placement, sbp, tuple(m.shape)), m.dtype)
+        if isinstance(m, (list, tuple)):
+            return type(m)(build(x) for x in m)
+        if m is None:
+            return None
+        raise GlobalTensorError(
+            f"{name} returns a {type(m).__name__}, not a tensor; read global values with "
+            f"x.full_tensor() / x.item() and compute locally")
+
+    return build(meta)
+
+
+new_wrapper = torch.Tensor._make_wrapper_subclass
+
+
+def wrap(result, outs):
+    """The local result(s) wrapped as global tensors of the specs ``outs``."""
+    if type(outs) is OutSpec:
+        # GlobalTensor._make, with the strides worked out once per decision
+        out = new_wrapper(GlobalTensor, outs.shape, strides=outs.strides, dtype=result.dtype,
+                          device=result.device, requires_grad=False)
+        out._local = result
+        out._layout = outs.layout
+        return out
+    if outs is None:
+        return None
+    return type(outs)(wrap(r, o) for r, o in zip(result, outs))
+
+
+def empties(outs, pieces):
+    """What a rank outside the placement holds for outputs ``outs``: empty pieces of their
+    ndim and dtype."""
+    device = pieces[0].device if pieces else torch.device("cpu")
+    if type(outs) is OutSpec:
+        return torch.empty((0,) * len(outs.layout.shape), dtype=outs.dtype, device=device)
+    if outs is None:
+        return None
+    return type(outs)(empties(o, pieces) for o in outs)

@@ -1,0 +1,112 @@
+"""Ops with their own handlers: ``copy_`` (a write into a global tensor), ``item`` (a read of
+the whole value), and ``torch._foreach_*`` (the per-tensor op on each element)."""
+from __future__ import annotations
+
+import torch
+
+from ..errors import GlobalTensorError
+from ..layout import Layout
+from ..redistribute import redistribute_local
+from ..sbp import broadcast, format_sbp
+from ..tensor import GlobalTensor
+from .args import local_tensor_error
+from .decisions import my_coord
+
+aten = torch.ops.aten
+
+
+def write_into(self: GlobalTensor, value):
+    """``self``'s piece := ``value``'s logical value laid out as ``self``."""
+    if isinstance(value, GlobalTensor):
+        if value.shape != self.shape:
+            value = aten.expand.default(value, list(self.shape))
+        piece = redistribute_local(value._local, value._layout, self._layout)
+        if my_coord(self._layout.placement) is not None:
+            self._local.copy_(piece)
+        return
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        if self._layout.is_partial:
+            raise GlobalTensorError(
+                f"cannot write a local scalar into a partial_sum global tensor (sbp "
+                f"{format_sbp(self.sbp)}): every rank would add it. Convert the target with "
+                f".to_global(sbp=gt.sbp.broadcast) first, or write a global tensor")
+        self._local.copy_(value)
+        return
+    raise local_tensor_error(value)
+
+
+def _copy_(func, args, kwargs, tensors):
+    self, src = args[0], args[1]
+    if not isinstance(self, GlobalTensor):
+        raise GlobalTensorError(
+            f"copy_ of a global tensor into a local tensor of shape {list(self.shape)}; expected "
+            f"a global target. Use x.full_tensor() or x.to_local() to get local data")
+    if isinstance(src, GlobalTensor) and src.placement != self.placement:
+        mixed_placements([self, src], "copy_")
+    write_into(self, src)
+    return self
+
+
+def _local_scalar_dense(func, args, kwargs, tensors):
+    x = tensors[0]
+    full = Layout(x._layout.placement, (broadcast,) * x._layout.placement.ndim, x._layout.shape)
+    piece = redistribute_local(x._local, x._layout, full)
+    if my_coord(full.placement) is None:
+        raise GlobalTensorError(
+            f"this rank is outside {x.placement!r}, so it holds no value to read; use "
+            f"x.item() (collective: every rank gets the value) instead of a local read")
+    return piece.item()
+
+
+def foreach(func, args, kwargs, tensors):
+    """``torch._foreach_*``: the same op on each element, through dispatch."""
+    base, inplace = _foreach_base(func)
+    n = max(len(a) for a in args if isinstance(a, (list, tuple)))
+    positional = [a.name for a in base._schema.arguments if not a.kwarg_only]
+    keyword = [a.name for a in base._schema.arguments if a.kwarg_only]
+    results = []
+    for i in range(n):
+        elem_args = [_element(a, i, func) for a in args]
+        elem_kwargs = {k: _element(v, i, func) for k, v in kwargs.items()}
+        # a scalar the foreach op takes positionally may be keyword-only in the base op
+        extra = elem_args[len(positional):]
+        elem_kwargs.update(zip(keyword, extra))
+        results.append(base(*elem_args[:len(positional)], **elem_kwargs))
+    return None if inplace else results
+
+
+def _element(value, i, func):
+    if isinstance(value, (list, tuple)):
+        return value[i]
+    if isinstance(value, torch.Tensor) and not isinstance(value, GlobalTensor) and value.dim() == 1 \
+            and func._overloadname == "Tensor":
+        return value[i].item()  # a tensor of per-element scalars
+    return value
+
+
+def _foreach_base(func):
+    name = func._schema.name.split("::")[1][len("_foreach_"):]
+    inplace = name.endswith("_")
+    packet = getattr(aten, name, None)
+    if packet is None:
+        raise GlobalTensorError(f"no per-tensor op for {func}; please report this")
+    wanted = {"List": ("Tensor", "default"), "Scalar": ("Scalar", "default", "Tensor"),
+              "ScalarList": ("Scalar", "default", "Tensor"), "Tensor": ("Scalar", "default", "Tensor"),
+              "default": ("default",)}.get(func._overloadname, (func._overloadname, "default"))
+    for overload in wanted:
+        if overload in packet.overloads():
+            return getattr(packet, overload), inplace
+    raise GlobalTensorError(f"no per-tensor overload of aten.{name} for {func}; please report this")
+
+
+def mixed_placements(tensors, op):
+    found = sorted({repr(t.placement) for t in tensors})
+    raise GlobalTensorError(
+        f"{op}: expected global tensors of one placement, found {len(found)}: {', '.join(found)}; "
+        f"move them to one placement first with x.to_global(placement=...)")
+
+
+SPECIAL = {
+    aten.copy_.default: _copy_,
+    aten._local_scalar_dense.default: _local_scalar_dense,
+}

@@ -1,0 +1,23 @@
+"""Operators on global tensors: one module per op family, each owning its rows, its kernels
+and its size rewrites, registered with one ``register(...)`` line per op or group of ops.
+
+    signature.py   Row, Rule, Call, Ref, KEEP; sig()/table(); register(); the registry
+    choose.py      candidates over the grid, move + backward cost, Choice
+    pointwise.py  creation.py  random_ops.py  reductions.py  matmul.py  views.py
+    indexing.py  nn.py
+
+Adding an op family is one new module here (and its name in the import below); see
+docs/architecture.md. Nothing in ``ops/`` imports ``tensor`` or ``dispatch``: kernels get what
+they need through :class:`signature.KernelContext`.
+"""
+from . import creation, indexing, matmul, nn, pointwise, random_ops, reductions, views  # noqa: F401
+from .choose import Choice, backward_cost, choose, grad_layout, outs_of
+from .signature import (B, DECOMPOSE, KEEP, KERNELS, LOCAL, NUMBER, P, REWRITES, RULES, S, Call,
+                        KernelContext, Ref, Row, Rule, describe, fit, register, rows_for, rule_for,
+                        sig, table)
+from .views import view_groups
+
+__all__ = ["B", "P", "S", "KEEP", "LOCAL", "NUMBER", "Call", "Choice", "KernelContext", "Ref",
+           "Row", "Rule", "RULES", "KERNELS", "REWRITES", "DECOMPOSE", "backward_cost", "choose",
+           "describe", "fit", "grad_layout", "outs_of", "register", "rows_for", "rule_for", "sig",
+           "table", "view_groups"]

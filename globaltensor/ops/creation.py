@@ -1,0 +1,29 @@
+"""New values shaped like an input: ``*_like``, ``fill``, ``zero``, ``new_*``.
+
+    B    -> B        the input's layout, full values
+    P    -> B        a P input still gives a full value (it is only read for its shape)
+    S(d) -> S(d)
+    *    -> B        ``new_zeros(size)`` & co: the input is only read for dtype and device
+"""
+from __future__ import annotations
+
+from .signature import S, Call, Row, register, sig
+
+
+def like(call: Call) -> tuple[Row, ...]:
+    """``*_like``: a new full value shaped like the input; a P input gives a B output. The
+    random ones (``rand_like`` & co) draw values consistent with the sbp (kernel "random")."""
+    nd = len(call.shapes[0])
+    kernel = "random" if call.packet.startswith("rand") else None
+    rows = [sig("B -> B", kernel), sig("P -> B", kernel)]
+    return tuple(rows + [Row((S(d),), (S(d),), kernel) for d in range(nd)])
+
+
+def new_full(call: Call) -> tuple[Row, ...]:
+    """``new_zeros(size)`` & co: a new B tensor; the input is only read for dtype and device."""
+    return (sig("* -> B"),) if len(call.shapes) == 1 else ()
+
+
+register("zeros_like", "ones_like", "empty_like", "full_like", rule=like)
+register("fill", "fill_", "zero", "zero_", rule=like)
+register("new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", rule=new_full)

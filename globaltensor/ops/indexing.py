@@ -1,0 +1,84 @@
+"""Gather, scatter and indexing: split the dims the index does not reach.
+
+    B    B    -> B        everything replicated
+    S(d) S(d) -> S(d)     a dim other than the indexed one, where the tensors agree in size
+    B    S(k) -> S(k)     x whole, the index split: each rank picks its own part
+    P    B    -> P        reading with B indices is linear in x
+"""
+from __future__ import annotations
+
+from .signature import B, P, S, Call, Ref, Row, dim_of, register, repeat, sig
+
+
+def gather(call: Call):
+    """``gather(x, dim, index)``: output shaped like index. Split a dim other than ``dim`` where
+    x and index agree in size; or keep x whole and split the index along ``dim``."""
+    x, idx = call.shapes[0], call.shapes[1]
+    dim = dim_of(call.get("dim"), len(x))
+    rows = [sig("B B -> B"), sig("P B -> P"), Row((B, S(dim)), (S(dim),))]
+    rows += [Row((S(d), S(d)), (S(d),)) for d in range(len(x)) if d != dim and x[d] == idx[d]]
+    return tuple(rows)
+
+
+def scatter(call: Call):
+    """``scatter(x, dim, index, src)`` (and scatter_add / value variants): split a dim other
+    than ``dim`` where every tensor has the same size."""
+    shapes = call.shapes
+    n = len(shapes)
+    dim = dim_of(call.get("dim"), len(shapes[0]))
+    rows = [Row(repeat(n, B), (B,))]
+    for d in range(len(shapes[0])):
+        if d != dim and len({s[d] for s in shapes}) == 1:
+            rows.append(Row(repeat(n, S(d)), (S(d),)))
+    if call.packet in ("scatter_add", "scatter_add_") and n == 3:
+        rows.append(sig("P B P -> P"))  # x + scatter(src): linear in (x, src) together
+    return tuple(rows)
+
+
+def index_add(call: Call):
+    """``index_add(x, dim, index, source)`` (index_select's backward): split a dim other than
+    ``dim`` on x and source alike; linear in (x, source) together."""
+    x, src = call.shapes[0], call.shapes[2]
+    dim = dim_of(call.get("dim"), len(x))
+    rows = [sig("B B B -> B"), sig("P B P -> P")]
+    rows += [Row((S(d), B, S(d)), (S(d),)) for d in range(len(x)) if d != dim and x[d] == src[d]]
+    return tuple(rows)
+
+
+def index_select(call: Call):
+    x = call.shapes[0]
+    dim = dim_of(call.get("dim"), len(x))
+    rows = [sig("B B -> B"), sig("P B -> P"), Row((B, S(0)), (S(dim),))]
+    rows += [Row((S(d), B), (S(d),)) for d in range(len(x)) if d != dim]
+    return tuple(rows)
+
+
+def index(call: Call):
+    """``x[indices]``: all B, or P with B indices; with one index tensor on dim 0, x's other
+    dims pass through and an index split passes to the output."""
+    n = len(call.shapes)
+    rows = [Row(repeat(n, B), (B,)), Row((P,) + repeat(n - 1, B), (P,))]
+    indices = call.get("indices")
+    if n == 2 and len(indices) == 1 and isinstance(indices[0], Ref):
+        x, idx = call.shapes
+        rows += [Row((S(d), B), (S(d - 1 + len(idx)),)) for d in range(1, len(x))]
+        rows += [Row((B, S(k)), (S(k),)) for k in range(len(idx))]
+    return tuple(rows)
+
+
+def index_put(call: Call):
+    """``index_put(x, indices, values, accumulate)``: linear in (x, values) together."""
+    n = len(call.shapes)
+    rows = [Row(repeat(n, B), (B,))]
+    values = call.get("values")
+    if isinstance(values, Ref) and call.is_global("self"):
+        rows.append(Row(tuple(P if i in (0, values.index) else B for i in range(n)), (P,)))
+    return tuple(rows)
+
+
+register("gather", rule=gather)
+register("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", rule=scatter)
+register("index_add", "index_add_", rule=index_add)
+register("index_select", rule=index_select)
+register("index", rule=index)
+register("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put", rule=index_put)

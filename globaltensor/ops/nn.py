@@ -1,0 +1,194 @@
+"""Neural-network ops: layer norm, embedding, losses, convolution, attention.
+
+The common shape: a batch split passes through (weights whole, their gradients partial sums);
+a split of the weights' own dims gives partial sums (embedding's vocabulary) or a split output
+(convolution's output channels). A mean over a split batch is the local sum over the global
+count (kernels "loss_mean", "nll_mean").
+"""
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .signature import B, P, S, Call, Row, fit, register, repeat, sig, with_arg
+
+aten = torch.ops.aten
+
+
+def layer_norm(call: Call):
+    """``native_layer_norm(x, normalized_shape, weight, bias, eps) -> (out, mean, rstd)``:
+    split batch dims only; weight and bias whole."""
+    nd = len(call.shapes[0])
+    batch = nd - len(call.get("normalized_shape"))
+    present = (True, call.is_global("weight"), call.is_global("bias"))
+    rows = [sig("B B B -> B")]
+    rows += [Row((S(d), B, B), (S(d),)) for d in range(batch)]
+    return fit(rows, present)
+
+
+def layer_norm_backward(call: Call):
+    """``(grad_out, x, normalized_shape, mean, rstd, weight, bias, mask) -> (gx, gw, gb)``:
+    batch split gives partial weight/bias grads; linear in grad_out."""
+    nd = len(call.shapes[0])
+    batch = nd - len(call.get("normalized_shape"))
+    present = (True, True, True, True, call.is_global("weight"), call.is_global("bias"))
+    rows = [sig("B B B B B B -> B"), sig("P B B B B B -> P")]
+    rows += [Row((S(d), S(d), S(d), S(d), B, B), (S(d), P, P)) for d in range(batch)]
+    return fit(rows, present)
+
+
+def embedding(call: Call):
+    """``embedding(weight, indices)``: vocab-split weights give P (rows a rank lacks are 0)."""
+    nd = len(call.shapes[1])
+    rows = [sig("B B -> B"), sig("P B -> P"), Row((S(1), B), (S(nd),)),
+            sig("S(0) B -> P", "embedding_vocab")]
+    rows += [Row((B, S(d)), (S(d),)) for d in range(nd)]
+    return tuple(rows)
+
+
+def _k_embedding_vocab(ctx, largs, lkwargs):
+    """embedding with a vocabulary-split weight: rows this rank lacks give 0 (a partial sum)."""
+    if ctx.coord is None:
+        return ctx.empties()
+    weight, indices = largs[0], largs[1]
+    lo, hi = ctx.targets[0].box(ctx.coord)[0]
+    outside = (indices < lo) | (indices >= hi)
+    local = (indices - lo).masked_fill(outside, 0)
+    out = aten.embedding.default(weight, local)
+    return out.masked_fill_(outside.unsqueeze(-1), 0)
+
+
+def embedding_backward(call: Call):
+    """``embedding_dense_backward(grad, indices, num_weights, ...)``: index split gives
+    partial sums of rows; an embedding-dim split stays split."""
+    nd = len(call.shapes[1])
+    rows = [sig("B B -> B"), sig("P B -> P"), Row((S(nd), B), (S(1),))]
+    if not call.get("scale_grad_by_freq", False):
+        rows += [Row((S(d), S(d)), (P,)) for d in range(nd)]
+    return tuple(rows)
+
+
+def nll_loss(call: Call):
+    """``nll_loss_forward(x, target, weight, reduction, ignore_index) -> (out, total_weight)``:
+    batch split; a mean divides the local sum by the global total weight."""
+    reduction = call.get("reduction", 1)
+    present = (True, True, call.is_global("weight"))
+    batched = len(call.shapes[0]) >= 2
+    rows = [sig("B B B -> B B"), sig("P B B -> P B")]
+    if batched and reduction == 0:
+        rows.append(sig("S(0) S(0) B -> S(0) B"))
+    elif batched and reduction == 2:
+        rows.append(sig("S(0) S(0) B -> P P"))
+    elif batched:
+        rows.append(sig("S(0) S(0) B -> P B", "nll_mean"))
+    return fit(rows, present)
+
+
+def _k_nll_mean(ctx, largs, lkwargs):
+    """nll_loss with a batch split and reduction='mean': the local sum over the global total
+    weight (an all-reduce of one number, on every rank)."""
+    largs = list(largs)
+    lkwargs = with_arg(ctx.call.op, largs, lkwargs, "reduction", 2)  # sum
+    if ctx.coord is None:
+        total, weight = largs[0].new_zeros(()), largs[0].new_zeros(())
+    else:
+        total, weight = ctx.func(*largs, **lkwargs)
+    dst = ctx.outs[1].layout
+    partial = tuple(P if isinstance(v, S) else d for v, d in zip(ctx.targets[0].sbp, dst.sbp))
+    weight = ctx.redistribute(weight, dst.with_sbp(partial), dst)
+    if ctx.coord is None:
+        return ctx.empties()
+    return total / weight, weight
+
+
+def nll_loss_backward(call: Call):
+    """``nll_loss_backward(grad, x, target, weight, reduction, ignore_index, total_weight)``."""
+    reduction = call.get("reduction", 1)
+    present = (True, True, True, call.is_global("weight"), True)
+    rows = [sig("B B B B B -> B"), sig("P B B B B -> P")]
+    if len(call.shapes[1]) >= 2:
+        if reduction == 0:
+            rows.append(sig("S(0) S(0) S(0) B B -> S(0)"))
+        else:
+            rows.append(sig(f"B S(0) S(0) B {'P' if reduction == 2 else 'B'} -> S(0)"))
+    return fit(rows, present)
+
+
+def pointwise_loss(call: Call):
+    """``mse_loss(x, target, reduction)`` & co: element-wise, then reduced. A split gives a
+    split (none), a partial sum (sum) or a partial mean over the global count (mean)."""
+    reduction = call.get("reduction", 1)
+    nd = len(call.shapes[0])
+    rows = [sig("B B -> B")]
+    for d in range(nd):
+        out = S(d) if reduction == 0 else P
+        rows.append(Row((S(d), S(d)), (out,), "loss_mean" if reduction == 1 else None))
+    return tuple(rows)
+
+
+def pointwise_loss_backward(call: Call):
+    """``mse_loss_backward(grad, x, target, reduction)``: linear in grad; a mean divides by the
+    global count."""
+    reduction = call.get("reduction", 1)
+    nd = len(call.shapes[1])
+    rows = [sig("B B B -> B"), sig("P B B -> P")]
+    for d in range(nd):
+        g = S(d) if reduction == 0 else B
+        rows.append(Row((g, S(d), S(d)), (S(d),), "loss_mean" if reduction == 1 else None))
+    return tuple(rows)
+
+
+def _k_loss_mean(ctx, largs, lkwargs):
+    """mse_loss & co (and their backward) with reduction='mean' on split inputs: the local
+    result with reduction='sum', over the global element count."""
+    if ctx.coord is None:
+        return ctx.empties()
+    largs = list(largs)
+    lkwargs = with_arg(ctx.call.op, largs, lkwargs, "reduction", 2)  # sum
+    x = 1 if ctx.call.packet.endswith("_backward") else 0  # backward: grad comes first
+    return ctx.func(*largs, **lkwargs) / math.prod(ctx.targets[x].shape)
+
+
+def convolution(call: Call):
+    """``convolution(x, w, b, ...)``: batch split, or output channels split (groups == 1)."""
+    present = (True, True, call.is_global("bias"))
+    rows = [sig("B B B -> B"), sig("S(0) B B -> S(0)")]
+    if not call.get("transposed", False) and call.get("groups", 1) == 1:
+        rows.append(sig("B S(0) S(0) -> S(1)"))
+    if not present[2]:
+        rows.append(sig("P B - -> P"))
+    return fit(rows, present)
+
+
+def convolution_backward(call: Call):
+    """``convolution_backward(grad, x, w, bias_sizes, ...) -> (gx, gw, gb)``."""
+    rows = [sig("B B B -> B B B"), sig("S(0) S(0) B -> S(0) P P"), sig("P B B -> P P P")]
+    if not call.get("transposed", False) and call.get("groups", 1) == 1:
+        rows.append(sig("S(1) B S(0) -> P S(0) S(0)"))
+    return tuple(rows)
+
+
+def attention(nouts: int):
+    """``_scaled_dot_product_flash_attention_for_cpu`` (and its backward): batch or head split."""
+    def rule(call: Call):
+        n = len(call.shapes)
+        rows = [Row(repeat(n, B), repeat(nouts, B))]
+        return tuple(rows + [Row(repeat(n, S(d)), repeat(nouts, S(d))) for d in (0, 1)])
+    return rule
+
+
+register("native_layer_norm", rule=layer_norm)
+register("native_layer_norm_backward", rule=layer_norm_backward)
+register("embedding", rule=embedding, kernels={"embedding_vocab": _k_embedding_vocab})
+register("embedding_dense_backward", rule=embedding_backward)
+register("mse_loss", "smooth_l1_loss", "huber_loss", rule=pointwise_loss,
+         kernels={"loss_mean": _k_loss_mean})
+register("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward",
+         rule=pointwise_loss_backward)
+register("nll_loss_forward", rule=nll_loss, kernels={"nll_mean": _k_nll_mean})
+register("nll_loss_backward", rule=nll_loss_backward)
+register("convolution", rule=convolution)
+register("convolution_backward", rule=convolution_backward)
+register("_scaled_dot_product_flash_attention_for_cpu", rule=attention(2))
+register("_scaled_dot_product_flash_attention_for_cpu_backward", rule=attention(3))

@@ -1,0 +1,120 @@
+"""Reductions, and ops that mix values along one dim (softmax, cumsum, sort, topk).
+
+    B    -> B        everything replicated
+    S(d) -> S(d')    a dim that is not reduced stays split (renumbered when dims go away)
+    S(r) -> P        a reduced split dim gives partial sums, for sums (and means, kernel
+                     "mean_partial": the local sum over the global count)
+    P    -> P        sums are linear
+Other reductions (max, norm, var, ...) and ops along a dim need the dim whole.
+"""
+from __future__ import annotations
+
+import math
+
+from .signature import B, P, S, Call, Row, dim_of, dims_of, linear_in, register, repeat, sig
+
+
+def _reduction(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:
+    """Reduce ``dims``: other split dims survive (renumbered); a split reduced dim gives P when
+    the reduction is a sum (``partial`` names its kernel, "" for the op itself), else it must
+    be gathered; a P input stays P only for sums."""
+    nd = len(call.shapes[0])
+    dims = dims_of(call.get("dim"), nd)
+    keep = bool(call.get("keepdim", False))
+    rows = [Row((B,), repeat(nouts, B))]
+    for d in range(nd):
+        if d not in dims:
+            k = d if keep else d - sum(1 for r in dims if r < d)
+            rows.append(Row((S(d),), repeat(nouts, S(k))))
+        elif partial is not None:
+            rows.append(Row((S(d),), repeat(nouts, P), partial or None))
+    if partial is not None:
+        rows.append(Row((P,), repeat(nouts, P)))
+    return tuple(rows)
+
+
+def _all_reduced_rows(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:
+    """A reduction of every element (``sum.default`` & co)."""
+    nd = len(call.shapes[0])
+    rows = [Row((B,), repeat(nouts, B))]
+    if partial is not None:
+        rows += [Row((S(d),), repeat(nouts, P), partial or None) for d in range(nd)]
+        rows.append(Row((P,), repeat(nouts, P)))
+    return tuple(rows)
+
+
+def reduction_sum(call: Call):
+    if call.op == "sum.default":
+        return _all_reduced_rows(call, 1, "")
+    return _reduction(call, 1, "")
+
+
+def reduction_mean(call: Call):
+    if call.op == "mean.default":
+        return _all_reduced_rows(call, 1, "mean_partial")
+    return _reduction(call, 1, "mean_partial")
+
+
+def reduction_gather(nouts: int):
+    """Reductions that are not sums (max, norm, var, ...): reduced dims must be whole."""
+    def rule(call: Call):
+        if call.op.endswith(".default") and call.packet in ("max", "min", "prod", "any", "all"):
+            return _all_reduced_rows(call, nouts, None)
+        return _reduction(call, nouts, None)
+    return rule
+
+
+def along_dim(linear: tuple[str, ...] = (), nouts: int = 1, default=None):
+    """Ops that mix values along one dim (softmax, cumsum, sort): that dim must be whole; other
+    splits pass through; linear ones keep P in the inputs named ``linear`` (others B)."""
+    def rule(call: Call):
+        nd = len(call.shapes[0])
+        dim = call.get("dim", default)
+        dim = dim_of(dim, nd) if dim is not None else None
+        n = len(call.shapes)
+        rows = [Row(repeat(n, B), repeat(nouts, B))]
+        rows += [Row(repeat(n, S(d)), repeat(nouts, S(d))) for d in range(nd) if d != dim]
+        for name in linear:
+            rows += linear_in(call, name, nouts)
+        return tuple(rows)
+    return rule
+
+
+def softmax_backward(call: Call):
+    """``_softmax_backward_data(grad, out, dim, dtype)``: linear in grad."""
+    nd = len(call.shapes[0])
+    dim = dim_of(call.get("dim"), nd)
+    rows = [sig("B B -> B"), sig("P B -> P")]
+    rows += [Row((S(d), S(d)), (S(d),)) for d in range(nd) if d != dim]
+    return tuple(rows)
+
+
+def _k_mean_partial(ctx, largs, lkwargs):
+    """mean over a split dim: the local sum over the global count (a partial sum)."""
+    if ctx.coord is None:
+        return ctx.empties()
+    x, shape = largs[0], ctx.targets[0].shape
+    dtype = lkwargs.get("dtype")
+    if ctx.call.op == "mean.default":
+        dims, keepdim = tuple(range(len(shape))), False
+    else:
+        dims = dims_of(ctx.arg(largs, lkwargs, "dim"), len(shape))
+        keepdim = bool(ctx.arg(largs, lkwargs, "keepdim", False))
+    count = math.prod(shape[d] for d in dims)
+    total = x.sum(dim=dims, keepdim=keepdim, dtype=dtype) if dims else x.to(dtype or x.dtype)
+    return total / count
+
+
+register("sum", rule=reduction_sum)
+register("mean", rule=reduction_mean, kernels={"mean_partial": _k_mean_partial})
+register("amax", "amin", "argmax", "argmin", "prod", "any", "all", "logsumexp",
+         "linalg_vector_norm", "norm.ScalarOpt_dim", "norm.Scalar", "norm.ScalarOpt_dim_dtype",
+         "var.correction", "std.correction", "max.default", "min.default",
+         rule=reduction_gather(1))
+register("max.dim", "min.dim", "var_mean.correction", "std_mean.correction",
+         rule=reduction_gather(2))
+register("_softmax", "_log_softmax", rule=along_dim())
+register("_softmax_backward_data", "_log_softmax_backward_data", rule=softmax_backward)
+register("cumsum", rule=along_dim(linear=("self",)))
+register("cumprod", rule=along_dim())
+register("sort", "topk", rule=along_dim(nouts=2, default=-1))

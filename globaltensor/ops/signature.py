@@ -1,0 +1,298 @@
+"""What a rule is made of, and the registry every op family registers into.
+
+A rule turns a :class:`Call` (the op's name, the global shapes of its global-tensor inputs and
+its other arguments) into *rows*. A row is a per-axis signature: for one placement axis, the sbp
+each global input must have and the sbp each output then has. On an n-D grid a signature is one
+row per axis (``choose.py`` takes the product and picks by cost).
+
+Two invariants every table keeps:
+- an input is never asked to become P unless it is P already (no implicit partial sums);
+- a row's outputs hold exactly the local results of the op run on the inputs' pieces (or of the
+  named ``kernel``, for the few ops whose local computation differs from the op itself).
+
+Each family module (``pointwise.py``, ``views.py``, ...) owns its rows, kernels and size rewrites
+and ends with its ``register(...)`` lines: the table of contents of what it covers.
+
+Pure: no torch.distributed, no rank.
+"""
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from ..errors import GlobalTensorError
+from ..sbp import Split, broadcast, partial_sum
+
+B, P = broadcast, partial_sum
+S = Split
+
+
+class _Marker:
+    __slots__ = ("name",)
+
+    def __init__(self, name):
+        self.name = name
+
+    def __repr__(self):
+        return self.name
+
+
+KEEP = _Marker("KEEP")      # in a row: the input keeps whatever sbp it has on this axis
+LOCAL = _Marker("LOCAL")    # in a Call's args: a 0-dim local tensor (a constant)
+NUMBER = _Marker("NUMBER")  # in a Call's args: a float whose value the rule must not use
+
+
+@dataclass(frozen=True, slots=True)
+class Ref:
+    """In a Call's args: the global-tensor input with this index."""
+
+    index: int
+
+
+@dataclass(frozen=True, slots=True)
+class Row:
+    """One per-axis signature: an sbp per global input, an sbp per output (one for all if
+    ``outs`` has a single entry), and an optional local kernel name (registered with the op)."""
+
+    ins: tuple
+    outs: tuple
+    kernel: str | None = None
+
+    def __str__(self):
+        ins = " ".join(str(v) for v in self.ins)
+        outs = " ".join(str(v) for v in self.outs)
+        return f"{ins} -> {outs}" + (f"  [{self.kernel}]" if self.kernel else "")
+
+
+@dataclass(frozen=True, slots=True)
+class Rule:
+    """Rows plus an optional check of a whole n-D candidate: ``check(call, mesh, ins, outs)``
+    where ``ins``/``outs`` hold one sbp tuple (one entry per axis) per input/output."""
+
+    rows: tuple
+    check: Callable | None = None
+
+
+@functools.lru_cache(maxsize=None)
+def arg_names(op: str) -> tuple[str, ...]:
+    """The names of the positional arguments of aten op ``op`` ("sum.dim_IntList"), from its
+    schema; ``()`` for a name that is not an aten op."""
+    packet, _, overload = op.partition(".")
+    try:
+        schema = getattr(getattr(torch.ops.aten, packet), overload or "default")._schema
+    except (AttributeError, RuntimeError):
+        return ()
+    return tuple(a.name for a in schema.arguments if not a.kwarg_only)
+
+
+def arg_value(op: str, args, kwargs, name: str, default=None):
+    """Argument ``name`` of a call of ``op``: by its schema position in ``args`` when passed
+    positionally, else from ``kwargs`` (a dict or sorted pairs), else ``default``."""
+    names = arg_names(op)
+    if name in names:
+        pos = names.index(name)
+        if pos < len(args):
+            return args[pos]
+    items = kwargs.items() if isinstance(kwargs, dict) else kwargs
+    for k, v in items:
+        if k == name:
+            return v
+    return default
+
+
+def with_arg(op: str, args: list, kwargs: dict, name: str, value) -> dict:
+    """Set argument ``name`` to ``value``: in ``args`` (in place) when passed positionally,
+    else in a copy of ``kwargs``, which is returned."""
+    names = arg_names(op)
+    if name in names and names.index(name) < len(args):
+        args[names.index(name)] = value
+        return kwargs
+    return dict(kwargs, **{name: value})
+
+
+@dataclass(frozen=True, slots=True)
+class Call:
+    """What a rule sees of one operator call (hashable; built by dispatch from its arguments)."""
+
+    op: str                                  # overload name, e.g. "add.Tensor"
+    shapes: tuple[tuple[int, ...], ...]      # global shapes of the global-tensor inputs, in order
+    args: tuple = ()                         # positional args; global tensors appear as Ref(i)
+    kwargs: tuple = ()                       # sorted (name, value) pairs, marked the same way
+    tags: frozenset = frozenset()            # torch tags: "pointwise", "inplace", ...
+
+    @property
+    def packet(self) -> str:
+        return self.op.split(".")[0]
+
+    def get(self, name: str, default=None):
+        """The argument named ``name`` in the op's schema (positional or keyword)."""
+        return arg_value(self.op, self.args, self.kwargs, name, default)
+
+    def is_global(self, name: str) -> bool:
+        return isinstance(self.get(name), Ref)
+
+    def shape_of(self, name: str):
+        value = self.get(name)
+        return self.shapes[value.index] if isinstance(value, Ref) else None
+
+
+# ----------------------------------------------------------------------------- table syntax
+
+_SPLIT = re.compile(r"S\((-?\d+)\)")
+_TOKENS = {"B": B, "P": P, "*": KEEP, "-": None}  # "-": an absent optional input, see fit()
+
+
+def _token(text: str):
+    if text in _TOKENS:
+        return _TOKENS[text]
+    m = _SPLIT.fullmatch(text)
+    if not m:
+        raise GlobalTensorError(f"bad sbp token {text!r} in a rule table")
+    return S(int(m.group(1)))
+
+
+def sig(text: str, kernel: str | None = None) -> Row:
+    """``sig("S(1) S(0) -> P")``: a row from its compact text."""
+    left, right = text.split("->")
+    return Row(tuple(_token(t) for t in left.split()), tuple(_token(t) for t in right.split()),
+               kernel)
+
+
+def table(*texts: str) -> tuple[Row, ...]:
+    return tuple(sig(t) for t in texts)
+
+
+def fit(rows, present) -> tuple[Row, ...]:
+    """Rows written over every tensor slot of an op, with the absent slots' columns removed."""
+    return tuple(Row(tuple(v for v, keep in zip(r.ins, present) if keep), r.outs, r.kernel)
+                 for r in rows)
+
+
+# ----------------------------------------------------------------------------- row helpers
+
+
+def dims_of(value, ndim: int) -> tuple[int, ...]:
+    """A dim / list of dims / None (= all) normalised to sorted non-negative dims."""
+    if value is None or value == () or value == []:
+        return tuple(range(ndim))
+    if isinstance(value, int):
+        value = (value,)
+    return tuple(sorted({d % max(ndim, 1) for d in value}))
+
+
+def dim_of(value, ndim: int) -> int:
+    return value % max(ndim, 1)
+
+
+def repeat(n: int, value) -> tuple:
+    return (value,) * n
+
+
+def broadcast_shapes(shapes) -> tuple[int, ...]:
+    ndim = max((len(s) for s in shapes), default=0)
+    out = [1] * ndim
+    for s in shapes:
+        for i, n in enumerate(s):
+            if n != 1:
+                out[ndim - len(s) + i] = n
+    return tuple(out)
+
+
+def linear_in(call: Call, name: str, nouts: int = 1) -> tuple[Row, ...]:
+    """The row of an op linear in the input ``name`` alone: that one P, the others B -> P."""
+    ref = call.get(name)
+    if not isinstance(ref, Ref):
+        return ()
+    n = len(call.shapes)
+    return (Row(tuple(P if i == ref.index else B for i in range(n)), repeat(nouts, P)),)
+
+
+def keep_whole(call: Call, dims) -> tuple[Row, ...]:
+    """Rows that keep every dim of input 0 but ``dims`` splittable (B, P, and S(d) -> S(d))."""
+    nd = len(call.shapes[0])
+    return (sig("B -> B"), sig("P -> P")) + tuple(
+        Row((S(d),), (S(d),)) for d in range(nd) if d not in dims)
+
+
+# ----------------------------------------------------------------------------- the registry
+
+RULES: dict[str, Callable] = {}       # overload ("sum.default") or packet ("sum") -> rule
+TAG_RULES: dict[str, Callable] = {}   # torch tag ("pointwise") -> rule, for ops not named above
+KERNELS: dict[str, Callable] = {}     # kernel name (in rows) -> kernel(ctx, largs, lkwargs)
+REWRITES: dict[str, Callable] = {}    # packet -> rewrite(decision, largs, pieces): local sizes
+DECOMPOSE: set[str] = set()           # packets run as their decomposition into ops with rules
+
+
+def register(*names: str, rule: Callable | None = None, kernels: dict | None = None,
+             rewrite: Callable | None = None, decompose: bool = False) -> None:
+    """Register ops by overload or packet name: their rule (``rule(call) -> rows or Rule``),
+    the local kernels its rows name, a rewrite of global sizes in their arguments, or that
+    they run as their decomposition (``decompose=True``)."""
+    for name in names:
+        if name in RULES or name in DECOMPOSE:
+            raise GlobalTensorError(f"internal: op {name} registered twice")
+        if rule is not None:
+            RULES[name] = rule
+        if rewrite is not None:
+            REWRITES[name] = rewrite
+        if decompose:
+            DECOMPOSE.add(name)
+    for kernel, fn in (kernels or {}).items():
+        if KERNELS.setdefault(kernel, fn) is not fn:
+            raise GlobalTensorError(f"internal: kernel {kernel} registered twice")
+
+
+def register_tag(tag: str, *, rule: Callable) -> None:
+    """The rule for ops with torch tag ``tag`` that no name was registered for."""
+    TAG_RULES[tag] = rule
+
+
+def rule_for(call: Call):
+    """The rule function for ``call``, or None when the op has no rule."""
+    fn = RULES.get(call.op) or RULES.get(call.packet)
+    if fn is None:
+        for tag, tag_rule in TAG_RULES.items():
+            if tag in call.tags:
+                return tag_rule
+    return fn
+
+
+def rows_for(call: Call) -> Rule | None:
+    fn = rule_for(call)
+    if fn is None:
+        return None
+    out = fn(call)
+    return out if isinstance(out, Rule) else Rule(tuple(out))
+
+
+def describe(call: Call) -> str:
+    """The rows of ``call``'s rule, one per line (for docs and error messages)."""
+    rule = rows_for(call)
+    if rule is None:
+        return f"{call.op}: no rule (runs on broadcast inputs)"
+    return "\n".join(f"{call.op}: {r}" for r in rule.rows)
+
+
+class KernelContext:
+    """What a kernel gets besides the local arguments: the aten op and the Call, the target
+    input layouts, the output specs (``.layout``, ``.dtype``), this rank's grid coordinate (None
+    outside the placement) and the input pieces; ``redistribute(piece, src, dst)`` for the
+    kernels that communicate, and ``empties()``: a rank outside the placement's result.
+
+    Every rank calls a kernel, ranks outside the placement too: kernels that draw random numbers
+    or communicate must do so on every rank alike, then return empty pieces there."""
+
+    __slots__ = ("func", "call", "targets", "outs", "coord", "pieces", "redistribute", "empties")
+
+    def __init__(self, func, call, targets, outs, coord, pieces, redistribute, empties):
+        self.func, self.call, self.targets, self.outs = func, call, targets, outs
+        self.coord, self.pieces = coord, pieces
+        self.redistribute, self.empties = redistribute, empties
+
+    def arg(self, largs, lkwargs, name: str, default=None):
+        """Local argument ``name`` of this call (see :func:`arg_value`)."""
+        return arg_value(self.call.op, largs, lkwargs, name, default)

@@ -1,0 +1,246 @@
+"""Views and shape ops: a split follows its dim to where the op puts it.
+
+    B    -> B, P -> P      every shape op moves values, never mixes them
+    S(d) -> S(d')          d' is where dim d lands (permute, unsqueeze, a merged or split view)
+A dim the op cuts, selects or removes (slice, select, split, unbind, tril's last two) must be
+whole. Ops whose arguments name global sizes (view, expand, *_backward) get this rank's local
+sizes through their rewrite.
+"""
+from __future__ import annotations
+
+import math
+
+from ..errors import GlobalTensorError
+from ..sbp import Split
+from .signature import B, P, S, Call, Row, Rule, dim_of, dims_of, keep_whole, register, repeat, sig
+
+
+def view_groups(src, dst) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
+    """Pair runs of ``src`` dims with runs of ``dst`` dims of equal product, in order.
+
+    Size-1 dims form groups of their own with an empty partner, so a split dim's group starts at
+    a dim of size > 1. ``view_groups((4, 6), (2, 2, 6))`` is ``(((0,), (0, 1)), ((1,), (2,)))``.
+    """
+    groups, i, j = [], 0, 0
+    while i < len(src) or j < len(dst):
+        if i < len(src) and src[i] == 1:
+            groups.append(((i,), ()))
+            i += 1
+            continue
+        if j < len(dst) and dst[j] == 1:
+            groups.append(((), (j,)))
+            j += 1
+            continue
+        if i >= len(src) or j >= len(dst):
+            raise GlobalTensorError(f"cannot view a tensor of shape {list(src)} as {list(dst)}")
+        gi, gj, a, b = [i], [j], src[i], dst[j]
+        i, j = i + 1, j + 1
+        while a != b:
+            if a < b and i < len(src):
+                a *= src[i]
+                gi.append(i)
+                i += 1
+            elif b < a and j < len(dst):
+                b *= dst[j]
+                gj.append(j)
+                j += 1
+            else:
+                raise GlobalTensorError(f"cannot view a tensor of shape {list(src)} as {list(dst)}")
+        groups.append((tuple(gi), tuple(gj)))
+    return tuple(groups)
+
+
+def resolve_size(size, numel: int) -> tuple[int, ...]:
+    size = list(size)
+    if -1 in size:
+        known = math.prod(s for s in size if s != -1)
+        size[size.index(-1)] = numel // known if known else 0
+    return tuple(size)
+
+
+def view(call: Call) -> Rule:
+    """``view(x, size)``: a split dim goes to the first dim of its group; through a merge or a
+    split of dims only when the pieces cut whole rows (even pieces)."""
+    src = call.shapes[0]
+    dst = resolve_size(call.get("size", call.get("shape")), math.prod(src))
+    rows = [sig("B -> B"), sig("P -> P")]
+    if 0 in src:
+        return Rule(tuple(rows))
+    groups = view_groups(src, dst)
+    rows += [Row((S(gi[0]),), (S(gj[0]),)) for gi, gj in groups if gi and gj]
+
+    def check(call, mesh, ins, outs):
+        for gi, gj in groups:
+            if not gi or not gj or (len(gi) == 1 and len(gj) == 1):
+                continue
+            k = math.prod(m for m, v in zip(mesh, ins[0]) if v == S(gi[0]))
+            if k > 1 and (src[gi[0]] % k or dst[gj[0]] % k):
+                return False
+        return True
+    return Rule(tuple(rows), check)
+
+
+def _rewrite_view(decision, largs, pieces):
+    """The local size: each split group's first dim takes this piece's share."""
+    if not pieces[0].is_contiguous():
+        largs[0] = pieces[0].contiguous()  # the global tensor is contiguous; its piece may not be
+    out = decision.outs.layout
+    split_dims = {v.dim for v in out.sbp if isinstance(v, Split)}
+    if not split_dims:
+        return
+    local_in = pieces[0].shape
+    size = list(out.shape)
+    for gi, gj in view_groups(decision.targets[0].shape, out.shape):
+        if gj and gj[0] in split_dims:
+            rest = math.prod(out.shape[j] for j in gj[1:])
+            size[gj[0]] = math.prod(local_in[i] for i in gi) // max(rest, 1)
+    largs[1] = size
+
+
+def _permute_rows(perm) -> tuple[Row, ...]:
+    return (sig("B -> B"), sig("P -> P")) + tuple(Row((S(p),), (S(k),)) for k, p in enumerate(perm))
+
+
+def permute(call: Call):
+    nd = len(call.shapes[0])
+    return _permute_rows([dim_of(d, nd) for d in call.get("dims")])
+
+
+def transpose(call: Call):
+    nd = len(call.shapes[0])
+    perm = list(range(nd))
+    if nd >= 2:
+        a, b = dim_of(call.get("dim0", 0), nd), dim_of(call.get("dim1", 1), nd)
+        perm[a], perm[b] = perm[b], perm[a]
+    return _permute_rows(perm)
+
+
+def _drop_dims(call: Call, removed) -> tuple[Row, ...]:
+    """Rows for ops that remove ``removed`` dims (which must be whole) and keep the others."""
+    nd = len(call.shapes[0])
+    rows = [sig("B -> B"), sig("P -> P")]
+    for d in range(nd):
+        if d not in removed:
+            rows.append(Row((S(d),), (S(d - sum(1 for r in removed if r < d)),)))
+    return tuple(rows)
+
+
+def squeeze(call: Call):
+    shape = call.shapes[0]
+    dims = call.get("dim")
+    cand = range(len(shape)) if dims is None else dims_of(dims, len(shape))
+    return _drop_dims(call, {d for d in cand if shape[d] == 1})
+
+
+def unsqueeze(call: Call):
+    nd = len(call.shapes[0])
+    dim = call.get("dim") % (nd + 1)
+    return (sig("B -> B"), sig("P -> P")) + tuple(Row((S(d),), (S(d + (d >= dim)),)) for d in range(nd))
+
+
+def select(call: Call):
+    return _drop_dims(call, {dim_of(call.get("dim"), len(call.shapes[0]))})
+
+
+def slice_(call: Call):
+    shape = call.shapes[0]
+    dim = dim_of(call.get("dim", 0), len(shape))
+    start, end, step = call.get("start"), call.get("end"), call.get("step", 1)
+    whole = start in (None, 0) and (end is None or end >= shape[dim]) and step == 1
+    return keep_whole(call, () if whole else (dim,))
+
+
+def split(call: Call):
+    return keep_whole(call, (dim_of(call.get("dim", 0), len(call.shapes[0])),))
+
+
+def unbind(call: Call):
+    return _drop_dims(call, {dim_of(call.get("dim", 0), len(call.shapes[0]))})
+
+
+def expand(call: Call):
+    src = call.shapes[0]
+    size = call.get("size")
+    lead = len(size) - len(src)
+    rows = [sig("B -> B"), sig("P -> P")]
+    rows += [Row((S(d),), (S(d + lead),)) for d, n in enumerate(src) if size[d + lead] in (-1, n)]
+    return tuple(rows)
+
+
+def _rewrite_expand(decision, largs, pieces):
+    """A split dim keeps this piece's size (-1)."""
+    size = list(largs[1])
+    for v in decision.outs.layout.sbp:
+        if isinstance(v, Split):
+            size[v.dim] = -1
+    largs[1] = size
+
+
+def cat(call: Call):
+    n = len(call.shapes)
+    nd = max(len(s) for s in call.shapes)
+    dim = dim_of(call.get("dim", 0), nd)
+    real = [len(s) == nd for s in call.shapes]  # legacy 1-D empty tensors are skipped by cat
+    rows = [Row(repeat(n, B), (B,)), Row(repeat(n, P), (P,))]
+    rows += [Row(tuple(S(d) if r else B for r in real), (S(d),)) for d in range(nd) if d != dim]
+    return tuple(rows)
+
+
+def stack(call: Call):
+    n = len(call.shapes)
+    nd = len(call.shapes[0])
+    dim = call.get("dim", 0) % (nd + 1)
+    rows = [Row(repeat(n, B), (B,)), Row(repeat(n, P), (P,))]
+    rows += [Row(repeat(n, S(d)), (S(d + (d >= dim)),)) for d in range(nd)]
+    return tuple(rows)
+
+
+def tri(call: Call):
+    """``tril`` / ``triu``: the masked (last two) dims whole."""
+    nd = len(call.shapes[0])
+    return keep_whole(call, (nd - 2, nd - 1) if nd >= 2 else ())
+
+
+def select_backward(call: Call):
+    """``select_backward(grad, input_sizes, dim, index)``: grad's dims map around ``dim``."""
+    nd = len(call.get("input_sizes"))
+    dim = dim_of(call.get("dim"), nd)
+    rows = [sig("B -> B"), sig("P -> P")]
+    rows += [Row((S(d),), (S(d + (d >= dim)),)) for d in range(nd - 1)]
+    return tuple(rows)
+
+
+def _rewrite_select_backward(decision, largs, pieces):
+    sizes = list(largs[1])
+    dim = largs[2] % len(sizes)
+    local = list(pieces[0].shape)
+    largs[1] = local[:dim] + [sizes[dim]] + local[dim:]
+
+
+def slice_backward(call: Call):
+    return keep_whole(call, (dim_of(call.get("dim"), len(call.shapes[0])),))
+
+
+def _rewrite_slice_backward(decision, largs, pieces):
+    sizes = list(largs[1])
+    dim = largs[2] % len(sizes)
+    local = list(pieces[0].shape)
+    local[dim] = sizes[dim]
+    largs[1] = local
+
+
+register("view", "_unsafe_view", "reshape", rule=view, rewrite=_rewrite_view)
+register("permute", rule=permute)
+register("transpose", "t", rule=transpose)
+register("squeeze", rule=squeeze)
+register("unsqueeze", rule=unsqueeze)
+register("expand", rule=expand, rewrite=_rewrite_expand)
+register("select", rule=select)
+register("slice", rule=slice_)
+register("split", "split_with_sizes", rule=split)
+register("unbind", rule=unbind)
+register("cat", rule=cat)
+register("stack", rule=stack)
+register("tril", "triu", "tril_", "triu_", rule=tri)
+register("select_backward", rule=select_backward, rewrite=_rewrite_select_backward)
+register("slice_backward", rule=slice_backward, rewrite=_rewrite_slice_backward)

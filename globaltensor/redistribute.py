@@ -1,0 +1,56 @@
+"""Redistribution below autograd: plan, then execute, on this rank's piece.
+
+``redistribute_local(piece, src, dst)`` is what ``to_global`` and dispatch call. ``moved(t,
+target)`` is the same for a global tensor's piece, remembered on the tensor while it is
+unchanged: backward reuses what forward moved (a saved activation is redistributed once, not
+again for its gradient formula) and a gradient read by two formulas is moved once.
+"""
+from __future__ import annotations
+
+import torch
+
+from . import debug as _debug
+from . import world
+from .layout import Layout
+from .plan import plan
+from .runtime.agreement import check
+from .runtime.execute import run
+
+
+def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
+    """This rank's piece of ``dst`` from its piece of ``src``: plan, then execute (SPMD)."""
+    if src == dst:
+        return local
+    if _debug.is_debug():
+        check("redistribute", source=src, target=dst, dtype=local.dtype)
+    return run(plan(src, dst), local, world.get_rank())
+
+
+def moved(t, target: Layout) -> torch.Tensor:
+    """Global tensor ``t``'s piece laid out as ``target``, remembered on ``t`` while ``t`` is
+    unchanged. Leaves that require grad (parameters) are not remembered: a gathered copy would
+    outlive the step. Every rank takes the same path (the memo follows the op sequence), so
+    SPMD holds."""
+    cache = t.__dict__.get("_gt_moves")
+    # in-place ops through dispatch run below autograd, so they bump the wrapper's version, not
+    # the piece's (the same on every rank); writes into to_local() bump the piece's
+    version = (t._version, t._local._version)
+    if cache is not None:
+        hit = cache.get(target)
+        if hit is not None and hit[0] == version:
+            return hit[1]
+    piece = redistribute_local(t._local, t._layout, target)
+    if not (t.is_leaf and t.requires_grad):
+        if cache is None:
+            cache = t.__dict__["_gt_moves"] = {}
+        cache[target] = (version, piece)
+    return piece
+
+
+def moved_targets(t) -> frozenset:
+    """The layouts ``t`` holds remembered pieces of (whether stale or not)."""
+    cache = t.__dict__.get("_gt_moves")
+    return frozenset(cache) if cache else frozenset()
+
+
+__all__ = ["moved", "moved_targets", "redistribute_local"]

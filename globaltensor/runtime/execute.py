@@ -1,0 +1,461 @@
+"""Run a plan on this rank's piece with real collectives (gloo on CPU, NCCL on CUDA).
+
+SPMD: every rank of the world calls ``run`` with the same plan, in the same order. Every rank
+makes the same process-group calls for every step (torch.distributed needs all ranks of the
+world to create each group, in one order); a rank outside a step's group then skips its data
+part. On CPU (gloo) gathers (AllGather, AllGatherV), reduce_scatters and all_reduces run as
+batches of isend/irecv between the members (``_pairwise``), with exact sizes; on CUDA they are
+NCCL's collectives, which pad uneven pieces to the largest of the group and trim after (an
+AllGatherV is point to point there too). all_to_all sends exact split sizes everywhere.
+
+The result is a fresh, contiguous tensor: the caller's tensor is never modified or aliased.
+"""
+from __future__ import annotations
+
+import contextvars
+import os
+
+import torch
+import torch.distributed as dist
+
+from .._cache import ById
+from ..errors import GlobalTensorError
+from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
+                    ReduceScatter, ZeroFill, box_shape, relative)
+from ..sbp import Broadcast
+from ..world import world_timeout
+from .groups import all_gather_flat as _all_gather_flat
+from .groups import group_along, group_of_ranks, groups_along
+from .groups import reduce_scatter_flat as _reduce_scatter_flat
+from .guard import step_guard
+
+
+def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's piece of ``plan.dst`` from its piece ``local`` of ``plan.src``."""
+    if not plan.steps:
+        return local
+    cuts = _STATIC.get((id(plan), rank), _MISSING)  # _static's lookup, inlined: a warm path
+    if cuts is _MISSING:
+        cuts = _static(plan, rank, _cuts)
+    if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
+        for dim, start, length in cuts:
+            local = local.narrow(dim, start, length)
+        # a contiguous view clones contiguous by default (and the keyword costs ~10 us cold)
+        return local.clone() if local.is_contiguous() else local.clone(memory_format=torch.contiguous_format)
+    out = local
+    for index, step in enumerate(plan.steps):
+        with step_guard(plan, index):  # a timeout names the step and its ranks
+            out = _run_step(step, out, rank)
+    if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+        return out.clone(memory_format=torch.contiguous_format)
+    return out.contiguous()
+
+
+# (id(obj), where) -> what obj needs there: a plan's local-slice cuts per rank (None when the
+# plan communicates), a step's shapes, splits, orders and peers per coordinate. These depend
+# only on the plan or step and the rank or coordinate, never on the world, so thread-ranks
+# share them. An entry pins obj, so its id is not reused while the entry lives.
+_STATIC = ById(4096)
+_MISSING = object()
+
+
+def _static(obj, where, build):
+    """``build(obj, where)``, worked out once per (obj, where)."""
+    key = (id(obj), where)
+    value = _STATIC.get(key, _MISSING)
+    if value is _MISSING:
+        value = _STATIC.put(key, build(obj, where), pinned=obj)
+    return value
+
+
+def _cuts(plan: Plan, rank: int):
+    """For a plan of local slices only (B -> S, on any axes): this rank's (dim, start, length)
+    narrows; None for any other plan."""
+    if not all(isinstance(s, LocalSlice) for s in plan.steps):
+        return None
+    coord = plan.src.placement.coord_of(rank)
+    if coord is None:
+        return None  # outside the placement: the general path makes the empty piece
+    cuts = []
+    for step in plan.steps:
+        (lo, hi), (base, _) = step.after.box(coord)[step.dim], step.before.box(coord)[step.dim]
+        cuts.append((step.dim, lo - base, hi - lo))
+    return tuple(cuts)
+
+
+def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
+    after = step.after
+    if isinstance(step, Exchange):
+        return _exchange(step, local, rank)
+    # every rank of the world creates the axis's groups together, members or not
+    n = after.placement.shape[step.axis]
+    pairwise = _pairwise(step)
+    if n > 1 and not pairwise and not isinstance(step, (LocalSlice, ZeroFill)):
+        groups_along(after.placement, step.axis)
+    coord = after.placement.coord_of(rank)
+    if coord is None:
+        return local.new_zeros(after.local_shape_of_rank(rank))  # empty (a 0 for a scalar)
+    match step:
+        case LocalSlice():
+            return local[relative(after.box(coord), step.before.box(coord))]
+        case ZeroFill():
+            return _zero_fill(step, local, coord)
+    if n == 1:  # a group of one: the collective changes nothing
+        return local
+    if pairwise:  # point-to-point: no group needed
+        match step:
+            case AllGather():
+                return _gather_pairwise(step, local, coord)
+            case ReduceScatter():
+                return _reduce_scatter_pairwise(step, local, coord)
+            case AllReduce():
+                return _all_reduce_pairwise(step, local, coord)
+    group, ranks = group_along(after.placement, step.axis, coord)
+    match step:
+        case AllGather():
+            return _all_gather(step, local, coord, group, ranks)
+        case ReduceScatter():
+            return _reduce_scatter(step, local, coord, group, ranks)
+        case AllReduce():
+            out = local.clone(memory_format=torch.contiguous_format)
+            dist.all_reduce(out, group=group)
+            return out
+        case AllToAll():
+            return _all_to_all(step, local, coord, group, ranks)
+    raise TypeError(f"the executor does not know the step {step!r}")
+
+
+# GT_CPU_COLLECTIVES, read once per context (a thread-rank has its own): ``p2p`` (the default)
+# runs a plan's gathers and reductions on CPU as batches of isend/irecv; ``gloo`` keeps gloo's
+# own collectives (the code path NCCL takes).
+_CPU_POINT_TO_POINT: contextvars.ContextVar = contextvars.ContextVar(
+    "globaltensor_cpu_point_to_point", default=None)
+
+
+def cpu_point_to_point() -> bool:
+    """Whether a plan's gathers and reductions on CPU run point to point (GT_CPU_COLLECTIVES)."""
+    flag = _CPU_POINT_TO_POINT.get()
+    if flag is None:
+        raw = os.environ.get("GT_CPU_COLLECTIVES", "p2p").strip().lower()
+        if raw not in ("p2p", "gloo"):
+            raise GlobalTensorError(
+                f"expected GT_CPU_COLLECTIVES to be 'p2p' or 'gloo', found {raw!r}; unset it for "
+                f"point-to-point gathers and reductions on CPU, or set it to 'gloo' for gloo's "
+                f"collectives")
+        flag = raw == "p2p"
+        _CPU_POINT_TO_POINT.set(flag)
+    return flag
+
+
+def _pairwise(step) -> bool:
+    """Whether a step runs as batches of point-to-point messages instead of a collective: on
+    CPU (gloo) every gather, reduce_scatter and all_reduce (AllGatherV everywhere). gloo's
+    collectives go round a ring in lockstep, n-1 rounds (2(n-1) for all_reduce), each waiting
+    on the slowest member; the pairwise messages send the same bytes per rank, all in flight at
+    once, and land in place. On 4 ranks: all_gather 1.5-3.7x and reduce_scatter 2.6-6x faster,
+    all_reduce (a pairwise reduce_scatter, then a pairwise gather) 1.1-1.2x at 32 MiB and 2-3x
+    at 4 KiB (docs/performance.md). NCCL keeps its collectives, pipelined rings. (The sums are
+    ``+=``, as gloo's: for bool that is a logical or, as gloo's sum of bools.)"""
+    return isinstance(step, AllGatherV) or (
+        cpu_point_to_point() and step.after.placement.type == "cpu"
+        and isinstance(step, (AllGather, ReduceScatter, AllReduce)))
+
+
+def _member_coords(placement, axis: int, coord):
+    """The coordinates of the group along ``axis`` through ``coord``, in axis order."""
+    return [coord[:axis] + (k,) + coord[axis + 1:] for k in range(placement.shape[axis])]
+
+
+def _sizes_along(layout, axis: int, coord, dim: int) -> list[int]:
+    return [hi - lo for lo, hi in (layout.box(c)[dim] for c in _member_coords(layout.placement, axis, coord))]
+
+
+def _group_order(ranks) -> list[int]:
+    """Axis indices in the order of the group's ranks: torch numbers the members of a group
+    by their global rank, not by their place on the placement axis."""
+    return sorted(range(len(ranks)), key=lambda k: ranks[k])
+
+
+def _starts(sizes) -> list[int]:
+    out, at = [], 0
+    for s in sizes:
+        out.append(at)
+        at += s
+    return out
+
+
+def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
+    """Pieces (padded along dim to the largest) gather into one buffer, one block per member;
+    along dim 0, in axis order and even, that buffer is the result (no copy)."""
+    d = step.dim
+    sizes = _sizes_along(step.before, step.axis, coord, d)
+    n, big, order = len(sizes), max(sizes), _group_order(ranks)
+    padded = list(local.shape)
+    padded[d] = big
+    if min(sizes) == big:
+        send = local.contiguous()
+    else:
+        send = local.new_zeros(padded)
+        send.narrow(d, 0, local.shape[d]).copy_(local)
+    buf = send.new_empty([n * padded[0]] + padded[1:])
+    if buf.numel():
+        _all_gather_flat(buf, send, group=group)
+    if d == 0 and order == sorted(order) and min(sizes[:-1], default=big) == big:
+        return buf[: sum(sizes)]  # even, or only the last piece short: its padding is the tail
+    blocks = buf.view([n] + padded)
+    at = {k: g for g, k in enumerate(order)}  # the block axis index k landed in
+    return torch.cat([blocks[at[k]].narrow(d, 0, s) for k, s in enumerate(sizes)], dim=d)
+
+
+def _gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
+    """An all_gather without padding or a group: this rank sends its piece as it is to every
+    other member and receives each member's piece, all posted as one batch. Along dim 0 each
+    piece is received straight into its rows of the result; along another dim into a buffer,
+    then placed."""
+    m = _static(step, coord, _Pairs)
+    d = step.dim
+    out = local.new_empty(m.out_shape)
+    out.narrow(d, m.starts[m.me], m.sizes[m.me]).copy_(local)
+    send = local.contiguous()
+    ops, landing = [], []
+    for k, peer in m.peers:
+        if send.numel():
+            ops.append(dist.P2POp(dist.isend, send, peer))
+        place = out.narrow(d, m.starts[k], m.sizes[k])
+        if place.numel():  # (a member's piece with another dim of size 0 is not sent either)
+            buf = place if d == 0 else local.new_empty(place.shape)
+            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            landing.append((place, buf))
+    _send_recv(ops)
+    for place, buf in landing:
+        if buf is not place:
+            place.copy_(buf)
+    return out
+
+
+class _Pairs:
+    """Who a pairwise step at one coordinate exchanges with, and how its data is cut, worked out
+    once (see ``_static``): ``me`` (this member's axis index), ``peers`` ([(axis index, global
+    rank)] of the others), and per member in axis order the ``sizes`` / ``starts`` of the cut:
+    along the step's dim (a gather's pieces, a reduce_scatter's slices) or, for an all_reduce,
+    of the flattened piece (the first numel % n runs one element longer)."""
+
+    __slots__ = ("me", "peers", "sizes", "starts", "out_shape")
+
+    def __init__(self, step, coord):
+        placement = step.after.placement
+        members = _member_coords(placement, step.axis, coord)
+        self.me = coord[step.axis]
+        self.peers = [(k, placement.rank_at(c)) for k, c in enumerate(members) if k != self.me]
+        if isinstance(step, AllReduce):
+            n, numel = len(members), _prod(box_shape(step.before.box(coord)))
+            self.sizes = [numel // n + (1 if k < numel % n else 0) for k in range(n)]
+        else:
+            layout = step.before if isinstance(step, AllGather) else step.after
+            self.sizes = _sizes_along(layout, step.axis, coord, step.dim)
+        self.starts = _starts(self.sizes)
+        self.out_shape = box_shape(step.after.box(coord))
+
+
+def _reduce_scatter_pairwise(step: ReduceScatter, local, coord) -> torch.Tensor:
+    """P -> S(dim) without a group: this rank sends each other member that member's slice of
+    dim and receives its own slice from every member, all posted as one batch; the slices are
+    then summed in axis order (so every layout of the same partial value sums alike)."""
+    m = _static(step, coord, _Pairs)
+    d = step.dim
+    mine = local.narrow(d, m.starts[m.me], m.sizes[m.me])
+    ops, parts = [], {m.me: mine}
+    for k, peer in m.peers:
+        chunk = local.narrow(d, m.starts[k], m.sizes[k])
+        if chunk.numel():  # every member's piece has the same shape: the peer expects it
+            ops.append(dist.P2POp(dist.isend, chunk.contiguous(), peer))
+        parts[k] = local.new_empty(mine.shape)  # (empty, and nothing sent, if mine is)
+        if mine.numel():
+            ops.append(dist.P2POp(dist.irecv, parts[k], peer))
+    _send_recv(ops)
+    return _sum_in_order(parts, len(m.sizes))
+
+
+def _sum_in_order(parts: dict, n: int, out=None) -> torch.Tensor:
+    """parts[0] + parts[1] + ... + parts[n-1] (n >= 2), left to right, in one new tensor (or
+    into ``out``): the first add makes it, no copy of parts[0] first."""
+    out = torch.add(parts[0], parts[1], out=out)
+    for k in range(2, n):
+        out += parts[k]
+    return out
+
+
+def _all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
+    """P -> B without a group: a pairwise reduce_scatter of the flattened piece in n runs (the
+    first numel % n one element longer), then a pairwise gather of the summed runs; every
+    member ends with the same bits. The gather's receives are posted with the reduce_scatter's
+    messages (on their own tag), so a peer's summed run can arrive as soon as it is ready."""
+    m = _static(step, coord, _Pairs)
+    flat = local.contiguous().view(-1)
+    n = len(m.sizes)
+    runs = flat.split(m.sizes)
+    out = flat.new_empty(flat.shape)
+    places = out.split(m.sizes)
+    first, gather, parts = [], [], {m.me: runs[m.me]}
+    for k, peer in m.peers:
+        if m.sizes[k]:
+            first.append(dist.P2POp(dist.isend, runs[k], peer))
+            gather.append(dist.P2POp(dist.irecv, places[k], peer, tag=_GATHER_TAG))
+        parts[k] = flat.new_empty(m.sizes[m.me])
+        if m.sizes[m.me]:
+            first.append(dist.P2POp(dist.irecv, parts[k], peer))
+    timeout = world_timeout()
+    scattering = _post(first)
+    gathering = _post(gather)
+    for work in scattering:
+        work.wait(timeout)
+    _sum_in_order(parts, n, out=places[m.me])
+    sends = [dist.P2POp(dist.isend, places[m.me], peer, tag=_GATHER_TAG)
+             for _, peer in m.peers if m.sizes[m.me]]
+    for work in gathering + _post(sends):
+        work.wait(timeout)
+    return out.view(local.shape)
+
+
+_GATHER_TAG = 1  # an all_reduce's second phase: its messages never match the first phase's
+
+
+def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
+    """Chunks along dim (padded to the largest) are packed in the group's rank order; along
+    dim 0, in axis order and even, the piece itself is that buffer (no copy)."""
+    d, axis = step.dim, step.axis
+    sizes = _sizes_along(step.after, axis, coord, d)
+    n, big, mine, order = len(sizes), max(sizes), sizes[coord[axis]], _group_order(ranks)
+    chunk = list(local.shape)
+    chunk[d] = big
+    even = min(sizes) == big
+    if d == 0 and even and order == sorted(order):
+        send = local.contiguous()
+    else:
+        send = (local.new_empty if even else local.new_zeros)([n * chunk[0]] + chunk[1:])
+        blocks, starts = send.view([n] + chunk), _starts(sizes)
+        for g, k in enumerate(order):
+            blocks[g].narrow(d, 0, sizes[k]).copy_(local.narrow(d, starts[k], sizes[k]))
+    out = send.new_empty(chunk)
+    if out.numel():
+        _reduce_scatter_flat(out, send, group=group)
+    return out if even else out.narrow(d, 0, mine).contiguous()
+
+
+def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
+    """Member k sends member m its slice of dst_dim; received pieces concatenate along src_dim.
+
+    Each slice travels as one flat run (exact sizes, no padding), packed in the group's rank
+    order; along src_dim 0 in axis order the received buffer is the result (no copy), and even
+    slices in axis order pack (and unpack) with one strided copy."""
+    m = _static(step, coord, _AllToAllStatic)
+    i, j, n = step.src_dim, step.dst_dim, len(ranks)
+    if j == 0 and m.in_order:
+        send = local.contiguous().view(-1)
+    elif m.in_order and m.even_j:  # one copy: (.., n, len, ..) with the n blocks outermost
+        send = local.unflatten(j, (n, m.lengths[0])).movedim(j, 0).contiguous().view(-1)
+    else:
+        send = local.new_empty(sum(m.send_splits))
+        for run, k in zip(send.split(m.send_splits), m.order):
+            run.view(m.chunk_shapes[k]).copy_(local.narrow(j, m.starts[k], m.lengths[k]))
+    recv = send.new_empty(sum(m.recv_splits))
+    if step.before.numel():  # decided by the plan, so every member agrees
+        dist.all_to_all_single(recv, send, m.recv_splits, m.send_splits, group=group)
+    if i == 0 and m.in_order:
+        return recv.view(m.mine)
+    if m.in_order and m.even_i:
+        return recv.view([n] + m.shapes[0]).movedim(0, i).reshape(m.mine)
+    received = dict(zip(m.order, recv.split(m.recv_splits)))
+    return torch.cat([received[k].view(m.shapes[k]) for k in range(n)], dim=i)
+
+
+class _AllToAllStatic:
+    """What an all_to_all step needs at one coordinate, worked out once (see ``_static``)."""
+
+    __slots__ = ("order", "in_order", "lengths", "starts", "even_j", "chunk_shapes",
+                 "send_splits", "mine", "shapes", "even_i", "recv_splits")
+
+    def __init__(self, step: AllToAll, coord):
+        i, j = step.src_dim, step.dst_dim
+        before, after = step.before, step.after
+        members = _member_coords(after.placement, step.axis, coord)
+        self.order = _group_order(after.placement.group_along(step.axis, coord))
+        self.in_order = self.order == sorted(self.order)
+        self.lengths = [after.box(c)[j][1] - after.box(c)[j][0] for c in members]
+        self.starts = _starts(self.lengths)
+        self.even_j = min(self.lengths) == max(self.lengths)
+        have = list(box_shape(before.box(coord)))
+        self.chunk_shapes = [have[:j] + [n] + have[j + 1:] for n in self.lengths]
+        self.send_splits = [_prod(self.chunk_shapes[k]) for k in self.order]
+        self.mine = list(box_shape(after.box(coord)))
+        self.shapes = [self.mine[:i] + [before.box(c)[i][1] - before.box(c)[i][0]] + self.mine[i + 1:]
+                       for c in members]
+        self.even_i = min(s[i] for s in self.shapes) == max(s[i] for s in self.shapes)
+        self.recv_splits = [_prod(self.shapes[k]) for k in self.order]
+
+
+def _send_recv(ops) -> None:
+    """Post a batch of isend/irecv and wait for all of it, within the world's timeout: gloo's
+    point-to-point waits otherwise use the timeout its connections were made with, so a peer
+    that never sends would hang past gt.init(timeout=...)."""
+    if ops:
+        timeout = world_timeout()
+        for work in _post(ops):
+            work.wait(timeout)
+
+
+def _post(ops) -> list:
+    """Start a batch of isend/irecv; their works (none for no ops)."""
+    return list(dist.batch_isend_irecv(ops)) if ops else []
+
+
+def _prod(xs) -> int:
+    n = 1
+    for x in xs:
+        n *= x
+    return n
+
+
+def _zero_fill(step: ZeroFill, local, coord) -> torch.Tensor:
+    if isinstance(step.before.sbp[step.axis], Broadcast):
+        return local if coord[step.axis] == 0 else torch.zeros_like(local)
+    have, want = step.before.box(coord), step.after.box(coord)
+    out = local.new_zeros(box_shape(want))
+    out[relative(have, want)] = local
+    return out
+
+
+def _exchange(step: Exchange, local, rank: int) -> torch.Tensor:
+    """Sends/recvs as one batch, then broadcasts in plan order; pieces land in a new tensor."""
+    before, after = step.before, step.after
+    for move in step.broadcasts:  # every rank creates every broadcast group, in order
+        group_of_ranks(move.group)
+    have = before.box(before.placement.coord_of(rank)) if rank in before.placement else None
+    mine = after.placement.coord_of(rank)
+    shape = after.local_shape_of_rank(rank)
+    out = local.new_zeros(shape) if after.is_partial or mine is None else local.new_empty(shape)
+    want = after.box(mine) if mine is not None else None
+    ops, landing = [], []
+    for move in step.moves:
+        if move.is_broadcast:
+            continue
+        if move.src == rank and move.is_local:
+            out[relative(move.region, want)] = local[relative(move.region, have)]
+        elif move.src == rank:
+            ops.append(dist.P2POp(dist.isend, local[relative(move.region, have)].contiguous(), move.dsts[0]))
+        elif move.dsts[0] == rank:
+            buf = local.new_empty(box_shape(move.region))
+            ops.append(dist.P2POp(dist.irecv, buf, move.src))
+            landing.append((move.region, buf))
+    _send_recv(ops)
+    for region, buf in landing:
+        out[relative(region, want)] = buf
+    for move in step.broadcasts:
+        if rank == move.src:
+            dist.broadcast(local[relative(move.region, have)].contiguous(), src=move.src,
+                           group=group_of_ranks(move.group))
+        elif rank in move.dsts:
+            buf = local.new_empty(box_shape(move.region))
+            dist.broadcast(buf, src=move.src, group=group_of_ranks(move.group))
+            out[relative(move.region, want)] = buf
+    return out

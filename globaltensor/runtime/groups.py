@@ -1,0 +1,80 @@
+"""Process groups per (placement, axis), created once per world and cached.
+
+torch.distributed requires every rank of the world to create every group, in the same order.
+Global operations are SPMD, so each rank asks for the same (placement, axis) at the same point
+and we create all groups along that axis together.
+"""
+from __future__ import annotations
+
+import weakref
+
+import torch.distributed as dist
+
+from ..placement import Placement
+from ..world import world_timeout
+
+# torch 2.13 renames the flat collectives; older versions only have the old names
+all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+# default process group -> {key: ProcessGroup, or None for the world's own group}. Weakly
+# keyed, and never holding the world's group itself: after dist.destroy_process_group() nothing
+# here keeps a group alive (a gloo group destroyed at interpreter exit instead can abort the
+# process with "terminate called without an active exception").
+_CACHE: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+
+
+def _world_cache() -> dict:
+    world = dist.distributed_c10d._get_default_group()
+    cache = _CACHE.get(world)
+    if cache is None:
+        cache = {}
+        _CACHE[world] = cache
+    return cache
+
+
+def group_of_ranks(ranks: tuple[int, ...]):
+    """A process group over the set ``ranks``, created on every rank if new.
+
+    torch numbers a group's members by ascending global rank, whatever order ``ranks`` lists
+    them in: group rank i is ``sorted(ranks)[i]``. Pass global ranks (``src=``/``dst=``) or map
+    through the sorted order. Every rank of the world must call this with the same set at the
+    same point.
+    """
+    return _resolve(_cached_group(tuple(sorted(ranks))))
+
+
+def _cached_group(members: tuple[int, ...]):
+    """The cache's entry for ``members``: a group, or None for the whole world."""
+    cache = _world_cache()
+    key = ("ranks", members)
+    if key not in cache:
+        if members == tuple(range(dist.get_world_size())):
+            cache[key] = None
+        else:
+            # new groups do not inherit the world's timeout (gt.init(timeout=...)) by themselves
+            cache[key] = dist.new_group(list(members), timeout=world_timeout())
+    return cache[key]
+
+
+def _resolve(pg):
+    return dist.group.WORLD if pg is None else pg
+
+
+def groups_along(placement: Placement, axis: int) -> dict[tuple[int, ...], object]:
+    """Every group along ``axis`` of ``placement``, created together, on every rank, once:
+    {ranks in axis order: the cache's entry (None for the whole world)}."""
+    cache = _world_cache()
+    key = ("axis", placement, axis)
+    groups = cache.get(key)
+    if groups is None:
+        groups = {ranks: _cached_group(tuple(sorted(ranks))) for ranks in placement.groups_along(axis)}
+        cache[key] = groups
+    return groups
+
+
+def group_along(placement: Placement, axis: int, coord) -> tuple[object, tuple[int, ...]]:
+    """This coordinate's group along ``axis`` and its ranks in axis order (the group's own
+    numbering is by ascending global rank: see ``group_of_ranks``)."""
+    ranks = placement.group_along(axis, coord)
+    return _resolve(groups_along(placement, axis)[ranks]), ranks

@@ -1,0 +1,42 @@
+"""Bad input sweep in a world of one: every public entry point rejects bad arguments quickly and
+clearly (the same sweep on several ranks, and awkward but valid input:
+tests/ranks/test_bad_input_ranks.py)."""
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.errors import GlobalTensorError, ShapeMismatchError
+
+from helpers import BAD_INPUT_CASES, p1
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+
+
+# BAD_INPUT_CASES: (id, call, error class, words the message must hold), each cheap and local
+@pytest.mark.parametrize("case", BAD_INPUT_CASES, ids=[c[0] for c in BAD_INPUT_CASES])
+def test_bad_input_in_a_world_of_one(case, monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    _, call, kind, words = case
+    with pytest.raises(kind) as info:
+        call()
+    assert words in str(info.value)
+
+
+def test_world_of_one_needs_no_init(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    p = p1()
+    x = torch.arange(4.0).to_global(placement=p, sbp=B)
+    y = torch.arange(4.0).to_global(placement=p, sbp=S(0))
+    assert x.to_local().tolist() == y.to_global(sbp=B).to_local().tolist() == [0, 1, 2, 3]
+
+
+def test_forgotten_init_in_a_bigger_job_is_explained(monkeypatch):
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(GlobalTensorError, match=r"expected gt.init\(\) before global operations "
+                                                r"in a job of 2 ranks"):
+        torch.ones(2).to_global(placement=gt.placement("cpu", [0, 1]), sbp=S(0))
+
+
+def test_shape_mismatch_error_is_a_global_tensor_error():
+    assert issubclass(ShapeMismatchError, GlobalTensorError)
+    assert issubclass(GlobalTensorError, ValueError) and issubclass(GlobalTensorError, RuntimeError)

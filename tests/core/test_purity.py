@@ -1,0 +1,147 @@
+"""The shape of the package, read from its source: the pure core never imports torch.distributed
+nor asks which rank is running; ``runtime`` never imports ``comm``; ``ops`` imports nothing from
+``tensor`` or ``dispatch``; and the one import cycle is ``tensor`` <-> ``dispatch``."""
+import ast
+import pathlib
+
+import pytest
+
+from helpers import ROOT
+
+PKG = ROOT / "globaltensor"
+# the pure core, and every op family module: rows, kernels (which get what they need from their
+# context object) and size rewrites
+PURE = ["sbp.py", "placement.py", "layout.py", "plan.py", "simulate.py", "debug.py", "_cache.py",
+        "errors.py", "visualize.py"] + sorted(
+            str(p.relative_to(PKG)) for p in (PKG / "ops").glob("*.py"))
+FORBIDDEN_IMPORTS = ("torch.distributed", "globaltensor.comm", "globaltensor.runtime",
+                     "globaltensor.tensor", "globaltensor.dispatch", "globaltensor.convert",
+                     "globaltensor.redistribute")
+# the world's size (never the rank) may be read lazily inside a function: placement.all()
+LAZY_ONLY = ("globaltensor.env", "globaltensor.world")
+FORBIDDEN_CALLS = ("get_rank", "get_local_rank", "cached_rank")
+
+
+def _module_name(path: pathlib.Path) -> str:
+    parts = list(path.relative_to(PKG.parent).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+_MODULES = {_module_name(p): p for p in PKG.rglob("*.py")}
+
+
+def _imported(module: str, is_package: bool, node) -> list[str]:
+    """The absolute names an import statement imports (``from . import a, b`` names two)."""
+    if isinstance(node, ast.Import):
+        return [a.name for a in node.names]
+    base = (node.module or "").split(".") if not node.level else module.split(".")
+    if node.level:
+        base = base[: len(base) - node.level + (1 if is_package else 0)]
+        base += node.module.split(".") if node.module else []
+    target = ".".join(base)
+    # `from pkg import mod` imports a module, `from mod import name` does not
+    return [f"{target}.{a.name}" if f"{target}.{a.name}" in _MODULES else target for a in node.names]
+
+
+def _imports(path: pathlib.Path, top_level_only: bool = False) -> set[str]:
+    """Every module ``path`` imports, at any depth of its code (a function-level import hides a
+    dependency, it does not remove it), or at its top level only."""
+    name = _module_name(path)
+    found = set()
+    tree = ast.parse(path.read_text())
+    for node in (tree.body if top_level_only else ast.walk(tree)):
+        if isinstance(node, (ast.Import, ast.ImportFrom)):
+            found.update(_imported(name, path.name == "__init__.py", node))
+    return found
+
+
+@pytest.mark.parametrize("name", PURE)
+def test_pure_module(name):
+    path = PKG / name
+    assert path.exists(), f"{name} is listed as pure but does not exist"
+    for n in _imports(path):
+        assert not any(n == f or n.startswith(f + ".") for f in FORBIDDEN_IMPORTS), \
+            f"{name} imports {n}"
+    for n in _imports(path, top_level_only=True):
+        assert n not in LAZY_ONLY, f"{name} imports {n} at its top level"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Attribute) and node.attr in FORBIDDEN_CALLS:
+            pytest.fail(f"{name} asks for {node.attr}")
+
+
+def _graph() -> dict[str, set[str]]:
+    """Module -> the globaltensor modules it imports."""
+    return {name: {m for m in _imports(path) if m in _MODULES and m != name}
+            for name, path in _MODULES.items()}
+
+
+def _cycles(graph) -> list[set[str]]:
+    """Strongly connected components of more than one node (Tarjan's algorithm)."""
+    index, low, stack, on, out = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in sorted(graph[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = set()
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.add(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(comp)
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def _unit(name: str) -> str:
+    """``globaltensor.dispatch.args`` -> ``dispatch``: the top-level module or package."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 else ""
+
+
+def test_the_only_import_cycle_is_tensor_and_dispatch():
+    units: dict = {}
+    for name, edges in _graph().items():
+        units.setdefault(_unit(name), set()).update(
+            _unit(e) for e in edges if _unit(e) not in ("", _unit(name)))
+    units.pop("", None)
+    assert _cycles(units) == [{"tensor", "dispatch"}]
+    for cycle in _cycles(_graph()):  # between modules too, not only packages
+        assert {_unit(m) for m in cycle} == {"tensor", "dispatch"}, f"import cycle: {sorted(cycle)}"
+
+
+def test_the_cycle_is_one_name_each_way():
+    def names(path, level, module):
+        return {a.name for n in ast.walk(ast.parse(path.read_text()))
+                if isinstance(n, ast.ImportFrom) and n.level == level and n.module == module
+                for a in n.names}
+
+    assert names(PKG / "tensor.py", 1, "dispatch") == {"dispatch"}
+    from_tensor = set()
+    for path in (PKG / "dispatch").glob("*.py"):
+        from_tensor |= names(path, 2, "tensor")
+    assert from_tensor == {"GlobalTensor"}
+
+
+def test_runtime_never_imports_comm_and_ops_never_imports_tensor_or_dispatch():
+    for name, edges in _graph().items():
+        if _unit(name) == "runtime":
+            assert not {e for e in edges if _unit(e) == "comm"}, f"{name} imports comm"
+        if _unit(name) == "ops":
+            bad = {e for e in edges if _unit(e) in ("tensor", "dispatch")}
+            assert not bad, f"{name} imports {sorted(bad)}"
