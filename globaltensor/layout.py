@@ -14,6 +14,8 @@ from .errors import GlobalTensorError, PlacementError, SbpError
 from .placement import Placement
 from .sbp import Broadcast, PartialSum, Split, SbpValue, format_sbp, normalize, resolve
 
+Box = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
+
 
 def split_sizes(n: int, k: int) -> tuple[int, ...]:
     """Sizes of ``k`` pieces of a dim of size ``n`` (first ``n % k`` pieces one larger)."""
@@ -134,3 +136,28 @@ def _box(layout: Layout, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 
 __all__ = ["Layout", "split_sizes", "split_range", "Broadcast", "PartialSum", "Split"]
+
+
+# --------------------------------------------------------------------------- the box algebra
+
+
+def box_numel(box: Box) -> int:
+    n = 1
+    for lo, hi in box:
+        n *= hi - lo
+    return n
+
+
+def box_shape(box: Box) -> tuple[int, ...]:
+    return tuple(hi - lo for lo, hi in box)
+
+
+def intersect(a: Box, b: Box) -> Box | None:
+    """The common part of two boxes, or None when they do not overlap."""
+    out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
+    return None if any(lo >= hi for lo, hi in out) else out
+
+
+def relative(region: Box, within: Box) -> tuple[slice, ...]:
+    """Slices that pick ``region`` out of a local piece holding ``within``."""
+    return tuple(slice(lo - base, hi - base) for (lo, hi), (base, _) in zip(region, within))

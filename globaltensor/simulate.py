@@ -19,8 +19,9 @@ import torch
 
 from .errors import GlobalTensorError, ShapeMismatchError
 from .layout import Layout
-from .plan import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, Plan, ReduceScatter,
-                   ZeroFill, box_shape, relative)
+from .layout import box_shape, relative
+from .steps import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, Plan, ReduceScatter,
+                    ZeroFill)
 from .sbp import Broadcast
 
 

@@ -1,8 +1,8 @@
 """One walk over an op's (args, kwargs) per call, and what is derived from it.
 
 :func:`flatten` is the only walk on the warm path. It gives the cache key *by id* (a global
-tensor counts as ``(GLOBAL, id(layout), dtype)``: hashing ints, not layouts), the global tensors
-in order, and the local non-scalar tensors found (which only autograd's engine may pass). On a
+tensor counts as ``(id(layout), dtype)``: hashing ints, not layouts), the global tensors in
+order, and the local non-scalar tensors found (which only autograd's engine may pass). On a
 miss, the key by value (:func:`by_value`), the :class:`~globaltensor.ops.Call` a rule sees
 (:func:`call_of`) and the fast-path slots (:func:`slots_of`) are derived from that key, not from
 another walk over the arguments. :func:`local_args` puts the local pieces in the global tensors'
@@ -20,32 +20,24 @@ from ..ops import LOCAL, NUMBER, Call, Ref
 from ..tensor import GlobalTensor
 
 
-class _Global:
-    __slots__ = ()
-
-    def __repr__(self):
-        return "GLOBAL"
-
-
-GLOBAL = _Global()  # the first entry of a global tensor's part of the key
-
-
 def flatten(func, args, kwargs):
-    """``(key, tensors, locals)``: the cache key by id (``(func, args parts, kwargs parts)``), the
-    global tensors in argument order, and the non-scalar local tensors met on the way."""
+    """``(key, tensors, locals)``: the cache key by id (``(func, *args parts, *kwargs names and
+    parts)``, flat: nested tuples hash slower), the global tensors in argument order, and the
+    non-scalar local tensors met on the way."""
     tensors: list = []
     found: list = []
-    parts = []
+    parts = [func]
     for a in args:
         if type(a) is GlobalTensor:  # the common case, inline
             tensors.append(a)
-            parts.append((GLOBAL, id(a._layout), a.dtype))
+            parts.append((id(a._layout), a.dtype))
         else:
             parts.append(_part(a, tensors, found))
-    kw = ()
     if kwargs:
-        kw = tuple((k, _part(v, tensors, found)) for k, v in kwargs.items())
-    return (func, tuple(parts), kw), tensors, found
+        for k, v in kwargs.items():
+            parts.append(k)
+            parts.append(_part(v, tensors, found))
+    return tuple(parts), tensors, found
 
 
 def _part(value, tensors: list, found: list):
@@ -56,7 +48,7 @@ def _part(value, tensors: list, found: list):
         return tuple(_part(v, tensors, found) for v in value)
     if isinstance(value, GlobalTensor):
         tensors.append(value)
-        return GLOBAL, id(value._layout), value.dtype
+        return id(value._layout), value.dtype
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
             found.append(value)
@@ -67,7 +59,10 @@ def _part(value, tensors: list, found: list):
 
 
 def _is_global(part) -> bool:
-    return type(part) is tuple and len(part) == 3 and part[0] is GLOBAL
+    """A global tensor's part of the key: ``(id, dtype)``. No aten op takes a list holding a
+    dtype, and a 0-dim local tensor's part starts with LOCAL, so nothing else looks like it."""
+    return type(part) is tuple and len(part) == 2 and type(part[0]) is int and \
+        isinstance(part[1], torch.dtype)
 
 
 def _map(part, fn):
@@ -82,10 +77,16 @@ def _map(part, fn):
 def by_value(key, tensors) -> tuple:
     """The key with layouts compared by value: equal layouts made apart share a decision."""
     it = iter(tensors)
-    return (key[0],) + _map(key[1:], lambda part: (GLOBAL, next(it)._layout, part[2]))
+    return (key[0],) + _map(key[1:], lambda part: (next(it)._layout, part[1]))
 
 
-def call_of(name: str, key, tensors, tags) -> Call:
+def _split(key, nargs: int):
+    """The key's (args parts, kwargs (name, part) pairs) for a call with ``nargs`` positional args."""
+    rest = key[1 + nargs:]
+    return key[1:1 + nargs], tuple(zip(rest[::2], rest[1::2]))
+
+
+def call_of(name: str, key, nargs: int, tensors, tags) -> Call:
     """What a rule sees of this call: global tensors as ``Ref(i)``, shapes by index."""
     counter = iter(range(len(tensors)))
 
@@ -98,21 +99,23 @@ def call_of(name: str, key, tensors, tags) -> Call:
             return LOCAL
         return tuple(mark(p) for p in part)
 
-    args = tuple(mark(p) for p in key[1])
-    kwargs = tuple(sorted((k, mark(v)) for k, v in key[2]))
+    arg_parts, kwarg_parts = _split(key, nargs)
+    args = tuple(mark(p) for p in arg_parts)
+    kwargs = tuple(sorted((k, mark(v)) for k, v in kwarg_parts))
     return Call(name, tuple(t._layout.shape for t in tensors), args, kwargs, tags)
 
 
-def slots_of(key) -> tuple[int, ...] | None:
+def slots_of(key, nargs: int) -> tuple[int, ...] | None:
     """Positions of the global tensors if every one is a plain positional arg, else None."""
     def nested(part):
         return type(part) is tuple and not _is_global(part) and any(
             _is_global(p) or nested(p) for p in part)
-    if any(_is_global(v) or nested(v) for _, v in key[2]):
+    arg_parts, kwarg_parts = _split(key, nargs)
+    if any(_is_global(v) or nested(v) for _, v in kwarg_parts):
         return None
-    if any(nested(p) for p in key[1]):
+    if any(nested(p) for p in arg_parts):
         return None
-    return tuple(i for i, p in enumerate(key[1]) if _is_global(p))
+    return tuple(i for i, p in enumerate(arg_parts) if _is_global(p))
 
 
 def _swap(value, it):

@@ -42,7 +42,7 @@ def decide(func, args, kwargs, tensors, key, context=None):
         fn = _decomposition(func)
         if fn is not None:
             return Decomposed(fn)
-    call = call_of(name, key, tensors, frozenset(str(t).split(".")[-1] for t in func.tags))
+    call = call_of(name, key, len(args), tensors, frozenset(str(t).split(".")[-1] for t in func.tags))
     inplace = _is_inplace(func) and isinstance(args[0], GlobalTensor)
     layouts = tuple(t._layout for t in tensors)
     itemsizes = tuple(t.dtype.itemsize for t in tensors)
@@ -71,7 +71,7 @@ def _plain(func, args, kwargs, tensors, choice, inplace, call, key):
     else:
         outs = out_specs(meta, choice.outs, choice.ins[0].placement, call.op)
     return Plain(choice.ins, outs, choice.kernel, REWRITES.get(call.packet), inplace, call,
-                 slots_of(key), getattr(func, "_op", func))
+                 slots_of(key, len(args)), getattr(func, "_op", func))
 
 
 def _check_no_out(func, name):

@@ -18,7 +18,8 @@ from ..runtime.groups import group_along, groups_along
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..placement import Placement
-from ..plan import AllReduce, plan
+from ..plan import plan
+from ..steps import AllReduce
 from ..sbp import SBP_TYPES, Broadcast, PartialSum, format_sbp, normalize
 from ..convert import check_placement
 from ..tensor import GlobalTensor, redistribute

@@ -11,7 +11,8 @@ from globaltensor import simulate
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.runtime import execute
-from globaltensor.plan import LocalSlice, plan
+from globaltensor.plan import plan
+from globaltensor.steps import LocalSlice
 
 from helpers import full_of
 

@@ -7,8 +7,9 @@ import pytest
 import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
-from globaltensor.plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice,
-                               ReduceScatter, ZeroFill, _local_step, holds_full, plan)
+from globaltensor.plan import _local_step, plan
+from globaltensor.steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice,
+                                ReduceScatter, ZeroFill, holds_full)
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 GRIDS_1D = [[0, 1], [0, 1, 2], [0, 1, 2, 3]]

@@ -16,7 +16,8 @@ from hypothesis import strategies as st
 import globaltensor as gt
 from globaltensor import simulate
 from globaltensor.layout import Layout
-from globaltensor.plan import holds_full, plan
+from globaltensor.plan import plan
+from globaltensor.steps import holds_full
 from globaltensor.sbp import Split
 
 from helpers import conversions, layouts, small_ints

@@ -8,7 +8,8 @@ import globaltensor as gt
 from globaltensor import simulate
 from globaltensor.errors import ShapeMismatchError
 from globaltensor.layout import Layout
-from globaltensor.plan import AllGatherV, plan
+from globaltensor.plan import plan
+from globaltensor.steps import AllGatherV
 
 from helpers import random_cases
 
