@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import functools
 
+MISSING = object()  # what ``cache.get(key, MISSING)`` returns for an absent key
 _ALL: list = []    # every cache made here (module-level caches: they live as long as the process)
 _MEMOS: list = []
 
@@ -57,6 +58,14 @@ class ById(Bounded):
         self._pins[key] = pinned
         return value
 
+    def computed(self, obj, where, build):
+        """``build(obj, where)``, worked out once per (obj, where) and pinning obj."""
+        key = (id(obj), where)
+        value = self.get(key, MISSING)
+        if value is MISSING:
+            value = self.put(key, build(obj, where), pinned=obj)
+        return value
+
     def clear(self):
         super().clear()
         self._pins.clear()
@@ -79,4 +88,4 @@ def clear_all() -> None:
         fn.cache_clear()
 
 
-__all__ = ["Bounded", "ById", "clear_all", "memo"]
+__all__ = ["MISSING", "Bounded", "ById", "clear_all", "memo"]

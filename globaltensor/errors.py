@@ -26,3 +26,7 @@ class CollectiveTimeoutError(GlobalTensorError):
 
 class RankMismatchError(GlobalTensorError):
     """With debug checks on, ranks disagreed about which global operation runs next."""
+
+
+class LaunchError(GlobalTensorError):
+    """The launcher was given options it cannot run, or the job could not start."""

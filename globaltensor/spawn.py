@@ -43,7 +43,7 @@ def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: i
     the world. A process that raises (or dies) stops the others and raises ``SpawnError`` here
     with its rank and traceback; so does a job still running after ``timeout`` seconds.
     """
-    from . import launch  # the launcher's config checks, environment and process-tree helpers
+    from . import launch, supervise  # the launcher's config checks, environment and process tree
 
     try:
         config = launch.LaunchConfig(nproc_per_node=nproc_per_node, script="<gt.spawn>",
@@ -58,7 +58,7 @@ def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: i
     procs, conns = [], []
     try:
         for local_rank in range(nproc_per_node):
-            env = launch.rank_env(inherited, rank=config.global_rank(local_rank), local_rank=local_rank,
+            env = supervise.rank_env(inherited, rank=config.global_rank(local_rank), local_rank=local_rank,
                                   world_size=config.world_size, local_world_size=nproc_per_node,
                                   node_rank=node_rank, master_addr=master_addr, master_port=port)
             recv, send = ctx.Pipe(duplex=False)
@@ -171,7 +171,7 @@ def _failure(config, local_rank: int, proc, message) -> str:
 
 def _stop(procs) -> None:
     """Stop every spawned process tree still running: SIGTERM, a grace period, then SIGKILL."""
-    from .launch import signal_tree
+    from .supervise import signal_tree
 
     for p in procs:
         if p.exitcode is None:

@@ -18,26 +18,27 @@ import os
 import torch
 import torch.distributed as dist
 
-from .._cache import ById
+from .._cache import MISSING, ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative
 from ..steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
                      ReduceScatter, ZeroFill)
 from ..sbp import Broadcast
-from ..world import world_timeout
 from .groups import all_gather_flat as _all_gather_flat
 from .groups import group_along, group_of_ranks, groups_along
 from .groups import reduce_scatter_flat as _reduce_scatter_flat
 from .guard import step_guard
+from .pairwise import (all_reduce_pairwise, gather_pairwise, member_coords, offsets, prod,
+                       reduce_scatter_pairwise, send_recv, sizes_along)
 
 
 def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     """This rank's piece of ``plan.dst`` from its piece ``local`` of ``plan.src``."""
     if not plan.steps:
         return local
-    cuts = _STATIC.get((id(plan), rank), _MISSING)  # _static's lookup, inlined: a warm path
-    if cuts is _MISSING:
-        cuts = _static(plan, rank, _cuts)
+    cuts = _STATIC.get((id(plan), rank), MISSING)  # computed()'s lookup, inlined: a warm path
+    if cuts is MISSING:
+        cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:
             local = local.narrow(dim, start, length)
@@ -57,16 +58,6 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
 # only on the plan or step and the rank or coordinate, never on the world, so thread-ranks
 # share them. An entry pins obj, so its id is not reused while the entry lives.
 _STATIC = ById(4096)
-_MISSING = object()
-
-
-def _static(obj, where, build):
-    """``build(obj, where)``, worked out once per (obj, where)."""
-    key = (id(obj), where)
-    value = _STATIC.get(key, _MISSING)
-    if value is _MISSING:
-        value = _STATIC.put(key, build(obj, where), pinned=obj)
-    return value
 
 
 def _cuts(plan: Plan, rank: int):
@@ -106,11 +97,11 @@ def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
     if pairwise:  # point-to-point: no group needed
         match step:
             case AllGather():
-                return _gather_pairwise(step, local, coord)
+                return gather_pairwise(step, local, coord)
             case ReduceScatter():
-                return _reduce_scatter_pairwise(step, local, coord)
+                return reduce_scatter_pairwise(step, local, coord)
             case AllReduce():
-                return _all_reduce_pairwise(step, local, coord)
+                return all_reduce_pairwise(step, local, coord)
     group, ranks = group_along(after.placement, step.axis, coord)
     match step:
         case AllGather():
@@ -162,34 +153,17 @@ def _pairwise(step) -> bool:
         and isinstance(step, (AllGather, ReduceScatter, AllReduce)))
 
 
-def _member_coords(placement, axis: int, coord):
-    """The coordinates of the group along ``axis`` through ``coord``, in axis order."""
-    return [coord[:axis] + (k,) + coord[axis + 1:] for k in range(placement.shape[axis])]
-
-
-def _sizes_along(layout, axis: int, coord, dim: int) -> list[int]:
-    return [hi - lo for lo, hi in (layout.box(c)[dim] for c in _member_coords(layout.placement, axis, coord))]
-
-
 def _group_order(ranks) -> list[int]:
     """Axis indices in the order of the group's ranks: torch numbers the members of a group
     by their global rank, not by their place on the placement axis."""
     return sorted(range(len(ranks)), key=lambda k: ranks[k])
 
 
-def _starts(sizes) -> list[int]:
-    out, at = [], 0
-    for s in sizes:
-        out.append(at)
-        at += s
-    return out
-
-
 def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
     """Pieces (padded along dim to the largest) gather into one buffer, one block per member;
     along dim 0, in axis order and even, that buffer is the result (no copy)."""
     d = step.dim
-    sizes = _sizes_along(step.before, step.axis, coord, d)
+    sizes = sizes_along(step.before, step.axis, coord, d)
     n, big, order = len(sizes), max(sizes), _group_order(ranks)
     padded = list(local.shape)
     padded[d] = big
@@ -208,124 +182,11 @@ def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
     return torch.cat([blocks[at[k]].narrow(d, 0, s) for k, s in enumerate(sizes)], dim=d)
 
 
-def _gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
-    """An all_gather without padding or a group: this rank sends its piece as it is to every
-    other member and receives each member's piece, all posted as one batch. Along dim 0 each
-    piece is received straight into its rows of the result; along another dim into a buffer,
-    then placed."""
-    m = _static(step, coord, _Pairs)
-    d = step.dim
-    out = local.new_empty(m.out_shape)
-    out.narrow(d, m.starts[m.me], m.sizes[m.me]).copy_(local)
-    send = local.contiguous()
-    ops, landing = [], []
-    for k, peer in m.peers:
-        if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, peer))
-        place = out.narrow(d, m.starts[k], m.sizes[k])
-        if place.numel():  # (a member's piece with another dim of size 0 is not sent either)
-            buf = place if d == 0 else local.new_empty(place.shape)
-            ops.append(dist.P2POp(dist.irecv, buf, peer))
-            landing.append((place, buf))
-    _send_recv(ops)
-    for place, buf in landing:
-        if buf is not place:
-            place.copy_(buf)
-    return out
-
-
-class _Pairs:
-    """Who a pairwise step at one coordinate exchanges with, and how its data is cut, worked out
-    once (see ``_static``): ``me`` (this member's axis index), ``peers`` ([(axis index, global
-    rank)] of the others), and per member in axis order the ``sizes`` / ``starts`` of the cut:
-    along the step's dim (a gather's pieces, a reduce_scatter's slices) or, for an all_reduce,
-    of the flattened piece (the first numel % n runs one element longer)."""
-
-    __slots__ = ("me", "peers", "sizes", "starts", "out_shape")
-
-    def __init__(self, step, coord):
-        placement = step.after.placement
-        members = _member_coords(placement, step.axis, coord)
-        self.me = coord[step.axis]
-        self.peers = [(k, placement.rank_at(c)) for k, c in enumerate(members) if k != self.me]
-        if isinstance(step, AllReduce):
-            n, numel = len(members), _prod(box_shape(step.before.box(coord)))
-            self.sizes = [numel // n + (1 if k < numel % n else 0) for k in range(n)]
-        else:
-            layout = step.before if isinstance(step, AllGather) else step.after
-            self.sizes = _sizes_along(layout, step.axis, coord, step.dim)
-        self.starts = _starts(self.sizes)
-        self.out_shape = box_shape(step.after.box(coord))
-
-
-def _reduce_scatter_pairwise(step: ReduceScatter, local, coord) -> torch.Tensor:
-    """P -> S(dim) without a group: this rank sends each other member that member's slice of
-    dim and receives its own slice from every member, all posted as one batch; the slices are
-    then summed in axis order (so every layout of the same partial value sums alike)."""
-    m = _static(step, coord, _Pairs)
-    d = step.dim
-    mine = local.narrow(d, m.starts[m.me], m.sizes[m.me])
-    ops, parts = [], {m.me: mine}
-    for k, peer in m.peers:
-        chunk = local.narrow(d, m.starts[k], m.sizes[k])
-        if chunk.numel():  # every member's piece has the same shape: the peer expects it
-            ops.append(dist.P2POp(dist.isend, chunk.contiguous(), peer))
-        parts[k] = local.new_empty(mine.shape)  # (empty, and nothing sent, if mine is)
-        if mine.numel():
-            ops.append(dist.P2POp(dist.irecv, parts[k], peer))
-    _send_recv(ops)
-    return _sum_in_order(parts, len(m.sizes))
-
-
-def _sum_in_order(parts: dict, n: int, out=None) -> torch.Tensor:
-    """parts[0] + parts[1] + ... + parts[n-1] (n >= 2), left to right, in one new tensor (or
-    into ``out``): the first add makes it, no copy of parts[0] first."""
-    out = torch.add(parts[0], parts[1], out=out)
-    for k in range(2, n):
-        out += parts[k]
-    return out
-
-
-def _all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
-    """P -> B without a group: a pairwise reduce_scatter of the flattened piece in n runs (the
-    first numel % n one element longer), then a pairwise gather of the summed runs; every
-    member ends with the same bits. The gather's receives are posted with the reduce_scatter's
-    messages (on their own tag), so a peer's summed run can arrive as soon as it is ready."""
-    m = _static(step, coord, _Pairs)
-    flat = local.contiguous().view(-1)
-    n = len(m.sizes)
-    runs = flat.split(m.sizes)
-    out = flat.new_empty(flat.shape)
-    places = out.split(m.sizes)
-    first, gather, parts = [], [], {m.me: runs[m.me]}
-    for k, peer in m.peers:
-        if m.sizes[k]:
-            first.append(dist.P2POp(dist.isend, runs[k], peer))
-            gather.append(dist.P2POp(dist.irecv, places[k], peer, tag=_GATHER_TAG))
-        parts[k] = flat.new_empty(m.sizes[m.me])
-        if m.sizes[m.me]:
-            first.append(dist.P2POp(dist.irecv, parts[k], peer))
-    timeout = world_timeout()
-    scattering = _post(first)
-    gathering = _post(gather)
-    for work in scattering:
-        work.wait(timeout)
-    _sum_in_order(parts, n, out=places[m.me])
-    sends = [dist.P2POp(dist.isend, places[m.me], peer, tag=_GATHER_TAG)
-             for _, peer in m.peers if m.sizes[m.me]]
-    for work in gathering + _post(sends):
-        work.wait(timeout)
-    return out.view(local.shape)
-
-
-_GATHER_TAG = 1  # an all_reduce's second phase: its messages never match the first phase's
-
-
 def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
     """Chunks along dim (padded to the largest) are packed in the group's rank order; along
     dim 0, in axis order and even, the piece itself is that buffer (no copy)."""
     d, axis = step.dim, step.axis
-    sizes = _sizes_along(step.after, axis, coord, d)
+    sizes = sizes_along(step.after, axis, coord, d)
     n, big, mine, order = len(sizes), max(sizes), sizes[coord[axis]], _group_order(ranks)
     chunk = list(local.shape)
     chunk[d] = big
@@ -334,7 +195,7 @@ def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Te
         send = local.contiguous()
     else:
         send = (local.new_empty if even else local.new_zeros)([n * chunk[0]] + chunk[1:])
-        blocks, starts = send.view([n] + chunk), _starts(sizes)
+        blocks, starts = send.view([n] + chunk), offsets(sizes)
         for g, k in enumerate(order):
             blocks[g].narrow(d, 0, sizes[k]).copy_(local.narrow(d, starts[k], sizes[k]))
     out = send.new_empty(chunk)
@@ -349,7 +210,7 @@ def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
     Each slice travels as one flat run (exact sizes, no padding), packed in the group's rank
     order; along src_dim 0 in axis order the received buffer is the result (no copy), and even
     slices in axis order pack (and unpack) with one strided copy."""
-    m = _static(step, coord, _AllToAllStatic)
+    m = _STATIC.computed(step, coord, _AllToAllStatic)
     i, j, n = step.src_dim, step.dst_dim, len(ranks)
     if j == 0 and m.in_order:
         send = local.contiguous().view(-1)
@@ -371,7 +232,7 @@ def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
 
 
 class _AllToAllStatic:
-    """What an all_to_all step needs at one coordinate, worked out once (see ``_static``)."""
+    """What an all_to_all step needs at one coordinate, worked out once per (step, coordinate)."""
 
     __slots__ = ("order", "in_order", "lengths", "starts", "even_j", "chunk_shapes",
                  "send_splits", "mine", "shapes", "even_i", "recv_splits")
@@ -379,42 +240,20 @@ class _AllToAllStatic:
     def __init__(self, step: AllToAll, coord):
         i, j = step.src_dim, step.dst_dim
         before, after = step.before, step.after
-        members = _member_coords(after.placement, step.axis, coord)
+        members = member_coords(after.placement, step.axis, coord)
         self.order = _group_order(after.placement.group_along(step.axis, coord))
         self.in_order = self.order == sorted(self.order)
         self.lengths = [after.box(c)[j][1] - after.box(c)[j][0] for c in members]
-        self.starts = _starts(self.lengths)
+        self.starts = offsets(self.lengths)
         self.even_j = min(self.lengths) == max(self.lengths)
         have = list(box_shape(before.box(coord)))
         self.chunk_shapes = [have[:j] + [n] + have[j + 1:] for n in self.lengths]
-        self.send_splits = [_prod(self.chunk_shapes[k]) for k in self.order]
+        self.send_splits = [prod(self.chunk_shapes[k]) for k in self.order]
         self.mine = list(box_shape(after.box(coord)))
         self.shapes = [self.mine[:i] + [before.box(c)[i][1] - before.box(c)[i][0]] + self.mine[i + 1:]
                        for c in members]
         self.even_i = min(s[i] for s in self.shapes) == max(s[i] for s in self.shapes)
-        self.recv_splits = [_prod(self.shapes[k]) for k in self.order]
-
-
-def _send_recv(ops) -> None:
-    """Post a batch of isend/irecv and wait for all of it, within the world's timeout: gloo's
-    point-to-point waits otherwise use the timeout its connections were made with, so a peer
-    that never sends would hang past gt.init(timeout=...)."""
-    if ops:
-        timeout = world_timeout()
-        for work in _post(ops):
-            work.wait(timeout)
-
-
-def _post(ops) -> list:
-    """Start a batch of isend/irecv; their works (none for no ops)."""
-    return list(dist.batch_isend_irecv(ops)) if ops else []
-
-
-def _prod(xs) -> int:
-    n = 1
-    for x in xs:
-        n *= x
-    return n
+        self.recv_splits = [prod(self.shapes[k]) for k in self.order]
 
 
 def _zero_fill(step: ZeroFill, local, coord) -> torch.Tensor:
@@ -448,7 +287,7 @@ def _exchange(step: Exchange, local, rank: int) -> torch.Tensor:
             buf = local.new_empty(box_shape(move.region))
             ops.append(dist.P2POp(dist.irecv, buf, move.src))
             landing.append((move.region, buf))
-    _send_recv(ops)
+    send_recv(ops)
     for region, buf in landing:
         out[relative(region, want)] = buf
     for move in step.broadcasts:

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from globaltensor import launch
+from globaltensor import launch, supervise
 from globaltensor.launch import LaunchConfig, LaunchError, parse_args
 from globaltensor.testing import CompletedRun
 
@@ -41,32 +41,32 @@ def test_bad_options_are_clear_errors(argv, message, capsys):
 
 def test_rank_env_places_each_rank_in_the_world():
     c = LaunchConfig(nproc_per_node=2, script="s.py", nnodes=2, node_rank=1)
-    env = launch.rank_env({"KEEP": "x"}, rank=c.global_rank(1), local_rank=1,
+    env = supervise.rank_env({"KEEP": "x"}, rank=c.global_rank(1), local_rank=1,
                           world_size=c.world_size, local_world_size=2, node_rank=1,
                           master_addr="10.0.0.1", master_port=1234)
     assert env == {"KEEP": "x", "RANK": "3", "LOCAL_RANK": "1", "WORLD_SIZE": "4",
                    "LOCAL_WORLD_SIZE": "2", "NODE_RANK": "1", "GROUP_RANK": "1",
                    "MASTER_ADDR": "10.0.0.1", "MASTER_PORT": "1234", "OMP_NUM_THREADS": "1"}
-    kept = launch.rank_env({"OMP_NUM_THREADS": "4"}, rank=0, local_rank=0, world_size=2,
+    kept = supervise.rank_env({"OMP_NUM_THREADS": "4"}, rank=0, local_rank=0, world_size=2,
                            local_world_size=2, node_rank=0, master_addr="a", master_port=1)
-    alone = launch.rank_env({}, rank=0, local_rank=0, world_size=2, local_world_size=1,
+    alone = supervise.rank_env({}, rank=0, local_rank=0, world_size=2, local_world_size=1,
                             node_rank=0, master_addr="a", master_port=1)
     assert kept["OMP_NUM_THREADS"] == "4" and "OMP_NUM_THREADS" not in alone
 
 
 def test_command_for_script_module_and_executable():
     base = dict(nproc_per_node=1, script_args=("a",))
-    assert launch.command(LaunchConfig(script="t.py", **base)) == [sys.executable, "-u", "t.py", "a"]
-    assert launch.command(LaunchConfig(script="pkg.mod", module=True, **base)) == \
+    assert supervise.command(LaunchConfig(script="t.py", **base)) == [sys.executable, "-u", "t.py", "a"]
+    assert supervise.command(LaunchConfig(script="pkg.mod", module=True, **base)) == \
         [sys.executable, "-u", "-m", "pkg.mod", "a"]
-    assert launch.command(LaunchConfig(script="/bin/tool", no_python=True, **base)) == \
+    assert supervise.command(LaunchConfig(script="/bin/tool", no_python=True, **base)) == \
         ["/bin/tool", "a"]
 
 
 def test_exit_descriptions():
-    assert launch.describe_exit(3) == "exited with code 3"
-    assert launch.describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
-    assert launch.exit_status(-signal.SIGKILL) == 137 and launch.exit_status(3) == 3
+    assert supervise.describe_exit(3) == "exited with code 3"
+    assert supervise.describe_exit(-signal.SIGKILL) == "was killed by SIGKILL"
+    assert supervise.exit_status(-signal.SIGKILL) == 137 and supervise.exit_status(3) == 3
 
 
 def test_run_script_takes_a_path_or_source(tmp_path):
@@ -81,9 +81,9 @@ def test_run_script_takes_a_path_or_source(tmp_path):
 def test_failure_report_hints_at_a_taken_port():
     from types import SimpleNamespace
 
-    failed = launch.RankProcess(0, 0, SimpleNamespace(pid=42, returncode=1))
+    failed = supervise.RankProcess(0, 0, SimpleNamespace(pid=42, returncode=1))
     failed.stderr_tail.extend(["Traceback ...\n", "RuntimeError: Address already in use\n"])
-    report = launch.failure_report(failed, LaunchConfig(nproc_per_node=2, script="s"), 4321, [1])
+    report = supervise.failure_report(failed, LaunchConfig(nproc_per_node=2, script="s"), 4321, [1])
     assert report.splitlines() == [
         "rank 0 (local rank 0 on node 0, pid 42) exited with code 1; stopped the other ranks "
         "still running: [1]",

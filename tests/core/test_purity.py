@@ -11,8 +11,8 @@ from helpers import ROOT
 PKG = ROOT / "globaltensor"
 # the pure core, and every op family module: rows, kernels (which get what they need from their
 # context object) and size rewrites
-PURE = ["sbp.py", "placement.py", "layout.py", "plan.py", "simulate.py", "debug.py", "_cache.py",
-        "errors.py", "visualize.py"] + sorted(
+PURE = ["sbp.py", "placement.py", "layout.py", "steps.py", "plan.py", "simulate.py", "debug.py",
+        "_cache.py", "errors.py", "visualize.py"] + sorted(
             str(p.relative_to(PKG)) for p in (PKG / "ops").glob("*.py"))
 FORBIDDEN_IMPORTS = ("torch.distributed", "globaltensor.comm", "globaltensor.runtime",
                      "globaltensor.tensor", "globaltensor.dispatch", "globaltensor.convert",

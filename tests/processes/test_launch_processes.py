@@ -15,7 +15,7 @@ import sys
 
 import pytest
 
-from globaltensor import launch
+from globaltensor import launch, supervise
 from globaltensor.testing import CompletedRun, run_script
 
 from helpers import BEHAVE, ROOT, SCRIPTS
@@ -70,7 +70,7 @@ def test_rank_killed_by_sigkill(tmp_path, capsys):
 
 def test_rank_hanging_past_timeout_is_stopped_and_named(tmp_path, capsys):
     code, out, err = _behave(tmp_path, capsys, 2, acting=1, action="hang", timeout=3)
-    assert code == launch.EXIT_TIMEOUT
+    assert code == supervise.EXIT_TIMEOUT
     assert "timed out after 3s: ranks [1] were still running (ranks [0] had finished)" in err
     assert not any(_alive(p) for p in _pids(out))
 
