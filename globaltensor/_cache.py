@@ -17,21 +17,22 @@ Both subclass dict, so a warm path's lookup is ``cache.get(key)``: one C call, n
 from __future__ import annotations
 
 import functools
+import weakref
 
 MISSING = object()  # what ``cache.get(key, MISSING)`` returns for an absent key
-_ALL: list = []    # every cache made here (module-level caches: they live as long as the process)
+_ALL: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()  # id -> every live cache
 _MEMOS: list = []
 
 
 class Bounded(dict):
     """A dict that empties itself when it would grow past ``maxsize`` entries."""
 
-    __slots__ = ("maxsize",)
+    __slots__ = ("maxsize", "__weakref__")
 
     def __init__(self, maxsize: int):
         super().__init__()
         self.maxsize = maxsize
-        _ALL.append(self)
+        _ALL[id(self)] = self
 
     def put(self, key, value):
         """Store ``value`` under ``key`` and return it."""
@@ -82,7 +83,7 @@ def memo(maxsize: int):
 
 def clear_all() -> None:
     """Forget every cached result (decisions, plans, layouts' boxes, moves, per-rank cuts)."""
-    for cache in _ALL:
+    for cache in list(_ALL.values()):
         cache.clear()
     for fn in _MEMOS:
         fn.cache_clear()

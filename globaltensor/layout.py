@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import numbers
 from dataclasses import dataclass, field
-from functools import lru_cache
 
+from ._cache import memo
 from .errors import GlobalTensorError, PlacementError, SbpError
 from .placement import Placement
 from .sbp import Broadcast, PartialSum, Split, SbpValue, format_sbp, normalize, resolve
@@ -125,7 +125,7 @@ def _checked_shape(shape) -> tuple[int, ...]:
     return tuple(int(s) for s in dims)
 
 
-@lru_cache(maxsize=65536)
+@memo(65536)
 def _box(layout: Layout, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
     ranges = [(0, s) for s in layout.shape]
     for axis, value in enumerate(layout.sbp):

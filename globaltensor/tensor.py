@@ -75,7 +75,7 @@ class GlobalTensor(torch.Tensor):
 
     def to_local(self) -> torch.Tensor:
         """This rank's piece (differentiable; the gradient flows back with the dual sbp)."""
-        if self.requires_grad and torch.is_grad_enabled():  # _records_graph, inlined: a warm path
+        if _records_graph(self):
             return _ToLocal.apply(self)
         return self._local.view_as(self._local)
 

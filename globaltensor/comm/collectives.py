@@ -118,7 +118,7 @@ def recv(tensor=None, src: int | None = None, group=None, tag: int = 0, group_sr
     return values.recv(src, group_src, group)
 
 
-# the built operations under the names tests/test_comm.py calls directly
+# the built operations under the names tests/ranks/test_comm.py calls directly
 _LACKS, _need, _Lowered = built.LACKS, built.need, built.Lowered
 _combine_gathered, _reduce_scatter_built = built.combine_gathered, built.reduce_scatter_built
 _gather_by_p2p, _scatter_by_p2p = built.gather_by_p2p, built.scatter_by_p2p

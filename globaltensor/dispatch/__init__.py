@@ -18,7 +18,7 @@ are empty, with the output's ndim and dtype.
 from __future__ import annotations
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .. import debug as _debug
 from .._cache import Bounded, ById
@@ -27,7 +27,7 @@ from ..layout import Layout
 from ..ops import B
 from ..runtime.agreement import check
 from ..tensor import GlobalTensor
-from .args import by_value, flatten, local_tensor_error
+from .args import LocalTensorFound, by_value, flatten, local_tensor_error
 from .decide import decide, op_name
 from .decisions import my_coord
 
@@ -37,10 +37,11 @@ _BY_ID = ById(20_000)          # the same decisions keyed by the layouts' ids (n
 
 def dispatch(func, types, args, kwargs):
     """Run aten op ``func`` on global tensors (called by GlobalTensor.__torch_dispatch__)."""
-    key, tensors, found = flatten(func, args, kwargs)
-    if found:
-        args, kwargs = _adopt_locals(args, kwargs, found, tensors)
-        key, tensors, found = flatten(func, args, kwargs)
+    try:
+        key, tensors = flatten(func, args, kwargs)
+    except LocalTensorFound as found:
+        args, kwargs = _adopt_locals(args, kwargs, found.value)
+        key, tensors = flatten(func, args, kwargs)
     if _debug.is_debug():  # GT_DEBUG: every rank runs this op on these layouts (see debug.py)
         check("aten." + op_name(func), args=_debug.op_args(args, kwargs))
     decision = _BY_ID.get(key)
@@ -59,11 +60,12 @@ def _lookup(func, args, kwargs, tensors, key):
     return _BY_ID.put(key, decision, pinned=[t._layout for t in tensors])
 
 
-def _adopt_locals(args, kwargs, found, tensors):
+def _adopt_locals(args, kwargs, found):
     """Inside backward, autograd makes full-size local tensors (zeros for the gradients of
     unused outputs): take them as broadcast values on the placement of the global inputs."""
     if torch._C._current_graph_task_id() < 0:
-        raise local_tensor_error(found[0])
+        raise local_tensor_error(found)
+    tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, GlobalTensor)]
     if not tensors:
         raise GlobalTensorError("internal: no global tensor among the arguments; please report this")
     placement = tensors[0]._layout.placement

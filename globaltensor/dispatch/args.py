@@ -2,7 +2,7 @@
 
 :func:`flatten` is the only walk on the warm path. It gives the cache key *by id* (a global
 tensor counts as ``(id(layout), dtype)``: hashing ints, not layouts), the global tensors in
-order, and the local non-scalar tensors found (which only autograd's engine may pass). On a
+order; a non-scalar local tensor (which only autograd's engine may pass) stops it. On a
 miss, the key by value (:func:`by_value`), the :class:`~globaltensor.ops.Call` a rule sees
 (:func:`call_of`) and the fast-path slots (:func:`slots_of`) are derived from that key, not from
 another walk over the arguments. :func:`local_args` puts the local pieces in the global tensors'
@@ -20,38 +20,45 @@ from ..ops import LOCAL, NUMBER, Call, Ref
 from ..tensor import GlobalTensor
 
 
+class LocalTensorFound(Exception):
+    """A non-scalar local tensor among the arguments (allowed only from autograd's engine)."""
+
+    def __init__(self, value):
+        super().__init__()
+        self.value = value
+
+
 def flatten(func, args, kwargs):
-    """``(key, tensors, locals)``: the cache key by id (``(func, *args parts, *kwargs names and
-    parts)``, flat: nested tuples hash slower), the global tensors in argument order, and the
-    non-scalar local tensors met on the way."""
+    """``(key, tensors)``: the cache key by id (``(func, *args parts, *kwargs names and parts)``,
+    flat: nested tuples hash slower) and the global tensors in argument order. Raises
+    :class:`LocalTensorFound` at a non-scalar local tensor."""
     tensors: list = []
-    found: list = []
     parts = [func]
     for a in args:
-        if type(a) is GlobalTensor:  # the common case, inline
+        if type(a) is GlobalTensor:  # _part's global-tensor case, inline: the rows of benchmarks/dispatch.py
             tensors.append(a)
             parts.append((id(a._layout), a.dtype))
         else:
-            parts.append(_part(a, tensors, found))
+            parts.append(_part(a, tensors))
     if kwargs:
         for k, v in kwargs.items():
             parts.append(k)
-            parts.append(_part(v, tensors, found))
-    return tuple(parts), tensors, found
+            parts.append(_part(v, tensors))
+    return tuple(parts), tensors
 
 
-def _part(value, tensors: list, found: list):
+def _part(value, tensors: list):
     cls = type(value)
     if cls is float or cls is complex:
         return NUMBER
     if cls is list or cls is tuple:
-        return tuple(_part(v, tensors, found) for v in value)
+        return tuple(_part(v, tensors) for v in value)
     if isinstance(value, GlobalTensor):
         tensors.append(value)
         return id(value._layout), value.dtype
     if isinstance(value, torch.Tensor):
         if value.dim() != 0:
-            found.append(value)
+            raise LocalTensorFound(value)
         return LOCAL, value.dtype
     if isinstance(value, torch.Generator):
         return None

@@ -14,6 +14,7 @@ import threading
 import torch
 
 from .. import world
+from .._cache import Bounded
 from ..ops import KERNELS, KernelContext
 from ..redistribute import moved, moved_targets, redistribute_local
 from ..tensor import GlobalTensor
@@ -163,16 +164,13 @@ class Contextual:
     __slots__ = ("by_context", "decide", "key")
 
     def __init__(self, decide, key):
-        self.by_context, self.decide, self.key = {}, decide, key
+        self.by_context, self.decide, self.key = Bounded(256), decide, key
 
     def run(self, func, args, kwargs, tensors):
         ctx = context(tensors)
         decision = self.by_context.get(ctx)
         if decision is None:
-            decision = self.decide(func, args, kwargs, tensors, self.key, ctx)
-            if len(self.by_context) > 256:
-                self.by_context.clear()
-            self.by_context[ctx] = decision
+            decision = self.by_context.put(ctx, self.decide(func, args, kwargs, tensors, self.key, ctx))
         return decision.run(func, args, kwargs, tensors)
 
 

@@ -46,14 +46,6 @@ class OutSpec:
         self.strides = tuple(reversed(strides))
 
 
-        self.shape = layout.shape
-        strides, acc = [], 1
-        for n in reversed(self.shape):
-            strides.append(acc)
-            acc *= max(n, 1)
-        self.strides = tuple(reversed(strides))
-
-
 def out_specs(meta, outs, placement, name):
     """The output specs of a decision: the meta result's structure, each tensor an OutSpec
     with the signature's sbp (one sbp tuple per output, or one for all)."""

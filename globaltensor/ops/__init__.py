@@ -6,16 +6,21 @@ and its size rewrites, registered with one ``register(...)`` line per op or grou
     pointwise.py  creation.py  random_ops.py  reductions.py  matmul.py  views.py
     indexing.py  nn.py
 
-Adding an op family is one new module here (and its name in the import below); see
-docs/architecture.md. Nothing in ``ops/`` imports ``tensor`` or ``dispatch``: kernels get what
-they need through :class:`signature.KernelContext`.
+Adding an op family is one new module here: every module of the package is imported below, so
+its ``register(...)`` lines run (see docs/architecture.md). Nothing in ``ops/`` imports ``tensor``
+or ``dispatch``: kernels get what they need through :class:`signature.KernelContext`.
 """
-from . import creation, indexing, matmul, nn, pointwise, random_ops, reductions, views  # noqa: F401
+import importlib
+import pkgutil
+
 from .choose import Choice, backward_cost, choose, grad_layout, outs_of
 from .signature import (B, DECOMPOSE, KEEP, KERNELS, LOCAL, NUMBER, P, REWRITES, RULES, S, Call,
                         KernelContext, Ref, Row, Rule, describe, fit, register, rows_for, rule_for,
                         sig, table)
 from .views import view_groups
+
+for _module in pkgutil.iter_modules(__path__):  # the op families: each registers its ops
+    importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["B", "P", "S", "KEEP", "LOCAL", "NUMBER", "Call", "Choice", "KernelContext", "Ref",
            "Row", "Rule", "RULES", "KERNELS", "REWRITES", "DECOMPOSE", "backward_cost", "choose",

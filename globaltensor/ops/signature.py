@@ -17,13 +17,13 @@ Pure: no torch.distributed, no rank.
 """
 from __future__ import annotations
 
-import functools
 import re
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
+from .._cache import memo
 from ..errors import GlobalTensorError
 from ..sbp import Split, broadcast, partial_sum
 
@@ -77,7 +77,7 @@ class Rule:
     check: Callable | None = None
 
 
-@functools.lru_cache(maxsize=None)
+@memo(4096)
 def arg_names(op: str) -> tuple[str, ...]:
     """The names of the positional arguments of aten op ``op`` ("sum.dim_IntList"), from its
     schema; ``()`` for a name that is not an aten op."""

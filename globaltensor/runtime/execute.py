@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .._cache import MISSING, ById
+from .._cache import ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative
 from ..steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
@@ -36,9 +36,7 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     """This rank's piece of ``plan.dst`` from its piece ``local`` of ``plan.src``."""
     if not plan.steps:
         return local
-    cuts = _STATIC.get((id(plan), rank), MISSING)  # computed()'s lookup, inlined: a warm path
-    if cuts is MISSING:
-        cuts = _STATIC.computed(plan, rank, _cuts)
+    cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:
             local = local.narrow(dim, start, length)

@@ -7,7 +7,6 @@ import torch
 import globaltensor as gt
 from globaltensor.comm import ReduceOp
 from globaltensor.comm import collectives as C
-from globaltensor.runtime.groups import group_of_ranks
 from globaltensor.errors import CollectiveTimeoutError, GlobalTensorError
 from globaltensor.testing import RankFailed, run_ranks
 
@@ -201,7 +200,7 @@ def test_broadcast_tensors_in_place_and_values():
 
 def test_subgroups_and_group_relative_roots():
     def body(rank):
-        group = group_of_ranks((1, 3))  # every rank creates it
+        group = gt.comm.group_of_ranks((1, 3))  # every rank creates it
         if rank not in (1, 3):
             return None
         s = torch.tensor([float(rank)])
@@ -329,7 +328,7 @@ def test_monitored_barrier_passes_repeatedly():
     def body(rank):
         for _ in range(3):
             gt.comm.monitored_barrier(timeout=10)
-        pair = group_of_ranks((1, 2))
+        pair = gt.comm.group_of_ranks((1, 2))
         gt.comm.monitored_barrier(timeout=10, group=pair)  # rank 0 is outside: returns at once
         return True
 
