@@ -49,7 +49,7 @@ class OutSpec:
 def out_specs(meta, outs, placement, name):
     """The output specs of a decision: the meta result's structure, each tensor an OutSpec
     with the signature's sbp (one sbp tuple per output, or one for all)."""
-    count = iter(range(1 << 30))
+    count = iter(range(1 << 30))  # the output's position: a None output holds its place
 
     def build(m):
         if isinstance(m, torch.Tensor):
@@ -59,6 +59,7 @@ def out_specs(meta, outs, placement, name):
         if isinstance(m, (list, tuple)):
             return type(m)(build(x) for x in m)
         if m is None:
+            next(count)
             return None
         raise GlobalTensorError(
             f"{name} returns a {type(m).__name__}, not a tensor; read global values with "

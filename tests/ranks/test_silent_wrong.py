@@ -1,0 +1,43 @@
+"""Results that used to be silently wrong (issue 11), each against the full-tensor oracle on
+thread-ranks: in-place shape ops, None among an op's outputs, squeeze of uneven pieces."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from globaltensor.layout import Layout
+from globaltensor.testing import run_ranks
+
+from helpers import G2, G22, gen, make_global
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+
+
+def _grad_of_param_only(fn, x_full, w_full, grid, x_sbp, w_sbp):
+    """``fn(x, w).sum()``'s gradient for ``w`` alone (x gets none: the backward op runs with an
+    output mask that leaves x's gradient out), on every rank, and torch's."""
+    w_ref = w_full.clone().requires_grad_()
+    fn(x_full, w_ref).sum().backward()
+
+    def body(rank):
+        x = make_global(x_full, Layout(grid, x_sbp, x_full.shape), rank)
+        w = make_global(w_full, Layout(grid, w_sbp, w_full.shape), rank).requires_grad_()
+        fn(x, w).sum().backward()
+        return w.grad.full_tensor()
+
+    for got in run_ranks(body, grid.size, timeout=60):
+        torch.testing.assert_close(got, w_ref.grad)
+
+
+@pytest.mark.parametrize("grid", [G2, G22], ids=["2", "2x2"])
+@pytest.mark.parametrize("x_sbp", [S(0), B], ids=str)
+def test_a_none_output_keeps_the_places_of_the_outputs_after_it(grid, x_sbp):
+    # convolution_backward with output_mask [False, True, False]: the weight gradient is the
+    # second output; it used to take the first output's sbp (the input gradient's)
+    x, w = gen(4, 2, 5, 5, seed=1), gen(3, 2, 3, 3, seed=2)
+    sbps = (x_sbp,) * grid.ndim
+    _grad_of_param_only(lambda a, b: F.conv2d(a, b), x, w, grid, sbps, (B,) * grid.ndim)
+    # native_layer_norm_backward with the input's gradient masked out
+    x, w = gen(4, 6, seed=3), gen(6, seed=4)
+    _grad_of_param_only(lambda a, b: F.layer_norm(a, (6,), weight=b), x, w, grid, sbps,
+                        (B,) * grid.ndim)
