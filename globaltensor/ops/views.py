@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from ..errors import GlobalTensorError
 from ..sbp import Split
 from .signature import B, P, S, Call, Row, Rule, dim_of, dims_of, keep_whole, register, repeat, sig
@@ -125,11 +127,27 @@ def _drop_dims(call: Call, removed) -> tuple[Row, ...]:
     return tuple(rows)
 
 
-def squeeze(call: Call):
+def _squeeze_dims(call: Call) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """(the dims ``squeeze`` names, those of them it removes: the ones of *global* size 1)."""
     shape = call.shapes[0]
     dims = call.get("dim")
-    cand = range(len(shape)) if dims is None else dims_of(dims, len(shape))
-    return _drop_dims(call, {d for d in cand if shape[d] == 1})
+    named = tuple(range(len(shape))) if dims is None else dims_of(dims, len(shape))
+    return named, tuple(d for d in named if shape[d] == 1)
+
+
+def squeeze(call: Call):
+    """Removed dims whole. Where it names a dim the tensor has more than one of, a piece may
+    still have size 1 there (an uneven or fine split): kernel "squeeze" tells the local op which
+    dims to remove."""
+    named, removed = _squeeze_dims(call)
+    kernel = "squeeze" if len(named) > len(removed) else None
+    return tuple(Row(r.ins, r.outs, kernel) for r in _drop_dims(call, set(removed)))
+
+
+def _k_squeeze(ctx, largs, lkwargs):
+    if ctx.coord is None:
+        return ctx.empties()
+    return torch.ops.aten.squeeze.dims(largs[0], _squeeze_dims(ctx.call)[1])
 
 
 def unsqueeze(call: Call):
@@ -232,7 +250,7 @@ def _rewrite_slice_backward(decision, largs, pieces):
 register("view", "_unsafe_view", "reshape", rule=view, rewrite=_rewrite_view)
 register("permute", rule=permute)
 register("transpose", "t", rule=transpose)
-register("squeeze", rule=squeeze)
+register("squeeze", rule=squeeze, kernels={"squeeze": _k_squeeze})
 register("unsqueeze", rule=unsqueeze)
 register("expand", rule=expand, rewrite=_rewrite_expand)
 register("select", rule=select)

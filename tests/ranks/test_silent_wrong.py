@@ -41,3 +41,23 @@ def test_a_none_output_keeps_the_places_of_the_outputs_after_it(grid, x_sbp):
     x, w = gen(4, 6, seed=3), gen(6, seed=4)
     _grad_of_param_only(lambda a, b: F.layer_norm(a, (6,), weight=b), x, w, grid, sbps,
                         (B,) * grid.ndim)
+
+
+@pytest.mark.parametrize("dims", [(), (0,), (1,), (0, 1)], ids=str)
+def test_squeeze_removes_only_dims_of_global_size_one(dims):
+    # (3, 1, 4) split on dim 0 over 2 ranks: pieces (2, 1, 4) and (1, 1, 4); over 3 ranks every
+    # piece has size 1 on dim 0, which the tensor has not
+    full = gen(3, 1, 4, seed=5)
+    want = full.squeeze(dims) if dims else full.squeeze()
+    for world in (2, 3):
+        placement = gt.placement("cpu", list(range(world)))
+
+        def body(rank):
+            x = make_global(full, Layout(placement, (S(0),), full.shape), rank)
+            y = x.squeeze(dims) if dims else x.squeeze()
+            return tuple(y.shape), tuple(y.to_local().shape), y.full_tensor()
+
+        for rank, (shape, local, value) in enumerate(run_ranks(body, world, timeout=60)):
+            assert shape == tuple(want.shape)
+            assert len(local) == want.dim()
+            torch.testing.assert_close(value, want)
