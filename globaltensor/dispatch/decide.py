@@ -11,7 +11,7 @@ from ..errors import GlobalTensorError
 from ..ops import DECOMPOSE, REWRITES, B, Choice, choose, rule_for
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
-from .decisions import Contextual, Decomposed, Plain, Special, ViaFunctional
+from .decisions import Contextual, Decomposed, InplaceView, Plain, Special, ViaFunctional
 from .outputs import OutSpec, meta_result, out_specs
 from .special import SPECIAL, foreach, mixed_placements, write_into
 
@@ -44,6 +44,8 @@ def decide(func, args, kwargs, tensors, key, context=None):
             return Decomposed(fn)
     call = call_of(name, key, len(args), tensors, frozenset(str(t).split(".")[-1] for t in func.tags))
     inplace = _is_inplace(func) and isinstance(args[0], GlobalTensor)
+    if inplace and _changes_shape(func, args, kwargs, name):
+        return InplaceView(_out_of_place(func, name))
     layouts = tuple(t._layout for t in tensors)
     itemsizes = tuple(t.dtype.itemsize for t in tensors)
     fixed = (0,) if inplace else ()
@@ -85,6 +87,21 @@ def _check_no_out(func, name):
 def _is_inplace(func) -> bool:
     args = func._schema.arguments
     return bool(args) and args[0].alias_info is not None and args[0].alias_info.is_write
+
+
+def _changes_shape(func, args, kwargs, name) -> bool:
+    """Whether in-place op ``func`` gives ``self`` another shape (squeeze_, t_, ...)."""
+    result = meta_result(func, args, kwargs, name)
+    return isinstance(result, torch.Tensor) and tuple(result.shape) != tuple(args[0].shape)
+
+
+def _out_of_place(func, name):
+    """The out-of-place op of in-place ``func`` (its overload chosen by the arguments)."""
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[1].rstrip("_"), None)
+    if packet is None:
+        raise GlobalTensorError(f"{name}: no out-of-place form to run on global tensors; "
+                                f"use the out-of-place op and assign its result")
+    return packet
 
 
 def _composite(func) -> bool:

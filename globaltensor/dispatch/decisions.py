@@ -12,6 +12,7 @@ from __future__ import annotations
 import threading
 
 import torch
+from torch.utils._mode_utils import no_dispatch
 
 from .. import world
 from .._cache import Bounded
@@ -149,6 +150,32 @@ class ViaFunctional:
     def run(self, func, args, kwargs, tensors):
         self.write(args[0], self.functional(*args, **kwargs))
         return args[0]
+
+
+class InplaceView:
+    """An in-place op that changes ``self``'s shape (``squeeze_``, ``unsqueeze_``, ``t_``,
+    ``transpose_``): the out-of-place op gives the new piece and layout, ``self`` takes both,
+    and the wrapper's sizes and strides follow (the op run on its metadata alone, as torch's
+    ``return_and_correct_aliasing`` does for wrapper subclasses)."""
+
+    __slots__ = ("functional",)
+
+    def __init__(self, functional):
+        self.functional = functional
+
+    def run(self, func, args, kwargs, tensors):
+        target = args[0]
+        out = self.functional(*args, **kwargs)
+        target._local, target._layout = out._local, out._layout
+        target.__dict__.pop("_gt_moves", None)  # pieces moved from the old layout
+        with no_dispatch():
+            meta = torch._C._meta_in_tls_dispatch_include()
+            torch._C._set_meta_in_tls_dispatch_include(True)
+            try:
+                func(*args, **kwargs)
+            finally:
+                torch._C._set_meta_in_tls_dispatch_include(meta)
+        return target
 
 
 class Contextual:

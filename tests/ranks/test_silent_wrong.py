@@ -8,7 +8,7 @@ import globaltensor as gt
 from globaltensor.layout import Layout
 from globaltensor.testing import run_ranks
 
-from helpers import G2, G22, gen, make_global
+from helpers import G2, G22, check, gen, make_global
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 
@@ -61,3 +61,33 @@ def test_squeeze_removes_only_dims_of_global_size_one(dims):
             assert shape == tuple(want.shape)
             assert len(local) == want.dim()
             torch.testing.assert_close(value, want)
+
+
+INPLACE_SHAPE_OPS = {
+    "squeeze_": (lambda x: x.clone().squeeze_(1), [gen(3, 1, 4, seed=6)]),
+    "squeeze_ all": (lambda x: x.clone().squeeze_(), [gen(3, 1, 4, seed=6)]),
+    "unsqueeze_": (lambda x: x.clone().unsqueeze_(1), [gen(3, 4, seed=7)]),
+    "t_": (lambda x: x.clone().t_(), [gen(3, 4, seed=8)]),
+    "transpose_": (lambda x: x.clone().transpose_(0, 2), [gen(3, 2, 5, seed=9)]),
+    "vector @ matrix": (lambda v, m: v @ m, [gen(3, seed=10), gen(3, 5, seed=11)]),
+}
+
+
+@pytest.mark.parametrize("name", INPLACE_SHAPE_OPS)
+def test_inplace_shape_ops_give_self_its_new_shape(name):
+    # the wrapper's shape used to stay (squeeze_ kept (3, 1, 4); v @ m, which torch runs as
+    # mm(...).squeeze_(0), came out (1, 5)); forward and gradients over every sbp of [2], [2, 2]
+    fn, inputs = INPLACE_SHAPE_OPS[name]
+    check(fn, inputs)
+
+
+def test_inplace_shape_op_on_a_global_tensor_keeps_it_usable():
+    def body(rank):
+        x = gt.tensor(torch.arange(6.0).reshape(1, 6), placement=G2, sbp=S(1))
+        x.squeeze_(0)
+        y = x * 2  # the new layout is the one ops see
+        return tuple(x.shape), x.sbp, tuple(y.shape), y.full_tensor().tolist()
+
+    for shape, sbp, yshape, values in run_ranks(body, 2, timeout=60):
+        assert shape == (6,) and sbp == (S(0),) and yshape == (6,)
+        assert values == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
