@@ -13,7 +13,8 @@ from ..tensor import GlobalTensor
 from .args import call_of, slots_of
 from .decisions import Contextual, Decomposed, InplaceView, Plain, Special, ViaFunctional
 from .outputs import OutSpec, meta_result, out_specs
-from .special import SPECIAL, foreach, mixed_placements, write_into
+from .special import SPECIAL, foreach, mixed_placements
+from .views import is_view, write_into
 
 _WARNED = Bounded(10_000)  # ops already warned about (no rule: broadcast fallback)
 
@@ -72,8 +73,11 @@ def _plain(func, args, kwargs, tensors, choice, inplace, call, key):
         outs = OutSpec(tensors[0]._layout, tensors[0].dtype)
     else:
         outs = out_specs(meta, choice.outs, choice.ins[0].placement, call.op)
+    view = None
+    if is_view(func) and isinstance(args[0], GlobalTensor):  # does it alias its input's pieces?
+        view = choice.ins[0] != tensors[0]._layout
     return Plain(choice.ins, outs, choice.kernel, REWRITES.get(call.packet), inplace, call,
-                 slots_of(key, len(args)), getattr(func, "_op", func))
+                 slots_of(key, len(args)), getattr(func, "_op", func), view)
 
 
 def _check_no_out(func, name):

@@ -21,6 +21,7 @@ from ..redistribute import moved, moved_targets, redistribute_local
 from ..tensor import GlobalTensor
 from .args import local_args
 from .outputs import OutSpec, empties, new_wrapper, wrap
+from .views import LINK, link, write_back
 
 
 def my_coord(placement):
@@ -37,14 +38,16 @@ class Plain:
     """Redistribute inputs to ``targets``, run the op (or a kernel) locally, wrap the outputs."""
 
     __slots__ = ("targets", "outs", "kernel", "rewrite", "inplace", "call", "placement", "slots",
-                 "op", "single")
+                 "op", "single", "view")
 
-    def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op):
+    def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op, view=None):
         self.targets, self.outs, self.kernel = targets, outs, kernel
         self.rewrite, self.inplace, self.call = rewrite, inplace, call
         self.placement = targets[0].placement
+        # a view op: None for other ops, else whether its input was moved (views.py)
+        self.view = view
         # positions of the global tensors when they are all plain positional args (fast path)
-        self.slots = slots if kernel is None and rewrite is None else None
+        self.slots = slots if kernel is None and rewrite is None and not view else None
         self.op = op  # the C++ op behind the OpOverload: one Python frame less per call
         self.single = type(outs) is OutSpec and not inplace
 
@@ -72,8 +75,11 @@ class Plain:
                 self.rewrite(self, largs, pieces)
             result = func(*largs, **lkwargs)
         if self.inplace:
-            return args[0]
-        return wrap(result, self.outs)
+            return _written(args[0])
+        out = wrap(result, self.outs)
+        if self.view is not None:
+            link(out, args[0], self.call.op, args, kwargs, self.view)
+        return out
 
     def _run_simple(self, args, kwargs, tensors):
         # pieces() and wrap(), inlined: the path of every op that needs no communication
@@ -96,10 +102,19 @@ class Plain:
                               device=result.device, requires_grad=False)
             out._local = result
             out._layout = outs.layout
+            if self.view is not None:  # a view of a linked view is linked too (views.py)
+                link(out, args[0], self.call.op, args, kwargs, False)
             return out
         if self.inplace:
-            return args[0]
+            return _written(args[0])
         return wrap(result, self.outs)
+
+
+def _written(target):
+    """``target`` after an in-place op: a view that does not alias its base writes back."""
+    if LINK in target.__dict__:
+        write_back(target)
+    return target
 
 
 _THREAD = threading.local()  # per thread: ranks of run_ranks are threads
@@ -149,7 +164,7 @@ class ViaFunctional:
 
     def run(self, func, args, kwargs, tensors):
         self.write(args[0], self.functional(*args, **kwargs))
-        return args[0]
+        return _written(args[0])
 
 
 class InplaceView:

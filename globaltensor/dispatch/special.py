@@ -7,32 +7,12 @@ import torch
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..redistribute import redistribute_local
-from ..sbp import broadcast, format_sbp
+from ..sbp import broadcast
 from ..tensor import GlobalTensor
-from .args import local_tensor_error
 from .decisions import my_coord
+from .views import write_back, write_into
 
 aten = torch.ops.aten
-
-
-def write_into(self: GlobalTensor, value):
-    """``self``'s piece := ``value``'s logical value laid out as ``self``."""
-    if isinstance(value, GlobalTensor):
-        if value.shape != self.shape:
-            value = aten.expand.default(value, list(self.shape))
-        piece = redistribute_local(value._local, value._layout, self._layout)
-        if my_coord(self._layout.placement) is not None:
-            self._local.copy_(piece)
-        return
-    if isinstance(value, torch.Tensor) and value.dim() == 0:
-        if self._layout.is_partial:
-            raise GlobalTensorError(
-                f"cannot write a local scalar into a partial_sum global tensor (sbp "
-                f"{format_sbp(self.sbp)}): every rank would add it. Convert the target with "
-                f".to_global(sbp=gt.sbp.broadcast) first, or write a global tensor")
-        self._local.copy_(value)
-        return
-    raise local_tensor_error(value)
 
 
 def _copy_(func, args, kwargs, tensors):
@@ -44,6 +24,7 @@ def _copy_(func, args, kwargs, tensors):
     if isinstance(src, GlobalTensor) and src.placement != self.placement:
         mixed_placements([self, src], "copy_")
     write_into(self, src)
+    write_back(self)
     return self
 
 

@@ -247,6 +247,43 @@ def _rewrite_slice_backward(decision, largs, pieces):
     largs[1] = local
 
 
+def select_scatter(call: Call):
+    """``select_scatter(x, src, dim, index)``: x's other dims split alike with src's; linear in
+    (x, src) together (writes through a ``select`` view, dispatch/views.py)."""
+    nd = len(call.shapes[0])
+    dim = dim_of(call.get("dim"), nd)
+    rows = [sig("B B -> B"), sig("P P -> P")]
+    return tuple(rows + [Row((S(d), S(d - (d > dim))), (S(d),)) for d in range(nd) if d != dim])
+
+
+def slice_scatter(call: Call):
+    """``slice_scatter(x, src, dim, start, end, step)``: other dims split alike."""
+    nd = len(call.shapes[0])
+    dim = dim_of(call.get("dim", 0), nd)
+    rows = [sig("B B -> B"), sig("P P -> P")]
+    return tuple(rows + [Row((S(d), S(d)), (S(d),)) for d in range(nd) if d != dim])
+
+
+def _diagonal_rest(call: Call) -> list[int]:
+    nd = len(call.shapes[0])
+    pair = {dim_of(call.get("dim1", 0), nd), dim_of(call.get("dim2", 1), nd)}
+    return [d for d in range(nd) if d not in pair]
+
+
+def diagonal(call: Call):
+    """``diagonal(x, offset, dim1, dim2)``: the two dims whole; the others keep their split
+    (numbered in order, the diagonal last)."""
+    rows = [sig("B -> B"), sig("P -> P")]
+    return tuple(rows + [Row((S(d),), (S(k),)) for k, d in enumerate(_diagonal_rest(call))])
+
+
+def diagonal_scatter(call: Call):
+    """``diagonal_scatter(x, src, offset, dim1, dim2)``: src holds x's other dims, then the
+    diagonal; those other dims split alike."""
+    rows = [sig("B B -> B"), sig("P P -> P")]
+    return tuple(rows + [Row((S(d), S(k)), (S(d),)) for k, d in enumerate(_diagonal_rest(call))])
+
+
 register("view", "_unsafe_view", "reshape", rule=view, rewrite=_rewrite_view)
 register("permute", rule=permute)
 register("transpose", "t", rule=transpose)
@@ -262,3 +299,7 @@ register("stack", rule=stack)
 register("tril", "triu", "tril_", "triu_", rule=tri)
 register("select_backward", rule=select_backward, rewrite=_rewrite_select_backward)
 register("slice_backward", rule=slice_backward, rewrite=_rewrite_slice_backward)
+register("select_scatter", rule=select_scatter)
+register("slice_scatter", rule=slice_scatter)
+register("diagonal", rule=diagonal)
+register("diagonal_scatter", rule=diagonal_scatter)

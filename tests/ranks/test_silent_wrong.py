@@ -91,3 +91,46 @@ def test_inplace_shape_op_on_a_global_tensor_keeps_it_usable():
     for shape, sbp, yshape, values in run_ranks(body, 2, timeout=60):
         assert shape == (6,) and sbp == (S(0),) and yshape == (6,)
         assert values == [0.0, 2.0, 4.0, 6.0, 8.0, 10.0]
+
+
+def _global_like(x, full):
+    """``full`` as a broadcast global tensor on ``x``'s placement (a local tensor for a local x)."""
+    if not x.is_global:
+        return full
+    return gt.tensor(full, placement=x.placement, sbp=[B] * x.placement.ndim)
+
+
+WRITES = {
+    "x[1] = 5": lambda x: x.__setitem__(1, 5.0),
+    "x[:, :2] = v": lambda x: x.__setitem__((slice(None), slice(None, 2)),
+                                            _global_like(x, torch.full((x.shape[0], 2), 3.0))),
+    "x[1] = row": lambda x: x.__setitem__(1, _global_like(x, torch.arange(3.0))),
+    "x[0:2].mul_(3)": lambda x: x[0:2].mul_(3),
+    "narrow().fill_": lambda x: x.narrow(0, 1, 2).fill_(1),
+    "diagonal().zero_": lambda x: x.diagonal().zero_(),
+    "x[1:3][0].fill_": lambda x: x[1:3][0].fill_(7),  # a view of a view
+    "t()[2].add_": lambda x: x.t()[2].add_(1),
+    "unbind()[1].fill_": lambda x: x.unbind(0)[1].fill_(4),
+    "split()[1].mul_": lambda x: x.split(2)[1].mul_(2),
+}
+LAYOUTS = [(G2, (S(0),)), (G2, (S(1),)), (G2, (B,)), (G2, (P,)),
+           (G22, (S(0), S(1))), (G22, (B, S(0))), (G22, (P, B)), (G22, (S(1), P))]
+
+
+@pytest.mark.parametrize("shape", [(4, 3), (5, 3)], ids=["4x3", "5x3"])
+@pytest.mark.parametrize("name", WRITES)
+def test_writes_through_views_reach_the_tensor(name, shape):
+    # a view that needed a redistribution is a copy; the write used to stop there
+    fn = WRITES[name]
+    full = gen(*shape, seed=12)
+    want = full.clone()
+    fn(want)
+    for grid, sbp in LAYOUTS:
+        def body(rank):
+            x = make_global(full, Layout(grid, sbp, full.shape), rank)
+            fn(x)
+            return x.full_tensor(), x.sbp
+
+        for value, got_sbp in run_ranks(body, grid.size, timeout=60):
+            assert got_sbp == sbp
+            torch.testing.assert_close(value, want, msg=f"{name} on {sbp}")

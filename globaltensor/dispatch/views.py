@@ -1,0 +1,159 @@
+"""Writes through views that could not alias their base.
+
+A view op (``select``, ``slice``, ``diagonal``, ``t``, ``view``, ``split``, ...) whose signature
+moved its input gives an output whose pieces are copies, not views of the base's pieces: a write
+into it (``x[1] = 5``, ``x[0:2].mul_(3)``, ``x.diagonal().zero_()``) would reach only the copy.
+Such an output carries a *link* to its base: after an in-place op on it, the base takes the
+written value back through the view's scatter (``select_scatter``, ``slice_scatter``,
+``diagonal_scatter``, the inverse permutation or shape), and so on up a chain of views. A view
+that aliases its input's pieces but whose input is linked inherits a link that only passes the
+write on. A linked view whose write cannot be scattered back raises instead of losing the write.
+
+Reads are not tracked: a detached view read after its base is written holds the value it had.
+"""
+from __future__ import annotations
+
+import torch
+
+from .. import world
+from ..errors import GlobalTensorError
+from ..ops import arg_value
+from ..redistribute import redistribute_local
+from ..sbp import format_sbp
+from ..tensor import GlobalTensor
+from .args import local_tensor_error
+
+aten = torch.ops.aten
+LINK = "_gt_view_of"  # in a view's __dict__: (base, scatter(base, view) -> new base, or None)
+
+
+def _scatter_select(op, args, kwargs, k=None):
+    dim, index = arg_value(op, args, kwargs, "dim"), arg_value(op, args, kwargs, "index")
+    return lambda base, view: aten.select_scatter.default(base, view, dim, index)
+
+
+def _scatter_slice(op, args, kwargs, k=None):
+    def get(name, default=None):
+        return arg_value(op, args, kwargs, name, default)
+    dim, start, end, step = get("dim", 0), get("start"), get("end"), get("step", 1)
+    return lambda base, view: aten.slice_scatter.default(base, view, dim, start, end, step)
+
+
+def _scatter_diagonal(op, args, kwargs, k=None):
+    def get(name, default):
+        return arg_value(op, args, kwargs, name, default)
+    offset, dim1, dim2 = get("offset", 0), get("dim1", 0), get("dim2", 1)
+    return lambda base, view: aten.diagonal_scatter.default(base, view, offset, dim1, dim2)
+
+
+def _reshape_back(op, args, kwargs, k=None):
+    return lambda base, view: aten.reshape.default(view, list(base.shape))
+
+
+def _permute_back(op, args, kwargs, k=None):
+    dims = arg_value(op, args, kwargs, "dims")
+    dims = [d % len(dims) for d in dims]
+    inverse = sorted(range(len(dims)), key=lambda i: dims[i])
+    return lambda base, view: aten.permute.default(view, inverse)
+
+
+def _transpose_back(op, args, kwargs, k=None):
+    if op.startswith("t."):
+        return lambda base, view: aten.t.default(view)
+    d0, d1 = arg_value(op, args, kwargs, "dim0"), arg_value(op, args, kwargs, "dim1")
+    return lambda base, view: aten.transpose.int(view, d0, d1)
+
+
+def _scatter_unbind(op, args, kwargs, k):
+    dim = arg_value(op, args, kwargs, "dim", 0)
+    return lambda base, view: aten.select_scatter.default(base, view, dim, k)
+
+
+def _scatter_split(op, args, kwargs, k):
+    dim = arg_value(op, args, kwargs, "dim", 0)
+    size = arg_value(op, args, kwargs, "split_size")
+    sizes = arg_value(op, args, kwargs, "split_sizes")
+
+    def scatter(base, view):
+        n = base.shape[dim % base.dim()]
+        parts = sizes if sizes is not None else [min(size, n - s) for s in range(0, n, size)]
+        start = sum(parts[:k])
+        return aten.slice_scatter.default(base, view, dim, start, start + parts[k], 1)
+    return scatter
+
+
+# packet -> (op name, args, kwargs, output index) -> scatter(base, view) -> the new base value
+SCATTER = {
+    "select": _scatter_select, "slice": _scatter_slice, "diagonal": _scatter_diagonal,
+    "view": _reshape_back, "_unsafe_view": _reshape_back, "reshape": _reshape_back,
+    "_reshape_alias": _reshape_back, "unsqueeze": _reshape_back, "squeeze": _reshape_back,
+    "alias": _reshape_back, "detach": _reshape_back,
+    "permute": _permute_back, "transpose": _transpose_back, "t": _transpose_back,
+    "unbind": _scatter_unbind, "split": _scatter_split, "split_with_sizes": _scatter_split,
+}
+
+
+def is_view(func) -> bool:
+    """Whether ``func``'s outputs alias its first input (torch's schema: ``Tensor(a)``)."""
+    returns = func._schema.returns
+    return bool(returns) and returns[0].alias_info is not None and not returns[0].alias_info.is_write
+
+
+def link(result, base, op: str, args, kwargs, moved: bool) -> None:
+    """Give ``result`` (a view op's output or outputs) its link to ``base``: through the op's
+    scatter when the view was made from moved pieces, else (aliasing) only when ``base`` is
+    itself linked."""
+    if not moved and LINK not in base.__dict__:
+        return
+    outputs = result if isinstance(result, (list, tuple)) else [result]
+    make = SCATTER.get(op.split(".")[0])
+    for k, out in enumerate(outputs):
+        if out is None:
+            continue
+        if not moved:
+            scatter = None
+        elif make is None:
+            scatter = _cannot(op)
+        else:
+            scatter = make(op, args, kwargs, k)
+        out.__dict__[LINK] = (base, scatter)
+
+
+def _cannot(op: str):
+    def scatter(base, view):
+        raise GlobalTensorError(
+            f"a write into the result of aten.{op} on a global tensor cannot reach its base: the "
+            f"view was made from redistributed pieces and the op has no scatter here. Compute the "
+            f"new value out of place and write it with base.copy_(...) or index_put_")
+    return scatter
+
+
+def write_back(view) -> None:
+    """After an in-place op on ``view``: its base takes the written value, up the chain."""
+    linked = view.__dict__.get(LINK)
+    while linked is not None:
+        base, scatter = linked
+        if scatter is not None:
+            write_into(base, scatter(base, view))
+        view, linked = base, base.__dict__.get(LINK)
+
+
+def write_into(self: GlobalTensor, value):
+    """``self``'s piece := ``value``'s logical value laid out as ``self``."""
+    if isinstance(value, GlobalTensor):
+        if value.shape != self.shape:
+            value = aten.expand.default(value, list(self.shape))
+        piece = redistribute_local(value._local, value._layout, self._layout)
+        if self._layout.placement.coord_of(world.get_rank()) is not None:
+            self._local.copy_(piece)
+        return
+    if isinstance(value, torch.Tensor) and value.dim() == 0:
+        if self._layout.is_partial:
+            raise GlobalTensorError(
+                f"cannot write a local scalar into a partial_sum global tensor (sbp "
+                f"{format_sbp(self.sbp)}): every rank would add it. Convert the target with "
+                f".to_global(sbp=gt.sbp.broadcast) first, or write a global tensor")
+        self._local.copy_(value)
+        return
+    raise local_tensor_error(value)
+
