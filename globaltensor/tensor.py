@@ -17,6 +17,7 @@ from .redistribute import redistribute_local
 from .sbp import Broadcast, PartialSum, format_sbp, normalize
 
 broadcast, partial_sum = Broadcast(), PartialSum()
+_TENSOR_DATA = torch.Tensor.data  # torch's own descriptor: shallow copy out, set_data in
 
 
 class GlobalTensor(torch.Tensor):
@@ -72,6 +73,23 @@ class GlobalTensor(torch.Tensor):
     @property
     def is_local(self) -> bool:
         return False
+
+    @property
+    def data(self) -> "GlobalTensor":
+        """The same global tensor outside autograd (its pieces are shared)."""
+        return _TENSOR_DATA.__get__(self)
+
+    @data.setter
+    def data(self, value) -> None:
+        """``p.data = value``: ``p`` takes ``value``'s pieces and layout (shape and sbp too)."""
+        if not isinstance(value, GlobalTensor):
+            raise GlobalTensorError(
+                f"x.data = value on a global tensor expects a global tensor, found "
+                f"{type(value).__name__}; make it global first, e.g. "
+                f"value.to_global(placement=x.placement, sbp=x.sbp)")
+        _TENSOR_DATA.__set__(self, value)  # the wrapper's sizes, strides and dtype
+        self._local, self._layout = value._local, value._layout
+        self.__dict__.pop("_gt_moves", None)  # pieces moved from the old value
 
     def to_local(self) -> torch.Tensor:
         """This rank's piece (differentiable; the gradient flows back with the dual sbp)."""

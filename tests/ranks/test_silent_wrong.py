@@ -134,3 +134,30 @@ def test_writes_through_views_reach_the_tensor(name, shape):
         for value, got_sbp in run_ranks(body, grid.size, timeout=60):
             assert got_sbp == sbp
             torch.testing.assert_close(value, want, msg=f"{name} on {sbp}")
+
+
+@pytest.mark.parametrize("grid, sbp", [(G2, (S(0),)), (G2, (P,)), (G22, (S(1), B))],
+                         ids=["S(0)", "P", "(S(1),B)"])
+def test_assigning_data_replaces_the_value(grid, sbp):
+    full = gen(5, 3, seed=13)
+
+    def body(rank):
+        p = make_global(full, Layout(grid, sbp, full.shape), rank).requires_grad_()
+        value = p.data * 2 + 1  # the optimizer idiom; p stays the same leaf
+        p.data = value
+        same = (p.full_tensor().detach(), p.sbp == value.sbp, p.requires_grad, p.is_leaf)
+        p.data = gt.tensor(torch.arange(4.0), placement=grid, sbp=[B] * grid.ndim)  # new shape
+        other = (tuple(p.shape), p.sbp, p.full_tensor().detach())
+        try:
+            p.data = torch.zeros(4)
+            error = None
+        except gt.GlobalTensorError as e:
+            error = str(e)
+        return same, other, error
+
+    for same, other, error in run_ranks(body, grid.size, timeout=60):
+        torch.testing.assert_close(same[0], full * 2 + 1)
+        assert same[1:] == (True, True, True)
+        assert other[0] == (4,) and other[1] == (B,) * grid.ndim
+        torch.testing.assert_close(other[2], torch.arange(4.0))
+        assert "expects a global tensor" in error
