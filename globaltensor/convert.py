@@ -71,19 +71,26 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
             f"found placement={placement!r}, sbp={sbp!r}"
         )
     placement = check_placement(placement)
-    values = resolve(normalize(sbp, placement.ndim), local.dim())
-    _check_grad_sbp(grad_sbp, placement, local.dim())
+    sbp = normalize(sbp, placement.ndim)
     if _debug.is_debug():
-        check("to_global", source="local tensor", placement=placement, sbp=values,
-                     dtype=local.dtype, ndim=local.dim(), grad_sbp=grad_sbp, check_meta=check_meta,
-                     sync_data=sync_data)
+        own = {} if check_meta else {"dtype": local.dtype, "ndim": local.dim()}  # else exchanged
+        check("to_global", source="local tensor", placement=placement, sbp=sbp, grad_sbp=grad_sbp,
+              check_meta=check_meta, sync_data=sync_data, **own)
     rank = world.get_rank()
     coord = placement.coord_of(rank)
     device = device_for(placement)
     if local.device != device:
         local = local.to(device)
+    if check_meta:  # a rank outside the placement passes an ignored tensor: take the members'
+        metas = [per_rank[0] for per_rank in exchange_meta([local])]  # (shape, dtype) by rank
+        first_shape, dtype = metas[placement.flat_ranks[0]]
+        ndim = len(first_shape)
+    else:
+        ndim, dtype = local.dim(), local.dtype
+    values = resolve(sbp, ndim)
+    _check_grad_sbp(grad_sbp, placement, ndim)
     if check_meta:
-        shape = _checked_global_shape(local, placement, values, rank)
+        shape = _checked_global_shape(metas, placement, values)
     else:
         shape = list(local.shape)
         for axis, v in enumerate(values):
@@ -92,7 +99,7 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
         shape = tuple(shape)
     layout = Layout(placement, values, shape)
     if coord is None:
-        piece = local.new_empty((0,) * local.dim())
+        piece = torch.empty((0,) * ndim, dtype=dtype, device=device)
     else:
         piece = local.clone() if copy else local
         if sync_data and any(isinstance(v, Broadcast) for v in values):
@@ -112,8 +119,9 @@ def _sync_broadcast(piece, layout: Layout, rank: int, already_copied: bool):
     return piece
 
 
-def _checked_global_shape(local, placement: Placement, values, rank: int):
-    metas = [per_rank[0] for per_rank in exchange_meta([local])]  # (shape, dtype) by rank
+def _checked_global_shape(metas, placement: Placement, values):
+    """The global shape the members' pieces (``metas``: (shape, dtype) by rank) make, after
+    checking they agree in ndim and dtype and follow the uneven split rule."""
     members = [placement.rank_at(c) for c in placement.coords()]
     first = members[0]
     for r in members:

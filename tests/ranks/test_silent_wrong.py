@@ -161,3 +161,19 @@ def test_assigning_data_replaces_the_value(grid, sbp):
         assert other[0] == (4,) and other[1] == (B,) * grid.ndim
         torch.testing.assert_close(other[2], torch.arange(4.0))
         assert "expects a global tensor" in error
+
+
+def test_ranks_outside_the_placement_take_the_members_dtype_and_ndim():
+    # rank 2 is outside [0, 1] and passes an ignored tensor of another dtype and ndim
+    def body(rank):
+        p = gt.placement("cpu", [0, 1])
+        local = torch.full((2, 3), float(rank)) if rank < 2 else torch.zeros(5, dtype=torch.int64)
+        x = local.to_global(placement=p, sbp=S(1))  # S(1): resolvable on 2-D pieces only
+        y = (x * 2).sum(0)
+        return x.dtype, tuple(x.shape), tuple(x.to_local().shape), y.dtype, y.full_tensor()
+
+    want = torch.tensor([0.0, 0.0, 0.0, 4.0, 4.0, 4.0])  # rank 0's zeros beside rank 1's ones
+    for rank, (dtype, shape, local, ydtype, value) in enumerate(run_ranks(body, 3, timeout=60)):
+        assert dtype == torch.float32 and ydtype == torch.float32 and shape == (2, 6)
+        assert local == ((2, 3) if rank < 2 else (0, 0))
+        torch.testing.assert_close(value, want)
