@@ -8,7 +8,7 @@ import torch
 
 from .._cache import Bounded
 from ..errors import GlobalTensorError
-from ..ops import DECOMPOSE, REWRITES, B, Choice, choose, rule_for
+from ..ops import DECOMPOSE, MUTATES, REWRITES, B, Choice, arg_value, choose, rule_for
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
 from .decisions import Contextual, Decomposed, InplaceView, Plain, Special, ViaFunctional
@@ -77,7 +77,21 @@ def _plain(func, args, kwargs, tensors, choice, inplace, call, key):
     if is_view(func) and isinstance(args[0], GlobalTensor):  # does it alias its input's pieces?
         view = choice.ins[0] != tensors[0]._layout
     return Plain(choice.ins, outs, choice.kernel, REWRITES.get(call.packet), inplace, call,
-                 slots_of(key, len(args)), getattr(func, "_op", func), view)
+                 slots_of(key, len(args)), getattr(func, "_op", func), view,
+                 _mutated(func, call, args, kwargs, tensors, inplace))
+
+
+def _mutated(func, call, args, kwargs, tensors, inplace) -> tuple[int, ...]:
+    """The global inputs (by index) the op writes, besides an in-place op's ``self``: those its
+    schema marks ``Tensor(a!)`` and those ``ops`` registers (``mutates=``)."""
+    names = [a.name for a in func._schema.arguments
+             if a.alias_info is not None and a.alias_info.is_write]
+    names += MUTATES.get(call.op) or MUTATES.get(call.packet) or ()
+    found = []
+    for name in names[1:] if inplace else names:
+        value = arg_value(call.op, args, kwargs, name)
+        found += [i for i, t in enumerate(tensors) if t is value]
+    return tuple(found)
 
 
 def _check_no_out(func, name):

@@ -21,7 +21,7 @@ from ..redistribute import moved, moved_targets, redistribute_local
 from ..tensor import GlobalTensor
 from .args import local_args
 from .outputs import OutSpec, empties, new_wrapper, wrap
-from .views import LINK, link, write_back
+from .views import LINK, link, write_back, write_into
 
 
 def my_coord(placement):
@@ -38,16 +38,19 @@ class Plain:
     """Redistribute inputs to ``targets``, run the op (or a kernel) locally, wrap the outputs."""
 
     __slots__ = ("targets", "outs", "kernel", "rewrite", "inplace", "call", "placement", "slots",
-                 "op", "single", "view")
+                 "op", "single", "view", "mutated")
 
-    def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op, view=None):
+    def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op, view=None,
+                 mutated=()):
         self.targets, self.outs, self.kernel = targets, outs, kernel
         self.rewrite, self.inplace, self.call = rewrite, inplace, call
         self.placement = targets[0].placement
         # a view op: None for other ops, else whether its input was moved (views.py)
         self.view = view
+        # the inputs (by index) the op writes besides an in-place op's self
+        self.mutated = mutated
         # positions of the global tensors when they are all plain positional args (fast path)
-        self.slots = slots if kernel is None and rewrite is None and not view else None
+        self.slots = slots if not (kernel or rewrite or view or mutated) else None
         self.op = op  # the C++ op behind the OpOverload: one Python frame less per call
         self.single = type(outs) is OutSpec and not inplace
 
@@ -74,6 +77,11 @@ class Plain:
             if self.rewrite is not None:
                 self.rewrite(self, largs, pieces)
             result = func(*largs, **lkwargs)
+        for i in self.mutated:  # an input the op wrote: if it was moved, the write reached a copy
+            t, target = tensors[i], self.targets[i]
+            if t._layout != target:
+                write_into(t, GlobalTensor._make(pieces[i], target))
+            _written(t)
         if self.inplace:
             return _written(args[0])
         out = wrap(result, self.outs)

@@ -14,15 +14,15 @@ import importlib
 import pkgutil
 
 from .choose import Choice, backward_cost, choose, grad_layout, outs_of
-from .signature import (B, DECOMPOSE, KEEP, KERNELS, LOCAL, NUMBER, P, REWRITES, RULES, S, Call,
-                        KernelContext, Ref, Row, Rule, arg_value, describe, fit, register, rows_for,
-                        rule_for, sig, table)
+from .signature import (B, DECOMPOSE, KEEP, KERNELS, LOCAL, MUTATES, NUMBER, P, REWRITES, RULES,
+                        S, Call, KernelContext, Ref, Row, Rule, arg_value, describe, fit, register,
+                        rows_for, rule_for, sig, table)
 from .views import view_groups
 
 for _module in pkgutil.iter_modules(__path__):  # the op families: each registers its ops
     importlib.import_module(f"{__name__}.{_module.name}")
 
 __all__ = ["B", "P", "S", "KEEP", "LOCAL", "NUMBER", "Call", "Choice", "KernelContext", "Ref",
-           "Row", "Rule", "RULES", "arg_value", "KERNELS", "REWRITES", "DECOMPOSE", "backward_cost", "choose",
+           "Row", "Rule", "RULES", "MUTATES", "arg_value", "KERNELS", "REWRITES", "DECOMPOSE", "backward_cost", "choose",
            "describe", "fit", "grad_layout", "outs_of", "register", "rows_for", "rule_for", "sig",
            "table", "view_groups"]

@@ -188,6 +188,8 @@ register("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward",
          rule=pointwise_loss_backward)
 register("nll_loss_forward", rule=nll_loss, kernels={"nll_mean": _k_nll_mean})
 register("nll_loss_backward", rule=nll_loss_backward)
+# updates running_mean / running_var in training, though its schema marks neither (a!)
+register("native_batch_norm", mutates=("running_mean", "running_var"))
 register("convolution", rule=convolution)
 register("convolution_backward", rule=convolution_backward)
 register("_scaled_dot_product_flash_attention_for_cpu", rule=attention(2))

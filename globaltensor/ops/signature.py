@@ -225,16 +225,20 @@ TAG_RULES: dict[str, Callable] = {}   # torch tag ("pointwise") -> rule, for ops
 KERNELS: dict[str, Callable] = {}     # kernel name (in rows) -> kernel(ctx, largs, lkwargs)
 REWRITES: dict[str, Callable] = {}    # packet -> rewrite(decision, largs, pieces): local sizes
 DECOMPOSE: set[str] = set()           # packets run as their decomposition into ops with rules
+MUTATES: dict[str, tuple] = {}        # op -> inputs it writes that its schema does not mark (a!)
 
 
 def register(*names: str, rule: Callable | None = None, kernels: dict | None = None,
-             rewrite: Callable | None = None, decompose: bool = False) -> None:
+             rewrite: Callable | None = None, decompose: bool = False, mutates: tuple = ()) -> None:
     """Register ops by overload or packet name: their rule (``rule(call) -> rows or Rule``),
-    the local kernels its rows name, a rewrite of global sizes in their arguments, or that
-    they run as their decomposition (``decompose=True``)."""
+    the local kernels its rows name, a rewrite of global sizes in their arguments, that they
+    run as their decomposition (``decompose=True``), or the inputs they write although their
+    schema does not say so (``mutates``: argument names)."""
     for name in names:
-        if name in RULES or name in DECOMPOSE:
+        if name in RULES or name in DECOMPOSE or name in MUTATES:
             raise GlobalTensorError(f"internal: op {name} registered twice")
+        if mutates:
+            MUTATES[name] = tuple(mutates)
         if rule is not None:
             RULES[name] = rule
         if rewrite is not None:

@@ -177,3 +177,31 @@ def test_ranks_outside_the_placement_take_the_members_dtype_and_ndim():
         assert dtype == torch.float32 and ydtype == torch.float32 and shape == (2, 6)
         assert local == ((2, 3) if rank < 2 else (0, 0))
         torch.testing.assert_close(value, want)
+
+
+@pytest.mark.parametrize("stats_sbp", [S(0), B], ids=str)
+@pytest.mark.parametrize("x_sbp", [S(0), S(1), B], ids=str)
+def test_an_op_updates_inputs_other_than_self_in_their_own_layout(x_sbp, stats_sbp):
+    # native_batch_norm updates running_mean / running_var; with channel-split stats the op ran
+    # on gathered copies and the update was lost
+    xs = [gen(6, 4, seed=20 + k, dtype=torch.float32) * (k + 1) for k in range(2)]
+    ref = torch.nn.BatchNorm1d(4)
+    want = [ref(x) for x in xs]
+
+    def body(rank):
+        bn = torch.nn.BatchNorm1d(4)
+        for name in ("running_mean", "running_var"):
+            setattr(bn, name, make_global(getattr(bn, name), Layout(G2, (stats_sbp,), (4,)), rank))
+        for name in ("weight", "bias"):
+            full = getattr(bn, name).detach()
+            setattr(bn, name, torch.nn.Parameter(make_global(full, Layout(G2, (B,), (4,)), rank)))
+        outs = [bn(make_global(x, Layout(G2, (x_sbp,), x.shape), rank)).full_tensor().detach()
+                for x in xs]
+        return outs, bn.running_mean.full_tensor(), bn.running_var.full_tensor(), bn.running_mean.sbp
+
+    for outs, mean, var, sbp in run_ranks(body, 2, timeout=60):
+        for got, ref_out in zip(outs, want):
+            torch.testing.assert_close(got, ref_out.detach())
+        torch.testing.assert_close(mean, ref.running_mean)
+        torch.testing.assert_close(var, ref.running_var)
+        assert sbp == (stats_sbp,)
