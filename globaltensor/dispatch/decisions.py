@@ -20,7 +20,7 @@ from ..ops import KERNELS, KernelContext
 from ..redistribute import moved, moved_targets, redistribute_local
 from ..tensor import GlobalTensor
 from .args import local_args
-from .outputs import OutSpec, empties, new_wrapper, wrap
+from .outputs import OutSpec, empties, lazy_bits, new_wrapper, wrap
 from .views import LINK, link, write_back, write_into
 
 
@@ -110,6 +110,8 @@ class Plain:
                               device=result.device, requires_grad=False)
             out._local = result
             out._layout = outs.layout
+            if outs.complex:
+                lazy_bits(out, result)
             if self.view is not None:  # a view of a linked view is linked too (views.py)
                 link(out, args[0], self.call.op, args, kwargs, False)
             return out

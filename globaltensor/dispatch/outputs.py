@@ -34,10 +34,11 @@ def meta_result(func, args, kwargs, name):
 class OutSpec:
     """An output's layout and dtype, with the global strides a wrapper needs."""
 
-    __slots__ = ("layout", "dtype", "shape", "strides")
+    __slots__ = ("layout", "dtype", "shape", "strides", "complex")
 
     def __init__(self, layout, dtype):
         self.layout, self.dtype = layout, dtype
+        self.complex = dtype.is_complex  # a piece may carry the conjugate or negative bit
         self.shape = layout.shape
         strides, acc = [], 1
         for n in reversed(self.shape):
@@ -79,10 +80,22 @@ def wrap(result, outs):
                           device=result.device, requires_grad=False)
         out._local = result
         out._layout = outs.layout
+        if outs.complex:
+            lazy_bits(out, result)
         return out
     if outs is None:
         return None
     return type(outs)(wrap(r, o) for r, o in zip(result, outs))
+
+
+def lazy_bits(out, piece) -> None:
+    """The wrapper carries its piece's conjugate and negative bits, so that torch resolves them
+    (through dispatch, on the pieces) before any op that does not keep them: the bits of a
+    piece alone are not seen by the ops that run on it below the wrapper."""
+    if piece.is_conj():
+        torch._C._set_conj(out, True)
+    if piece.is_neg():
+        torch._C._set_neg(out, True)
 
 
 def empties(outs, pieces):

@@ -205,3 +205,23 @@ def test_an_op_updates_inputs_other_than_self_in_their_own_layout(x_sbp, stats_s
         torch.testing.assert_close(mean, ref.running_mean)
         torch.testing.assert_close(var, ref.running_var)
         assert sbp == (stats_sbp,)
+
+
+def _complex(*shape, seed):
+    return torch.complex(gen(*shape, seed=seed), gen(*shape, seed=seed + 100))
+
+
+CONJ = {
+    "conj + 1": (lambda z: torch.conj(z) + 1, [_complex(5, 3, seed=30)]),
+    "conj * w": (lambda z, w: torch.conj(z) * w, [_complex(5, 3, seed=31), _complex(5, 3, seed=32)]),
+    "conj().sum(0)": (lambda z: torch.conj(z).sum(0), [_complex(5, 3, seed=33)]),
+    "conj().t() @ w": (lambda z, w: torch.conj(z).t() @ w, [_complex(5, 3, seed=34), _complex(5, 2, seed=35)]),
+    "neg of conj": (lambda z: -torch.conj(z) * 2, [_complex(5, 3, seed=36)]),
+}
+
+
+@pytest.mark.parametrize("name", CONJ)
+def test_the_conjugate_bit_is_kept(name):
+    # the wrapper dropped its piece's conjugate bit: ops below it saw the unconjugated values
+    fn, inputs = CONJ[name]
+    check(fn, inputs)
