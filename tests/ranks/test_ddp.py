@@ -192,3 +192,18 @@ def test_raising_in_hooks_leaves_no_pending_state():
         return model._reducer.works
 
     assert run_ranks(body, 2, timeout=T) == [[], []]
+
+
+def test_without_broadcast_buffers_the_wrap_keeps_each_ranks_buffers_as_torch_does():
+    def body(rank):
+        net = seeded(torch.nn.Sequential(torch.nn.Linear(3, 3), torch.nn.BatchNorm1d(3)), rank)
+        net[1].running_mean.fill_(float(rank + 1))
+        theirs = TorchDDP(copy.deepcopy(net), broadcast_buffers=False)
+        ours = DDP(net, broadcast_buffers=False)
+        return (ours.module[1].running_mean.clone(), theirs.module[1].running_mean.clone(),
+                ours.module[0].weight.detach().clone())
+
+    out = run_ranks(body, 2, timeout=T)
+    for rank, (ours, theirs, _) in enumerate(out):
+        assert torch.equal(ours, theirs) and torch.equal(ours, torch.full((3,), rank + 1.0))
+    assert torch.equal(out[0][2], out[1][2])  # parameters are still rank 0's

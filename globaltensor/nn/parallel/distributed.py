@@ -1,7 +1,7 @@
 """DistributedDataParallel on gt.comm: torch's DDP semantics, gradients averaged in buckets.
 
-At wrap: every rank checks it wraps the same parameters, then rank 0's parameters and buffers are
-broadcast. In backward, each parameter's gradient is written (scaled by 1/world) into its slot of
+At wrap: every rank checks it wraps the same parameters, then rank 0's parameters (and buffers,
+with ``broadcast_buffers``) are broadcast. In backward, each parameter's gradient is written (scaled by 1/world) into its slot of
 a flat bucket as soon as it is accumulated; a full bucket is all-reduced asynchronously while
 backward goes on, buckets launching in index order on every rank. When backward ends, the
 averaged buckets are copied back into ``.grad``. See docs/ddp.md.
@@ -191,7 +191,9 @@ class DistributedDataParallel(torch.nn.Module):
         named = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
         if init_sync:
             _check_same_parameters(module, process_group)
-            _broadcast_coalesced(list(module.parameters()) + list(module.buffers()), process_group)
+            # as torch's DDP: rank 0's buffers too only with broadcast_buffers
+            buffers = list(module.buffers()) if broadcast_buffers else []
+            _broadcast_coalesced(list(module.parameters()) + buffers, process_group)
         cap = int((25 if bucket_cap_mb is None else bucket_cap_mb) * 1024 * 1024)
         params = [p for _, p in named]
         self._reducer = _Reducer(params, [n for n, _ in named], plan_buckets(params, cap),
