@@ -99,8 +99,12 @@ class GlobalTensor(torch.Tensor):
 
     # --- collective views of the whole value ---
     def full_tensor(self) -> torch.Tensor:
-        """The whole logical value on every rank of the world (collective)."""
-        return _ToLocal.apply(_Redistribute.apply(self, _full_layout(self._layout), None, False))
+        """The whole logical value on every rank of the world (collective). Differentiable as
+        the identity on the logical value: every rank's gradient for it is taken as the
+        gradient of the whole value (a loss computed on every rank gives the single-device
+        gradient), not as a part of it."""
+        full = _Redistribute.apply(self, _full_layout(self._layout), None, False)
+        return _ToLocal.apply(full, True)
 
     def numpy(self, *, force: bool = False):
         return self.full_tensor().detach().cpu().numpy()
@@ -234,15 +238,20 @@ class _FromLocal(torch.autograd.Function):
 
 class _ToLocal(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x: GlobalTensor):
-        ctx.layout = x._layout
+    def forward(ctx, x: GlobalTensor, whole: bool = False):
+        ctx.layout, ctx.whole = x._layout, whole
         return x._local.view_as(x._local)
 
     @staticmethod
     def backward(ctx, grad_local):
-        # the local gradient is this rank's piece of the dual layout
-        dual = Layout(ctx.layout.placement, dual_sbp(ctx.layout.sbp), ctx.layout.shape)
-        return redistribute(GlobalTensor._make(grad_local.contiguous(), dual), ctx.layout)
+        # the local gradient is this rank's piece of the dual layout; for a whole value
+        # (full_tensor), of the same layout: every rank holds the whole gradient
+        layout = ctx.layout
+        grad = grad_local.contiguous()
+        if ctx.whole:
+            return GlobalTensor._make(grad, layout), None
+        dual = Layout(layout.placement, dual_sbp(layout.sbp), layout.shape)
+        return redistribute(GlobalTensor._make(grad, dual), layout), None
 
 
 # The one import cycle of the package: dispatch needs the GlobalTensor class, and the class needs

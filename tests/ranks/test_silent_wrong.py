@@ -225,3 +225,18 @@ def test_the_conjugate_bit_is_kept(name):
     # the wrapper dropped its piece's conjugate bit: ops below it saw the unconjugated values
     fn, inputs = CONJ[name]
     check(fn, inputs)
+
+
+@pytest.mark.parametrize("grid, sbp", [(G2, (S(0),)), (G2, (B,)), (G2, (P,)), (G22, (S(1), B)),
+                                       (G22, (P, S(0)))], ids=["S(0)", "B", "P", "(S(1),B)", "(P,S(0))"])
+def test_full_tensor_is_the_identity_for_gradients(grid, sbp):
+    # a loss computed from full_tensor() on every rank gave world_size times the gradient
+    full = gen(5, 3, seed=40)
+
+    def body(rank):
+        x = make_global(full, Layout(grid, sbp, full.shape), rank).requires_grad_()
+        (x.full_tensor() ** 2).sum().backward()
+        return x.grad.full_tensor()
+
+    for grad in run_ranks(body, grid.size, timeout=60):
+        torch.testing.assert_close(grad, 2 * full)
