@@ -38,6 +38,8 @@ def _linear_rows(call: Call) -> list[Row]:
             want = {r.index for r in refs}
             return [Row(tuple(P if i in want else B for i in range(n)), (P,))]
         return []
+    if call.packet in ("div", "div_") and call.get("rounding_mode") is not None:
+        return []  # floor(a / b) and trunc(a / b) are not linear in a
     return [row for name in EACH_LINEAR.get(call.packet, ()) for row in linear_in(call, name)]
 
 

@@ -7,6 +7,8 @@ A P tensor cannot take fresh values (convert it first); dispatch says so.
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .. import random
@@ -65,6 +67,10 @@ def _random_values(ctx, layout, dtype, device, largs, lkwargs):
         return z * arg("std", 1.0) + arg("mean", 0.0) if packet == "normal_" else z
     if packet == "randint_like":
         return random.randint_piece(arg("low", 0), arg("high"), layout, coord, dtype, device)
+    if packet == "random_":  # integers in [from, to), by default the dtype's whole range
+        low, high = arg("from", 0), arg("to")
+        return random.randint_piece(low, _top(dtype) if high is None else high, layout, coord,
+                                    dtype, device)
     u_dtype = dtype if dtype in (torch.float64, torch.float32) else torch.float32
     u = random.uniform_piece(layout, coord, u_dtype, device)
     if packet == "uniform_":
@@ -77,6 +83,15 @@ def _random_values(ctx, layout, dtype, device, largs, lkwargs):
     if packet == "exponential_":
         return -torch.log1p(-u) / arg("lambd", 1.0)
     return u  # rand_like
+
+
+def _top(dtype) -> int:
+    """One past the largest value ``random_()`` draws for ``dtype`` (torch's bounds)."""
+    if dtype == torch.bool:
+        return 2
+    if dtype.is_floating_point:  # [0, 2**digits], digits the mantissa's (eps = 2**(1 - digits))
+        return 2 ** (1 - int(math.log2(torch.finfo(dtype).eps))) + 1
+    return torch.iinfo(dtype).max + 1
 
 
 def _k_random(ctx, largs, lkwargs):

@@ -240,3 +240,38 @@ def test_full_tensor_is_the_identity_for_gradients(grid, sbp):
 
     for grad in run_ranks(body, grid.size, timeout=60):
         torch.testing.assert_close(grad, 2 * full)
+
+
+@pytest.mark.parametrize("mode", [None, "floor", "trunc"])
+def test_division_with_rounding_keeps_no_partial_sum(mode):
+    # div(P, B, rounding_mode=...) kept P: floor(a / b) is not the sum of floor(part / b)
+    check(lambda a, b: torch.div(a, b, rounding_mode=mode), [gen(4, 3, seed=41) * 10,
+                                                             gen(4, 3, seed=42).abs() + 0.5],
+          only=lambda sbps: any(v == P for sbp in sbps for v in sbp))
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.float32, torch.bool])
+@pytest.mark.parametrize("args", [(), (5,), (-3, 7)], ids=["default", "to", "from-to"])
+def test_random_fill_draws_integers_in_torchs_range(dtype, args):
+    if dtype == torch.bool and args:
+        pytest.skip("a bool tensor takes only the default range")
+    low, high = ((0, args[0]) if len(args) == 1 else args) if args else (0, None)
+
+    def body(rank):
+        gt.manual_seed(3)
+        x = gt.zeros(64, 8, dtype=dtype, placement=G2, sbp=S(0))
+        x.random_(*args)
+        again = gt.zeros(64, 8, dtype=dtype, placement=G2, sbp=B)
+        gt.manual_seed(3)
+        again.random_(*args)
+        return x.full_tensor(), again.full_tensor()
+
+    for value, same in run_ranks(body, 2, timeout=60):
+        assert torch.equal(value, same)  # the same values whatever the sbp
+        assert value.to(torch.float64).min() >= low and len(value.unique()) > 1
+        if dtype.is_floating_point:
+            assert torch.equal(value, value.round())  # integers, as torch draws
+        if high is not None:
+            assert value.to(torch.float64).max() < high
+        elif dtype == torch.float32:
+            assert value.max() <= 2 ** 24
