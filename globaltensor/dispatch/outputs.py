@@ -21,6 +21,8 @@ def _to_meta(value):
 def meta_result(func, args, kwargs, name):
     """The op's result on meta tensors of the global shapes: output shapes and dtypes."""
     margs, mkwargs = tree_map(_to_meta, (tuple(args), kwargs))
+    if mkwargs.get("device") is not None:  # a copy to a device (_to_copy): stay on meta
+        mkwargs["device"] = torch.device("meta")
     try:
         return func(*margs, **mkwargs)
     except (NotImplementedError, RuntimeError) as e:

@@ -275,3 +275,9 @@ def test_random_fill_draws_integers_in_torchs_range(dtype, args):
             assert value.to(torch.float64).max() < high
         elif dtype == torch.float32:
             assert value.max() <= 2 ** 24
+
+
+def test_a_cast_and_its_gradient_run_on_every_layout():
+    # backward of .float() is a _to_copy with device=: its output shape came from a meta run
+    # that tried to copy to the device (found by tests/ranks/test_fuzz.py)
+    check(lambda x: x.float().double() * 2, [gen(5, 3, seed=43)], atol=1e-5)

@@ -1,0 +1,242 @@
+"""Differential fuzzing: random short programs on global tensors against the same programs on
+full tensors (the oracle), element by element, forward and gradients.
+
+A program is drawn from a seed: inputs of random shapes and layouts (every sbp, [2] and [2, 2]
+grids, even and uneven), then steps: pointwise ops with tensors, Python scalars and 0-dim local
+tensors, matmul, reductions, views and in-place writes through them, indexing, casts, to_global to
+random layouts; at the end the backward of a random scalar loss. The suite runs a few hundred
+seeded programs; more on demand, printing the seed and program of any mismatch::
+
+    python tests/ranks/test_fuzz.py --count 2000 [--start 0] [--world 2|4]
+"""
+from __future__ import annotations
+
+import argparse
+import random
+import sys
+
+import torch
+
+import globaltensor as gt
+from globaltensor.layout import Layout
+from globaltensor.testing import run_ranks
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+CI_PROGRAMS = 240  # per world size in the suite: 2 ranks ([2]) and 4 ranks ([2, 2])
+
+
+# --------------------------------------------------------------------------- drawing programs
+
+
+def _layout(rng, ndim: int, axes: int, floating: bool) -> tuple:
+    options = [S(d) for d in range(ndim)] + [B] + ([P] if floating else [])
+    return tuple(rng.choice(options) for _ in range(axes))
+
+
+def draw(seed: int, axes: int) -> list[tuple]:
+    """A program: a list of steps, each naming the values (by index) it reads. Shapes are
+    tracked on the fly so every step is valid for torch."""
+    rng = random.Random(seed)
+    shapes: list[tuple] = []
+    steps: list[tuple] = []
+
+    def new_input(shape):
+        steps.append(("input", shape, _layout(rng, len(shape), axes, True), rng.randrange(10**6)))
+        shapes.append(shape)
+        return len(shapes) - 1
+
+    for _ in range(2):
+        new_input((rng.randint(1, 5), rng.randint(1, 5)))
+    for _ in range(rng.randint(3, 7)):
+        i = rng.randrange(len(shapes))
+        shape = shapes[i]
+        kind = rng.choice(["binary", "scalar", "unary", "matmul", "reduce", "view", "write",
+                           "index", "cast", "to_global"])
+        if kind == "binary":
+            same = [j for j, s in enumerate(shapes) if s == shape and j != i]
+            j = rng.choice(same) if same else new_input(shape)
+            out = ("binary", rng.choice(["add", "sub", "mul"]), i, j)
+        elif kind == "scalar":
+            out = ("scalar", rng.choice(["add", "mul", "div", "rsub"]), i,
+                   round(rng.uniform(0.5, 2.0), 2), rng.random() < 0.5)  # Python float or 0-dim
+        elif kind == "unary":
+            out = ("unary", rng.choice(["relu", "tanh", "neg", "abs", "sigmoid"]), i)
+        elif kind == "matmul":
+            j = new_input((shape[-1], rng.randint(1, 4)))
+            shape = (shape[0], shapes[j][1])
+            out = ("matmul", i, j)
+        elif kind == "reduce":
+            dim = rng.randrange(2)  # keepdim: values stay matrices for the steps after
+            shape = tuple(1 if d == dim else n for d, n in enumerate(shape))
+            out = ("reduce", rng.choice(["sum", "mean", "amax"]), i, dim)
+        elif kind == "view":
+            how = rng.choice(["t", "flat", "slice"])
+            if how == "t":
+                shape = shape[::-1]
+                out = ("view", "t", i)
+            elif how == "flat":
+                out = ("view", "flat", i)  # reshape(-1) then back
+            else:
+                lo = rng.randrange(shape[1])
+                hi = rng.randint(lo + 1, shape[1])
+                shape = (shape[0], hi - lo)
+                out = ("view", "slice", i, lo, hi)
+        elif kind == "write":
+            how = rng.choice(["row_fill", "rows_mul", "col_copy", "narrow_add"])
+            out = ("write", how, i, rng.randrange(shape[0]), rng.randrange(shape[1]),
+                   round(rng.uniform(-2, 2), 2))
+        elif kind == "index":
+            idx = [rng.randrange(shape[0]) for _ in range(rng.randint(1, 4))]
+            shape = (len(idx), shape[1])
+            out = ("index", i, tuple(idx), rng.random() < 0.5)  # index_select or x[idx]
+        elif kind == "cast":
+            out = ("cast", i)
+        else:
+            out = ("to_global", i, _layout(rng, 2, axes, True))
+        steps.append(out)
+        shapes.append(shape)
+    steps.append(("loss", tuple(round(rng.uniform(-1, 1), 2) for _ in shapes)))
+    return steps
+
+
+# --------------------------------------------------------------------------- running them
+
+
+def _full(shape, seed):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(shape, generator=g, dtype=torch.float64)
+
+
+def run(steps, make, scalar) -> tuple[list, list]:
+    """Interpret ``steps``: ``make(full, sbp)`` builds an input (a leaf that requires grad),
+    ``scalar(v)`` a 0-dim local tensor. Returns (every value, the inputs)."""
+    values, inputs = [], []
+    for step in steps:
+        kind = step[0]
+        if kind == "input":
+            x = make(_full(step[1], step[3]), step[2])
+            inputs.append(x)
+            values.append(x)
+            continue
+        if kind == "loss":
+            loss = sum((w * v.sum() for w, v in zip(step[1], values)), start=0.0)
+            loss.backward()
+            break
+        x = values[step[2] if kind in ("binary", "scalar", "unary", "reduce", "view", "write")
+                   else step[1]]
+        if kind == "binary":
+            y = getattr(torch, step[1])(x, values[step[3]])
+        elif kind == "scalar":
+            c = scalar(step[3]) if step[4] else step[3]
+            y = {"add": lambda: x + c, "mul": lambda: x * c, "div": lambda: x / c,
+                 "rsub": lambda: c - x}[step[1]]()
+        elif kind == "unary":
+            y = getattr(torch, step[1])(x)
+        elif kind == "matmul":
+            y = x @ values[step[2]]
+        elif kind == "reduce":
+            y = getattr(x, step[1])(step[3], keepdim=True)
+        elif kind == "view":
+            if step[1] == "t":
+                y = x.t()
+            elif step[1] == "flat":
+                y = x.reshape(-1).reshape(x.shape)
+            else:
+                y = x[:, step[3]:step[4]]
+        elif kind == "write":
+            y = x.clone()  # writes go into a copy: the inputs are leaves
+            _, how, _, r, c, v = step
+            if how == "row_fill":
+                y[r] = v
+            elif how == "rows_mul":
+                y[: r + 1].mul_(v)
+            elif how == "col_copy":
+                y[:, c] = y[:, c] * v + 1
+            else:
+                y.narrow(1, c, 1).add_(v)
+        elif kind == "index":
+            idx = scalar_index(x, step[2])
+            y = x.index_select(0, idx) if step[3] else x[idx]
+        elif kind == "cast":
+            y = x.float().double()
+        else:  # to_global
+            y = x.to_global(sbp=step[2]) if x.is_global else x
+        values.append(y)
+    return values, inputs
+
+
+def scalar_index(x, idx):
+    """The index tensor, global (broadcast) when ``x`` is global."""
+    t = torch.tensor(idx)
+    if x.is_global:
+        return gt.tensor(t, placement=x.placement, sbp=[B] * x.placement.ndim)
+    return t
+
+
+def describe(steps) -> str:
+    return "\n".join(f"  {k}: {s}" for k, s in enumerate(steps))
+
+
+def check_programs(seeds, world: int) -> list[str]:
+    """Run the programs of ``seeds`` on ``world`` thread-ranks; the mismatches, described."""
+    grid = gt.placement("cpu", [0, 1]) if world == 2 else gt.placement("cpu", [[0, 1], [2, 3]])
+    programs = {seed: draw(seed, grid.ndim) for seed in seeds}
+    expected = {}
+    for seed, steps in programs.items():
+        values, inputs = run(steps, lambda t, sbp: t.clone().requires_grad_(),
+                             lambda v: torch.tensor(v, dtype=torch.float64))
+        expected[seed] = ([v.detach() for v in values], [x.grad for x in inputs])
+
+    def body(rank):
+        from helpers import make_global  # the pieces of a full value, P parts unequal
+
+        bad = []
+        for seed, steps in programs.items():
+            def make(full, sbp):
+                return make_global(full, Layout(grid, sbp, full.shape), rank).requires_grad_()
+            try:
+                values, inputs = run(steps, make, lambda v: torch.tensor(v, dtype=torch.float64))
+                got = ([v.full_tensor().detach() for v in values],
+                       [x.grad.full_tensor() if x.grad is not None else None for x in inputs])
+            except Exception as e:  # noqa: BLE001 - reported with the program
+                bad.append(f"seed {seed}: {type(e).__name__}: {str(e)[:300]}\n{describe(steps)}")
+                continue
+            want = expected[seed]
+            for what, gs, ws in (("value", got[0], want[0]), ("grad of input", got[1], want[1])):
+                for k, (g, w) in enumerate(zip(gs, ws)):
+                    if (g is None) != (w is None) or (
+                            w is not None and not torch.allclose(g, w, rtol=1e-5, atol=1e-6)):
+                        bad.append(f"seed {seed}: {what} {k} differs\n{describe(steps)}")
+                        break
+        return bad
+
+    return run_ranks(body, world, timeout=600)[0]
+
+
+def test_random_programs_match_the_full_tensor_oracle_on_2_ranks():
+    bad = check_programs(range(CI_PROGRAMS), 2)
+    assert not bad, f"{len(bad)} of {CI_PROGRAMS} programs differ:\n" + "\n".join(bad[:5])
+
+
+def test_random_programs_match_the_full_tensor_oracle_on_a_2x2_grid():
+    bad = check_programs(range(10_000, 10_000 + CI_PROGRAMS), 4)
+    assert not bad, f"{len(bad)} of {CI_PROGRAMS} programs differ:\n" + "\n".join(bad[:5])
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--count", type=int, default=1000, help="how many programs")
+    ap.add_argument("--start", type=int, default=0, help="the first seed")
+    ap.add_argument("--world", type=int, choices=(2, 4), default=2, help="2: [2]; 4: [2, 2]")
+    args = ap.parse_args()
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    bad = check_programs(range(args.start, args.start + args.count), args.world)
+    for line in bad:
+        print(line, "\n")
+    print(f"{len(bad)} of {args.count} programs differ (seeds {args.start}.."
+          f"{args.start + args.count - 1}, world {args.world})")
+    return 1 if bad else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
