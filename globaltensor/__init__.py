@@ -17,9 +17,11 @@ from .random import manual_seed
 from .spawn import spawn
 from .visualize import visualize
 from .convert import install_tensor_methods
+from .grads import install_grad_methods
 from .nn.module import install_module_methods
 
 install_tensor_methods()
+install_grad_methods()
 install_module_methods()
 
 __all__ = [

@@ -12,14 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from .. import comm, env
-from .. import debug as _debug
-from ..runtime.groups import group_along, groups_along
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..placement import Placement
-from ..plan import plan
-from ..steps import AllReduce
 from ..sbp import SBP_TYPES, Broadcast, PartialSum, format_sbp, normalize
 from ..convert import check_placement
 from ..tensor import GlobalTensor, redistribute
@@ -86,9 +81,8 @@ def _converted(value, name, placement, choose, converted, parameter):
     sbp = choose(name, value)
     g = _full_to_global(value.detach(), placement, sbp, name)
     if parameter:
+        # a global leaf that requires grad keeps its .grad in its own layout (grads.py)
         g = torch.nn.Parameter(g, requires_grad=value.requires_grad)
-        if value.requires_grad:
-            g.register_post_accumulate_grad_hook(_grad_to_own_layout)
     converted[key] = g
     return g
 
@@ -101,63 +95,6 @@ def _full_to_global(full: torch.Tensor, placement: Placement, sbp, name) -> Glob
     except GlobalTensorError as e:
         raise GlobalTensorError(f"module.to_global: {name} of shape {list(full.shape)}: {e}") from None
     return redistribute(replicated, layout)
-
-
-def _grad_to_own_layout(param: torch.Tensor) -> None:
-    """After accumulation: bring ``param.grad`` to the parameter's layout (P -> B all-reduce on a
-    data-parallel axis, P -> S reduce-scatter for a split weight).
-
-    A move that is one all-reduce (the data-parallel case) is launched asynchronously and
-    waited for at the end of backward, as DDP does, so it overlaps the rest of backward; until
-    then ``.grad`` is the partial gradient. Any other move (and any move under GT_DEBUG, whose
-    checks name each redistribution) runs here and now."""
-    grad = param.grad
-    if not isinstance(grad, GlobalTensor) or grad._layout == param._layout:
-        return
-    if not _debug.is_debug() and torch._C._current_graph_task_id() >= 0:
-        steps = plan(grad._layout, param._layout).steps
-        if len(steps) == 1 and isinstance(steps[0], AllReduce):
-            _launch_all_reduce(param, grad, steps[0])
-            return
-    with torch.no_grad():
-        param.grad = redistribute(grad, param._layout)
-
-
-_PENDING: dict = {}  # graph task id -> [(param, reduced piece or None, work or None)]
-
-
-def _launch_all_reduce(param, grad: GlobalTensor, step: AllReduce) -> None:
-    """Start the all-reduce of ``grad``'s piece along ``step.axis``; the end of this backward
-    waits for it and sets ``param.grad``. Every rank takes this path (the plan is the same
-    everywhere); ranks outside the placement only take part in creating the groups, as the
-    executor does."""
-    placement = step.after.placement
-    groups_along(placement, step.axis)  # created by every rank of the world together
-    coord = placement.coord_of(env.get_rank())
-    piece, work = None, None
-    if coord is not None:
-        group, _ = group_along(placement, step.axis, coord)
-        piece = grad._local.clone(memory_format=torch.contiguous_format)
-        work = comm.all_reduce(piece, group=group, async_op=True)
-    task = torch._C._current_graph_task_id()
-    pending = _PENDING.get(task)
-    if pending is None:
-        pending = _PENDING[task] = []
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: _finish_all_reduces(task, pending))
-    pending.append((param, piece, work))
-
-
-def _finish_all_reduces(task: int, pending: list) -> None:
-    """End of backward: wait for the gradients' all-reduces (in launch order) and install them."""
-    _PENDING.pop(task, None)
-    with torch.no_grad():
-        for param, piece, work in pending:
-            if work is not None:
-                work.wait()
-            else:  # outside the placement: an empty piece, as the executor gives
-                piece = param._local.new_zeros(param._layout.local_shape_of_rank(env.get_rank()))
-            param.grad = GlobalTensor._make(piece, param._layout)
 
 
 def _module_to_global(self: torch.nn.Module, placement: Placement, sbp=None) -> torch.nn.Module:

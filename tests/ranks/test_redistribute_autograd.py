@@ -94,12 +94,16 @@ def test_grad_sbp_fixes_the_gradient_layout():
 def test_default_dual_gradient_sbp():
     def body(rank):
         x = gt.ones(4, placement=P2, sbp=B, requires_grad=True)
+        arriving = []
+        x.register_hook(lambda g: arriving.append((g.sbp, g.to_local().tolist())))
         x.to_global(sbp=S(0)).to_local().sum().backward()   # B -> S forward is a local slice
-        return x.grad.sbp, x.grad.to_local().tolist()
+        return arriving[0], x.grad.sbp, x.grad.to_local().tolist()
 
     out = run_ranks(body, 2, timeout=30)
-    assert [o[0] for o in out] == [(P,), (P,)]            # ... and S -> P backward a zero-fill
-    assert [sum(v) for v in zip(out[0][1], out[1][1])] == [1.0] * 4
+    assert [o[0][0] for o in out] == [(P,), (P,)]         # ... and S -> P backward a zero-fill
+    assert [sum(v) for v in zip(out[0][0][1], out[1][0][1])] == [1.0] * 4
+    # the leaf's .grad then takes the leaf's own sbp (SPEC): the partial sums, summed
+    assert [o[1] for o in out] == [(B,), (B,)] and out[0][2] == out[1][2] == [1.0] * 4
 
 
 def test_same_layout_is_same_object_and_explain_and_visualize():

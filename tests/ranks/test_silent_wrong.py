@@ -281,3 +281,31 @@ def test_a_cast_and_its_gradient_run_on_every_layout():
     # backward of .float() is a _to_copy with device=: its output shape came from a meta run
     # that tried to copy to the device (found by tests/ranks/test_fuzz.py)
     check(lambda x: x.float().double() * 2, [gen(5, 3, seed=43)], atol=1e-5)
+
+
+@pytest.mark.parametrize("grid, sbp", [(G2, (B,)), (G2, (S(0),)), (G2, (P,)), (G22, (S(1), B)),
+                                       (G22, (B, P))], ids=["B", "S(0)", "P", "(S(1),B)", "(B,P)"])
+@pytest.mark.parametrize("how", ["requires_grad_", "attribute", "factory"])
+def test_a_leaf_gets_its_grad_in_its_own_layout(grid, sbp, how):
+    # a B leaf outside a module got a P gradient (each rank a part of it)
+    full, w = gen(5, 3, seed=44), gen(3, 2, seed=45)
+    leaf = full.clone().requires_grad_()
+    for _ in range(2):  # two backward passes accumulate
+        (torch.tanh(leaf) @ w).sum().backward()
+
+    def body(rank):
+        x = make_global(full, Layout(grid, sbp, full.shape), rank)
+        if how == "requires_grad_":
+            x.requires_grad_()
+        elif how == "attribute":
+            x.requires_grad = True
+        else:
+            x = gt.tensor(full, placement=grid, sbp=sbp, requires_grad=True)
+        wg = gt.tensor(w, placement=grid, sbp=[B] * grid.ndim)
+        for _ in range(2):
+            (torch.tanh(x) @ wg).sum().backward()
+        return x.grad.sbp, x.grad.full_tensor()
+
+    for got_sbp, grad in run_ranks(body, grid.size, timeout=60):
+        assert got_sbp == sbp
+        torch.testing.assert_close(grad, leaf.grad)
