@@ -76,7 +76,10 @@ class Plain:
             largs, lkwargs = local_args(args, kwargs, pieces)
             if self.rewrite is not None:
                 self.rewrite(self, largs, pieces)
-            result = func(*largs, **lkwargs)
+            try:
+                result = func(*largs, **lkwargs)
+            except RuntimeError:
+                result = self._of_empty_pieces(pieces)
         for i in self.mutated:  # an input the op wrote: if it was moved, the write reached a copy
             t, target = tensors[i], self.targets[i]
             if t._layout != target:
@@ -88,6 +91,15 @@ class Plain:
         if self.view is not None:
             link(out, args[0], self.call.op, args, kwargs, self.view)
         return out
+
+    def _of_empty_pieces(self, pieces):
+        """The local op raised: if this rank holds an empty piece (an uneven split gave it none
+        of a dim), its results are zeros of their local shapes (what the op gives where it
+        accepts empty inputs: an empty piece, or a partial sum of nothing) instead of an error
+        on this rank alone while the others go on to the next collective. Else re-raise."""
+        if not any(p.numel() == 0 for p in pieces if isinstance(p, torch.Tensor)):
+            raise
+        return _zeros(self.outs, my_coord(self.placement), pieces[0].device)
 
     def _run_simple(self, args, kwargs, tensors):
         # pieces() and wrap(), inlined: the path of every op that needs no communication
@@ -103,7 +115,10 @@ class Plain:
         if _maybe_outside(first) and my_coord(self.placement) is None:
             result = empties(self.outs, [first])
         else:
-            result = self.op(*largs, **kwargs)
+            try:
+                result = self.op(*largs, **kwargs)
+            except RuntimeError:
+                result = self._of_empty_pieces([largs[s] for s in self.slots])
         if self.single:
             outs = self.outs
             out = new_wrapper(GlobalTensor, outs.shape, strides=outs.strides, dtype=result.dtype,
@@ -118,6 +133,14 @@ class Plain:
         if self.inplace:
             return _written(args[0])
         return wrap(result, self.outs)
+
+
+def _zeros(outs, coord, device):
+    if type(outs) is OutSpec:
+        return torch.zeros(outs.layout.local_shape(coord), dtype=outs.dtype, device=device)
+    if outs is None:
+        return None
+    return type(outs)(_zeros(o, coord, device) for o in outs)
 
 
 def _written(target):

@@ -309,3 +309,12 @@ def test_a_leaf_gets_its_grad_in_its_own_layout(grid, sbp, how):
     for got_sbp, grad in run_ranks(body, grid.size, timeout=60):
         assert got_sbp == sbp
         torch.testing.assert_close(grad, leaf.grad)
+
+
+def test_an_op_that_rejects_an_empty_piece_runs_on_every_rank():
+    # one output channel split over 2 ranks: rank 1's weight piece is empty and conv3d raises
+    # there alone, while rank 0 went on to the next collective and waited
+    check(lambda x, w: F.conv3d(x, w), [gen(2, 3, 3, 3, 3, seed=46), gen(1, 3, 2, 2, 2, seed=47)],
+          grids=[G2], only=lambda sbps: sbps[1] == (S(0),))
+    check(lambda x, w: F.conv2d(x, w), [gen(2, 3, 4, 4, seed=48), gen(1, 3, 2, 2, seed=49)],
+          grids=[G22], only=lambda sbps: S(0) in sbps[1])
