@@ -1,0 +1,193 @@
+"""torch's OpInfo samples on global tensors against the full-tensor oracle (a slow sweep).
+
+For every op of torch's OpInfo database and its first samples (float64), each tensor argument is
+laid out three ways on 2 thread-ranks: all B, all S(0) (uneven wherever the sample's sizes are
+odd), and a mix (the first tensor split on its last dim, the others B). The outputs (full values)
+and the gradients of the inputs are compared with torch on the full tensors. Each case ends as
+
+    ok      the same values and gradients
+    error   a clear GlobalTensorError (an unsupported case, said so)
+    raise   another exception (an unsupported case, not said clearly)
+    hang    a rank raised alone and the other waited (run_ranks' timeout)
+    WRONG   a different value or gradient: a silent wrong result
+
+Run it by its marker (not part of the default suite):
+
+    pytest -m slow tests/ranks/test_opinfo.py           # fails on any WRONG
+    python tests/ranks/test_opinfo.py [--ops add,mm] [--samples 3]   # the table, per op
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import warnings
+
+import pytest
+import torch
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+import globaltensor as gt
+from globaltensor.errors import GlobalTensorError
+from globaltensor.layout import Layout
+from globaltensor.testing import RankFailed, RanksHung, run_ranks
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+GRID = gt.placement("cpu", [0, 1])
+LAYOUTS = ("B", "S(0)", "mixed")
+
+
+def _op_db():
+    pytest.importorskip("expecttest")  # torch's testing internals need it
+    from torch.testing._internal.common_methods_invocations import op_db
+
+    return op_db
+
+
+def _sbp(t: torch.Tensor, k: int, how: str):
+    if t.dim() == 0 or how == "B" or (how == "mixed" and k > 0):
+        return (B,)
+    return (S(0),) if how == "S(0)" else (S(t.dim() - 1),)
+
+
+def _sample_cases(opinfo, samples: int):
+    out = []
+    try:
+        for sample in opinfo.sample_inputs("cpu", torch.float64, requires_grad=True):
+            out.append(sample)
+            if len(out) >= samples:
+                break
+    except Exception:  # noqa: BLE001 - an OpInfo that cannot make samples here
+        pass
+    return out
+
+
+def _reference(fn, leaves, spec):
+    args, kwargs = tree_unflatten(leaves, spec)
+    out = fn(*args, **kwargs)
+    outs = [o for o in tree_flatten(out)[0] if isinstance(o, torch.Tensor)]
+    grads = None
+    diff = [o for o in outs if o.requires_grad and o.is_floating_point()]
+    tensors = [x for x in leaves if isinstance(x, torch.Tensor) and x.requires_grad]
+    if diff and tensors:
+        loss = sum((o * _cotangent(o)).sum() for o in diff)
+        grads = torch.autograd.grad(loss, tensors, allow_unused=True)
+    return [o.detach() for o in outs], grads
+
+
+def _cotangent(o):
+    """A fixed random cotangent for output ``o`` (broadcast on ``o``'s placement if global)."""
+    g = torch.Generator().manual_seed(o.numel())
+    c = torch.randn(o.shape, generator=g, dtype=o.dtype)
+    if o.is_global:
+        return gt.tensor(c, placement=o.placement, sbp=[B] * o.placement.ndim)
+    return c
+
+
+def sweep(opinfo, samples: int = 2) -> list[tuple[str, str, str]]:
+    """(sample index, layout, status) for ``opinfo``'s first samples on every layout."""
+    cases = _sample_cases(opinfo, samples)
+    expected = []
+    for sample in cases:
+        leaves, spec = tree_flatten(((sample.input,) + tuple(sample.args), dict(sample.kwargs)))
+        try:
+            ref = _reference(opinfo.op, leaves, spec)
+        except Exception:  # noqa: BLE001 - torch itself rejects the sample
+            ref = None
+        expected.append((leaves, spec, ref))
+
+    def body(rank):
+        from helpers import make_global
+
+        statuses = []
+        for i, (leaves, spec, ref) in enumerate(expected):
+            if ref is None:
+                continue
+            for how in LAYOUTS:
+                statuses.append((str(i), how, _one(opinfo, leaves, spec, ref, how, rank, make_global)))
+        return statuses
+
+    try:
+        return run_ranks(body, 2, timeout=60)[0]
+    except RanksHung:
+        return [("*", "*", "hang")]
+    except RankFailed as e:
+        return [("*", "*", f"raise {str(e).splitlines()[0][:120]}")]
+
+
+def _one(opinfo, leaves, spec, ref, how, rank, make_global) -> str:
+    tensor_ks = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+    glob = list(leaves)
+    inputs = []
+    for n, k in enumerate(tensor_ks):
+        t = leaves[k].detach()
+        g = make_global(t, Layout(GRID, _sbp(t, n, how), t.shape), rank)
+        if leaves[k].requires_grad:
+            g.requires_grad_()
+            inputs.append(g)
+        glob[k] = g
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            got, grads = _reference(opinfo.op, glob, spec)
+            got = [o.full_tensor() if o.is_global else o for o in got]
+            grads = None if grads is None else [
+                None if g is None else (g.full_tensor() if g.is_global else g) for g in grads]
+    except GlobalTensorError as e:
+        return f"error {str(e).splitlines()[0][:150]}"
+    except Exception as e:  # noqa: BLE001
+        return f"raise {type(e).__name__}: {str(e).splitlines()[0][:100] if str(e) else ''}"
+    want, want_grads = ref
+    if len(got) != len(want) or any(not _close(g, w) for g, w in zip(got, want)):
+        return "WRONG value"
+    if (want_grads is None) != (grads is None):
+        return "WRONG gradient presence"
+    if want_grads is not None:
+        for g, w in zip(grads, want_grads):
+            if (g is None) != (w is None) or (w is not None and not _close(g, w)):
+                return "WRONG gradient"
+    return "ok"
+
+
+def _close(a, b) -> bool:
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.dtype == torch.bool or not (a.is_floating_point() or a.is_complex()):
+        return torch.equal(a, b)
+    return torch.allclose(a, b, rtol=1e-5, atol=1e-6, equal_nan=True)
+
+
+@pytest.mark.slow
+def test_no_opinfo_sample_gives_a_silent_wrong_result():
+    wrong = []
+    for opinfo in _op_db():
+        for i, how, status in sweep(opinfo):
+            if status.startswith("WRONG"):
+                wrong.append(f"{opinfo.name} sample {i} {how}: {status}")
+    assert not wrong, f"{len(wrong)} silent wrong results:\n" + "\n".join(wrong)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--ops", default="", help="op names separated by commas (default: all)")
+    ap.add_argument("--samples", type=int, default=2)
+    ap.add_argument("--verbose", action="store_true", help="show the clear errors too")
+    args = ap.parse_args()
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
+    names = set(filter(None, args.ops.split(",")))
+    totals = collections.Counter()
+    for opinfo in _op_db():
+        if names and opinfo.name not in names:
+            continue
+        results = sweep(opinfo, args.samples)
+        kinds = collections.Counter(s.split(" ")[0] for _, _, s in results)
+        totals.update(kinds)
+        bad = [f"{i}/{how}: {s}" for i, how, s in results if not s.startswith("ok")
+               and (args.verbose or not s.startswith("error"))]
+        print(f"{opinfo.name:32} {dict(kinds)}" + (f"  {bad[:3]}" if bad else ""), flush=True)
+    print("total:", dict(totals))
+    return 1 if totals["WRONG"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
