@@ -90,7 +90,7 @@ def _cotangent(o):
 # results that depend on the storage, which a global tensor (contiguous by definition) has not:
 # uninitialised memory, and strides into a partial view's storage
 STORAGE_OPS = ("as_strided", "empty", "empty_like", "new_empty", "new_empty_strided",
-               "empty_strided", "as_strided_scatter")
+               "empty_strided", "empty_permuted", "as_strided_scatter")
 
 
 class _SeenRandom(TorchDispatchMode):
