@@ -20,7 +20,7 @@ from ..ops import KERNELS, KernelContext
 from ..redistribute import moved, moved_targets, redistribute_local
 from ..tensor import GlobalTensor
 from .args import local_args
-from .outputs import OutSpec, empties, lazy_bits, new_wrapper, wrap
+from .outputs import OutSpec, empties, wrap
 from .views import LINK, link, write_back, write_into
 
 
@@ -38,7 +38,7 @@ class Plain:
     """Redistribute inputs to ``targets``, run the op (or a kernel) locally, wrap the outputs."""
 
     __slots__ = ("targets", "outs", "kernel", "rewrite", "inplace", "call", "placement", "slots",
-                 "op", "single", "view", "mutated")
+                 "op", "view", "mutated")
 
     def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op, view=None,
                  mutated=()):
@@ -52,7 +52,6 @@ class Plain:
         # positions of the global tensors when they are all plain positional args (fast path)
         self.slots = slots if not (kernel or rewrite or view or mutated) else None
         self.op = op  # the C++ op behind the OpOverload: one Python frame less per call
-        self.single = type(outs) is OutSpec and not inplace
 
     def pieces(self, tensors):
         out = []
@@ -102,8 +101,8 @@ class Plain:
         return _zeros(self.outs, my_coord(self.placement), pieces[0].device)
 
     def _run_simple(self, args, kwargs, tensors):
-        # pieces() and wrap(), inlined: the path of every op that needs no communication
-        # (benchmarks/dispatch.py, "x + y" and "x @ w")
+        # the path of every op whose global tensors are plain positional args: each piece goes
+        # straight to its slot (benchmarks/dispatch.py, "x + y" and "x @ w")
         largs = list(args)
         first = None
         for t, target, slot in zip(tensors, self.targets, self.slots):
@@ -119,20 +118,12 @@ class Plain:
                 result = self.op(*largs, **kwargs)
             except RuntimeError:
                 result = self._of_empty_pieces([largs[s] for s in self.slots])
-        if self.single:
-            outs = self.outs
-            out = new_wrapper(GlobalTensor, outs.shape, strides=outs.strides, dtype=result.dtype,
-                              device=result.device, requires_grad=False)
-            out._local = result
-            out._layout = outs.layout
-            if outs.complex:
-                lazy_bits(out, result)
-            if self.view is not None:  # a view of a linked view is linked too (views.py)
-                link(out, args[0], self.call.op, args, kwargs, False)
-            return out
         if self.inplace:
             return _written(args[0])
-        return wrap(result, self.outs)
+        out = wrap(result, self.outs)
+        if self.view is not None:  # a view of a linked view is linked too (views.py)
+            link(out, args[0], self.call.op, args, kwargs, False)
+        return out
 
 
 def _zeros(outs, coord, device):
