@@ -71,6 +71,10 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
             f"found placement={placement!r}, sbp={sbp!r}"
         )
     placement = check_placement(placement)
+    if local.layout != torch.strided:
+        raise GlobalTensorError(
+            f"to_global expects a dense (strided) tensor, found layout {local.layout}; convert "
+            f"it first with .to_dense()")
     sbp = normalize(sbp, placement.ndim)
     if _debug.is_debug():
         own = {} if check_meta else {"dtype": local.dtype, "ndim": local.dim()}  # else exchanged

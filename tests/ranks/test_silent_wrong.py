@@ -318,3 +318,14 @@ def test_an_op_that_rejects_an_empty_piece_runs_on_every_rank():
           grids=[G2], only=lambda sbps: sbps[1] == (S(0),))
     check(lambda x, w: F.conv2d(x, w), [gen(2, 3, 4, 4, seed=48), gen(1, 3, 2, 2, seed=49)],
           grids=[G22], only=lambda sbps: S(0) in sbps[1])
+
+
+def test_a_sparse_tensor_is_refused_with_a_clear_error():
+    def body(rank):
+        try:
+            torch.eye(3).to_sparse().to_global(placement=G2, sbp=B)
+        except gt.GlobalTensorError as e:
+            return str(e)
+
+    for message in run_ranks(body, 2, timeout=60):
+        assert "expects a dense (strided) tensor" in message and "to_dense" in message
