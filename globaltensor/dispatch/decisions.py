@@ -4,6 +4,7 @@
                   pieces, wrap the outputs
     Decomposed    run the op's decomposition into ops with rules (each part re-enters dispatch)
     ViaFunctional an in-place op whose result cannot keep self's layout: out of place, then write
+    InplaceView   an in-place op that changes self's shape (squeeze_, t_): self takes the result
     Contextual    a choice that moves inputs: decided again per context (gradients, moved pieces)
     Special       copy_, item, foreach (special.py)
 """
