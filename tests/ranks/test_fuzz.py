@@ -51,7 +51,8 @@ def draw(seed: int, axes: int) -> list[tuple]:
         i = rng.randrange(len(shapes))
         shape = shapes[i]
         kind = rng.choice(["binary", "scalar", "unary", "matmul", "reduce", "view", "write",
-                           "index", "cast", "to_global"])
+                           "index", "cast", "to_global", "softmax", "cat", "where", "inplace",
+                           "put"])
         if kind == "binary":
             same = [j for j, s in enumerate(shapes) if s == shape and j != i]
             j = rng.choice(same) if same else new_input(shape)
@@ -91,6 +92,24 @@ def draw(seed: int, axes: int) -> list[tuple]:
             out = ("index", i, tuple(idx), rng.random() < 0.5)  # index_select or x[idx]
         elif kind == "cast":
             out = ("cast", i)
+        elif kind == "softmax":
+            out = ("softmax", rng.choice(["softmax", "log_softmax"]), i, rng.randrange(2))
+        elif kind == "cat":
+            same = [j for j, s in enumerate(shapes) if s == shape]
+            j, dim = rng.choice(same), rng.randrange(2)
+            shape = tuple(n * 2 if d == dim else n for d, n in enumerate(shape))
+            out = ("cat", "cat", i, j, dim)
+        elif kind == "where":
+            same = [j for j, s in enumerate(shapes) if s == shape and j != i]
+            j = rng.choice(same) if same else new_input(shape)
+            out = ("where", "where", i, j)  # where(x > y, x, y): the larger of the two
+        elif kind == "inplace":
+            same = [j for j, s in enumerate(shapes) if s == shape and j != i]
+            j = rng.choice(same) if same else new_input(shape)
+            out = ("inplace", rng.choice(["add_", "mul_", "sub_"]), i, j)
+        elif kind == "put":
+            idx = sorted({rng.randrange(shape[0]) for _ in range(rng.randint(1, 3))})
+            out = ("put", "put", i, tuple(idx), round(rng.uniform(-2, 2), 2))
         else:
             out = ("to_global", i, _layout(rng, 2, axes, True))
         steps.append(out)
@@ -122,7 +141,8 @@ def run(steps, make, scalar) -> tuple[list, list]:
             loss = sum((w * v.sum() for w, v in zip(step[1], values)), start=0.0)
             loss.backward()
             break
-        x = values[step[2] if kind in ("binary", "scalar", "unary", "reduce", "view", "write")
+        x = values[step[2] if kind in ("binary", "scalar", "unary", "reduce", "view", "write",
+                                       "softmax", "cat", "where", "inplace", "put")
                    else step[1]]
         if kind == "binary":
             y = getattr(torch, step[1])(x, values[step[3]])
@@ -159,6 +179,19 @@ def run(steps, make, scalar) -> tuple[list, list]:
             y = x.index_select(0, idx) if step[3] else x[idx]
         elif kind == "cast":
             y = x.float().double()
+        elif kind == "softmax":
+            y = getattr(torch, step[1])(x, step[3])
+        elif kind == "cat":
+            y = torch.cat([x, values[step[3]]], step[4])
+        elif kind == "where":
+            other = values[step[3]]
+            y = torch.where(x > other, x, other)
+        elif kind == "inplace":
+            y = x.clone()
+            getattr(y, step[1])(values[step[3]])
+        elif kind == "put":
+            y = x.clone()
+            y[scalar_index(x, step[3])] = step[4]
         else:  # to_global
             y = x.to_global(sbp=step[2]) if x.is_global else x
         values.append(y)
