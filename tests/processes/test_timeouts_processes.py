@@ -41,3 +41,31 @@ def test_init_timeout_end_to_end():
     assert checked.startswith("GT_DEBUG=1 | CollectiveTimeoutError | GT_DEBUG: rank 0 waited 2s (the timeout) at "
                               "global operation #1 to_global("), checked
     assert "rank 1 of the world did not arrive (rank 1 last checked in at #0 gt.arange)" in checked
+
+
+_ONE_RANK_FAILS = """
+import torch
+import globaltensor as gt
+gt.init(timeout=60)
+p = gt.placement("cpu", [0, 1])
+x = gt.tensor(torch.arange(8.0).reshape(4, 2), placement=p, sbp=gt.sbp.broadcast)
+index = torch.tensor([[0], [1]]) if gt.env.get_rank() == 0 else torch.tensor([[2], [9]])
+idx = index.to_global(placement=p, sbp=gt.sbp.split(0))  # global (4, 1), split by rows
+y = x.gather(0, idx)  # each rank gathers with its rows; rank 1's index 9 is out of range
+print("rank", gt.env.get_rank(), "went on", (y * 2).full_tensor().sum().item(), flush=True)
+"""
+
+
+def test_a_local_op_failing_on_one_rank_ends_the_job_promptly():
+    """A global op whose local computation fails on one rank only (a data-dependent error): in a
+    real job that rank exits with its error and the launcher stops the others at once, instead
+    of leaving them in the next collective until the world's timeout."""
+    import time
+
+    start = time.monotonic()
+    run = run_script(_ONE_RANK_FAILS, 2, timeout=90, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    elapsed = time.monotonic() - start
+    assert run.returncode != 0
+    assert "index 9 is out of bounds" in run.stdout + run.stderr
+    assert "rank 1" in run.stderr and "stopped the other ranks" in run.stderr
+    assert elapsed < 40  # the world's timeout is 60 s: nobody waited for it
