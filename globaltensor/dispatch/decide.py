@@ -113,9 +113,14 @@ def _changes_shape(func, args, kwargs, name) -> bool:
     return isinstance(result, torch.Tensor) and tuple(result.shape) != tuple(args[0].shape)
 
 
+def _functional_packet(func):
+    """The packet of in-place ``func``'s out-of-place op (``aten.squeeze`` for ``squeeze_``)."""
+    return getattr(torch.ops.aten, func._schema.name.split("::")[1].rstrip("_"), None)
+
+
 def _out_of_place(func, name):
     """The out-of-place op of in-place ``func`` (its overload chosen by the arguments)."""
-    packet = getattr(torch.ops.aten, func._schema.name.split("::")[1].rstrip("_"), None)
+    packet = _functional_packet(func)
     if packet is None:
         raise GlobalTensorError(f"{name}: no out-of-place form to run on global tensors; "
                                 f"use the out-of-place op and assign its result")
@@ -139,7 +144,7 @@ def _via_functional(func, name):
         raise GlobalTensorError(
             f"{name}: cannot fill a partial_sum global tensor with random values; convert it "
             f"with .to_global(sbp=gt.sbp.broadcast) first")
-    packet = getattr(torch.ops.aten, func._schema.name.split("::")[1].rstrip("_"), None)
+    packet = _functional_packet(func)
     functional = getattr(packet, func._overloadname, None) if packet is not None else None
     if functional is None:
         raise GlobalTensorError(

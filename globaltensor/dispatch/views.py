@@ -27,52 +27,44 @@ aten = torch.ops.aten
 LINK = "_gt_view_of"  # in a view's __dict__: (base, scatter(base, view) -> new base, or None)
 
 
-def _scatter_select(op, args, kwargs, k=None):
-    dim, index = arg_value(op, args, kwargs, "dim"), arg_value(op, args, kwargs, "index")
+def _scatter_select(get, k):
+    dim, index = get("dim"), get("index")
     return lambda base, view: aten.select_scatter.default(base, view, dim, index)
 
 
-def _scatter_slice(op, args, kwargs, k=None):
-    def get(name, default=None):
-        return arg_value(op, args, kwargs, name, default)
+def _scatter_slice(get, k):
     dim, start, end, step = get("dim", 0), get("start"), get("end"), get("step", 1)
     return lambda base, view: aten.slice_scatter.default(base, view, dim, start, end, step)
 
 
-def _scatter_diagonal(op, args, kwargs, k=None):
-    def get(name, default):
-        return arg_value(op, args, kwargs, name, default)
+def _scatter_diagonal(get, k):
     offset, dim1, dim2 = get("offset", 0), get("dim1", 0), get("dim2", 1)
     return lambda base, view: aten.diagonal_scatter.default(base, view, offset, dim1, dim2)
 
 
-def _reshape_back(op, args, kwargs, k=None):
+def _reshape_back(get, k):
     return lambda base, view: aten.reshape.default(view, list(base.shape))
 
 
-def _permute_back(op, args, kwargs, k=None):
-    dims = arg_value(op, args, kwargs, "dims")
+def _permute_back(get, k):
+    dims = get("dims")
     dims = [d % len(dims) for d in dims]
     inverse = sorted(range(len(dims)), key=lambda i: dims[i])
     return lambda base, view: aten.permute.default(view, inverse)
 
 
-def _transpose_back(op, args, kwargs, k=None):
-    if op.startswith("t."):
-        return lambda base, view: aten.t.default(view)
-    d0, d1 = arg_value(op, args, kwargs, "dim0"), arg_value(op, args, kwargs, "dim1")
-    return lambda base, view: aten.transpose.int(view, d0, d1)
+def _transpose_back(get, k):
+    d0, d1 = get("dim0", 0), get("dim1", 1)  # t() is transpose(0, 1), or nothing below 2-D
+    return lambda base, view: view if view.dim() < 2 else aten.transpose.int(view, d0, d1)
 
 
-def _scatter_unbind(op, args, kwargs, k):
-    dim = arg_value(op, args, kwargs, "dim", 0)
+def _scatter_unbind(get, k):
+    dim = get("dim", 0)
     return lambda base, view: aten.select_scatter.default(base, view, dim, k)
 
 
-def _scatter_split(op, args, kwargs, k):
-    dim = arg_value(op, args, kwargs, "dim", 0)
-    size = arg_value(op, args, kwargs, "split_size")
-    sizes = arg_value(op, args, kwargs, "split_sizes")
+def _scatter_split(get, k):
+    dim, size, sizes = get("dim", 0), get("split_size"), get("split_sizes")
 
     def scatter(base, view):
         n = base.shape[dim % base.dim()]
@@ -82,7 +74,7 @@ def _scatter_split(op, args, kwargs, k):
     return scatter
 
 
-# packet -> (op name, args, kwargs, output index) -> scatter(base, view) -> the new base value
+# packet -> (get(argument name, default), output index) -> scatter(base, view) -> the new base
 SCATTER = {
     "select": _scatter_select, "slice": _scatter_slice, "diagonal": _scatter_diagonal,
     "view": _reshape_back, "_unsafe_view": _reshape_back, "reshape": _reshape_back,
@@ -115,7 +107,7 @@ def link(result, base, op: str, args, kwargs, moved: bool) -> None:
         elif make is None:
             scatter = _cannot(op)
         else:
-            scatter = make(op, args, kwargs, k)
+            scatter = make(lambda name, default=None: arg_value(op, args, kwargs, name, default), k)
         out.__dict__[LINK] = (base, scatter)
 
 
