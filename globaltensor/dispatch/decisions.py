@@ -17,8 +17,10 @@ from torch.utils._mode_utils import no_dispatch
 
 from .. import world
 from .._cache import Bounded
+from ..errors import GlobalTensorError
 from ..ops import KERNELS, KernelContext
 from ..redistribute import moved, moved_targets, redistribute_local
+from ..runtime.failure import local_failure
 from ..tensor import GlobalTensor
 from .args import local_args
 from .outputs import OutSpec, empties, wrap
@@ -69,7 +71,10 @@ class Plain:
             largs, lkwargs = local_args(args, kwargs, pieces)
             ctx = KernelContext(func, self.call, self.targets, self.outs, my_coord(self.placement),
                                 pieces, redistribute_local, lambda: empties(self.outs, pieces))
-            result = KERNELS[self.kernel](ctx, largs, lkwargs)
+            try:
+                result = KERNELS[self.kernel](ctx, largs, lkwargs)
+            except Exception as error:  # noqa: BLE001 - _failed re-raises what is not local
+                result = self._failed(error, pieces)
         elif _maybe_outside(pieces[0]) and my_coord(self.placement) is None:
             result = empties(self.outs, pieces)
         else:
@@ -78,8 +83,8 @@ class Plain:
                 self.rewrite(self, largs, pieces)
             try:
                 result = func(*largs, **lkwargs)
-            except RuntimeError:
-                result = self._of_empty_pieces(pieces)
+            except Exception as error:  # noqa: BLE001 - _failed re-raises what is not local
+                result = self._failed(error, pieces)
         for i in self.mutated:  # an input the op wrote: if it was moved, the write reached a copy
             t, target = tensors[i], self.targets[i]
             if t._layout != target:
@@ -92,14 +97,21 @@ class Plain:
             link(out, args[0], self.call.op, args, kwargs, self.view)
         return out
 
-    def _of_empty_pieces(self, pieces):
-        """The local op raised: if this rank holds an empty piece (an uneven split gave it none
+    def _failed(self, error, pieces):
+        """The local op raised. If this rank holds an empty piece (an uneven split gave it none
         of a dim), its results are zeros of their local shapes (what the op gives where it
         accepts empty inputs: an empty piece, or a partial sum of nothing) instead of an error
-        on this rank alone while the others go on to the next collective. Else re-raise."""
-        if not any(p.numel() == 0 for p in pieces if isinstance(p, torch.Tensor)):
-            raise
-        return _zeros(self.outs, my_coord(self.placement), pieces[0].device)
+        on this rank alone. Our own errors pass. Any other failure may be this rank's alone (the
+        meta run already checked shapes and dtypes): with other ranks in the world it becomes
+        the same ``LocalOpFailed`` on every rank (runtime/failure.py), never a hang."""
+        if isinstance(error, GlobalTensorError):
+            raise error
+        if isinstance(error, RuntimeError) and any(
+                p.numel() == 0 for p in pieces if isinstance(p, torch.Tensor)):
+            return _zeros(self.outs, my_coord(self.placement), pieces[0].device)
+        if world.get_world_size() == 1:
+            raise error
+        raise local_failure(str(self.call.op), self.placement.flat_ranks, error) from error
 
     def _run_simple(self, args, kwargs, tensors):
         # the path of every op whose global tensors are plain positional args: each piece goes
@@ -117,8 +129,8 @@ class Plain:
         else:
             try:
                 result = self.op(*largs, **kwargs)
-            except RuntimeError:
-                result = self._of_empty_pieces([largs[s] for s in self.slots])
+            except Exception as error:  # noqa: BLE001 - _failed re-raises what is not local
+                result = self._failed(error, [largs[s] for s in self.slots])
         if self.inplace:
             return _written(args[0])
         out = wrap(result, self.outs)

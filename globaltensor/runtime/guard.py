@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from .. import debug, world
 from ..errors import CollectiveTimeoutError, GlobalTensorError
+from . import failure
 from .agreement import whereabouts
 
 _TIMEOUT_WORDS = ("timed out", "timeout", "time out")
@@ -52,6 +53,10 @@ class guard:
     def __exit__(self, exc_type, exc, tb):
         if exc is None or not isinstance(exc, RuntimeError) or isinstance(exc, GlobalTensorError):
             return False
+        if is_timeout(exc) or is_peer_lost(exc):
+            message = failure.seen()  # a peer's local computation failed: its error, not ours
+            if message is not None:
+                raise failure.failed_elsewhere(message, self._op()) from exc
         if is_timeout(exc):
             raise CollectiveTimeoutError(timeout_message(self._op(), self._ranks(), exc)) from exc
         if is_peer_lost(exc):

@@ -329,3 +329,30 @@ def test_a_sparse_tensor_is_refused_with_a_clear_error():
 
     for message in run_ranks(body, 2, timeout=60):
         assert "expects a dense (strided) tensor" in message and "to_dense" in message
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_a_local_op_failing_on_one_rank_raises_the_same_error_on_every_rank(world):
+    # gather with split indices: only the last rank's piece holds an index out of range. Every
+    # rank must raise the same clear error at once, none may wait for the world's timeout (60 s)
+    import time
+
+    def body(rank):
+        p = gt.placement("cpu", list(range(world)))
+        x = gt.tensor(torch.arange(8.0).reshape(4, 2), placement=p, sbp=B)
+        index = torch.tensor([[9] if rank == world - 1 else [rank % 4]])
+        idx = index.to_global(placement=p, sbp=S(0))
+        start = time.monotonic()
+        try:
+            y = x.gather(0, idx)
+            (y * 2).full_tensor()
+        except gt.GlobalTensorError as e:
+            return type(e).__name__, str(e), time.monotonic() - start
+        return None, "went on", 0.0
+
+    results = run_ranks(body, world, timeout=60)
+    cause = f"gather.default: the local computation failed on rank {world - 1} ("
+    for name, message, elapsed in results:
+        assert name == "LocalOpFailed", message
+        assert message.startswith(cause) and "index 9 is out of bounds" in message, message
+        assert elapsed < 20, elapsed

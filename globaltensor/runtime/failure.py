@@ -1,0 +1,107 @@
+"""A global op whose local computation failed on some ranks only: the same error on every rank.
+
+The local computation of a global op can fail on one rank alone: the data differ per rank (an
+index out of bounds in one piece, a singular block), and torch's meta run, which checked shapes
+and dtypes before, cannot see data. The failing rank cannot just raise: the others would go on to
+the next collective and wait there for it until the world's timeout. So the failing rank
+
+1. publishes its error under ``gt_failure`` in the world's store,
+2. closes its process groups, which ends at once every collective a peer is waiting in with it
+   (gloo: "connection closed by peer"; a rank arriving later fails the same way), and
+3. raises ``LocalOpFailed`` with the error.
+
+A peer whose collective ends that way (or times out) reads the store (``guard`` does) and raises
+``LocalOpFailed`` with the same text, then closes its own groups too, so ranks that wait only on
+it are released in turn. The world is over after such a failure, as after NCCL's abort: the job
+ends with the same clear error on every rank instead of a hang (docs/reliability.md,
+"Timeouts").
+"""
+from __future__ import annotations
+
+import torch.distributed as dist
+from torch.distributed import distributed_c10d as c10d
+
+from .. import world
+from ..errors import GlobalTensorError
+
+KEY = "gt_failure"
+_KEEP: list = []  # stores of closed worlds: a TCPStore's server lives in its owner's object
+
+
+class LocalOpFailed(GlobalTensorError):
+    """A global op's local computation raised on some rank; every rank raises this."""
+
+
+def local_failure(op: str, ranks, error: BaseException) -> LocalOpFailed:
+    """This rank's local computation of global op ``op`` raised ``error``: tell the others, close
+    this rank's groups, and return the error to raise."""
+    me = world.get_rank()
+    text = _first_line(error)
+    message = (
+        f"{op}: the local computation failed on rank {me} ({type(error).__name__}: {text}); the "
+        f"op runs on ranks {sorted(int(r) for r in ranks)}. Every rank raises this error and the "
+        f"job's process groups are closed: an SPMD program cannot go on with one rank missing. "
+        f"Expected the op to succeed on every rank's piece; the data on rank {me} made it fail "
+        f"(look at that rank's inputs, e.g. indices out of range), or run it on a broadcast "
+        f"input to see the error on the full value."
+    )
+    _publish(message)
+    close_groups()
+    return LocalOpFailed(message)
+
+
+def seen() -> str | None:
+    """The failure another rank published, if any (never waits)."""
+    store = _store()
+    if store is None:
+        return None
+    try:
+        if store.check([KEY]):
+            return store.get(KEY).decode()
+    except Exception:  # noqa: BLE001 - the store may be gone with its owner: nothing to learn
+        return None
+    return None
+
+
+def failed_elsewhere(message: str, where: str) -> LocalOpFailed:
+    """A peer's failure, learnt while waiting in ``where``: close this rank's groups, and give
+    the same error."""
+    close_groups()
+    return LocalOpFailed(f"{message} [rank {world.get_rank()} learnt it while waiting in {where}]")
+
+
+def close_groups() -> None:
+    if not dist.is_initialized():
+        return
+    store = _store()
+    if store is not None:
+        _KEEP.append(store)
+    try:
+        dist.destroy_process_group()
+    except Exception:  # noqa: BLE001 - a group a peer already broke may fail to close cleanly
+        pass
+
+
+def _publish(message: str) -> None:
+    store = _store()
+    if store is None:
+        return
+    try:
+        if not store.check([KEY]):  # the first failure is the cause; later ones follow from it
+            store.set(KEY, message)
+    except Exception:  # noqa: BLE001 - publishing is best effort: the error is raised regardless
+        pass
+
+
+def _store():
+    if not dist.is_initialized():
+        return None
+    try:
+        return c10d._get_default_store()
+    except Exception:  # noqa: BLE001
+        return None
+
+
+def _first_line(error: BaseException) -> str:
+    lines = str(error).strip().splitlines()
+    return lines[0][:400] if lines else ""
