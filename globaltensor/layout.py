@@ -81,6 +81,16 @@ class Layout:
     def with_sbp(self, sbp) -> "Layout":
         return Layout(self.placement, normalize(sbp, self.placement.ndim), self.shape)
 
+    def with_axis(self, axis: int, value: SbpValue) -> "Layout":
+        """This layout with ``value`` on placement ``axis`` (a resolved sbp value: no checks,
+        the planner's inner loop)."""
+        sbp = self.sbp[:axis] + (value,) + self.sbp[axis + 1:]
+        return _trusted(self.placement, sbp, self.shape)
+
+    def max_local_numel(self) -> int:
+        """Elements of the largest piece any rank holds (see :func:`_max_local`)."""
+        return _max_local(self)
+
     def with_placement(self, placement: Placement, sbp) -> "Layout":
         return Layout(placement, normalize(sbp, placement.ndim), self.shape)
 
@@ -104,6 +114,32 @@ class Layout:
     def split_axes_of(self, dim: int) -> tuple[int, ...]:
         """Placement axes that split tensor ``dim``, outermost first."""
         return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Split) and s.dim == dim)
+
+
+def _trusted(placement: Placement, sbp: tuple, shape: tuple) -> Layout:
+    """A Layout from values already checked and resolved (no normalisation)."""
+    layout = object.__new__(Layout)
+    object.__setattr__(layout, "placement", placement)
+    object.__setattr__(layout, "sbp", sbp)
+    object.__setattr__(layout, "shape", shape)
+    object.__setattr__(layout, "_hash", hash((placement, sbp, shape)))
+    return layout
+
+
+@memo(65536)
+def _max_local(layout: Layout) -> int:
+    """The largest piece's numel, without visiting the grid: each dim's ranges at a coordinate
+    depend only on the axes that split that dim (disjoint sets of axes), so the largest piece is
+    the product over dims of the longest range, and the longest of k nested pieces of a range of
+    n is ceil(n / k) at every level (the first pieces are the long ones)."""
+    lengths = list(layout.shape)
+    for value, n in zip(layout.sbp, layout.placement.shape):
+        if isinstance(value, Split):
+            lengths[value.dim] = -(-lengths[value.dim] // n)
+    numel = 1
+    for length in lengths:
+        numel *= length
+    return numel
 
 
 def _is_size(s) -> bool:

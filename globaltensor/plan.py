@@ -16,13 +16,15 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 
 from ._cache import memo
 from .errors import GlobalTensorError
 from .layout import Box, Layout, box_numel, intersect
 from .sbp import Broadcast, PartialSum, Split, broadcast, format_sbp, partial_sum
-from .steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Move, Plan,
-                    ReduceScatter, Step, ZeroFill, coords_and_ranks, holds_full, offers_gatherv)
+from .steps import (ALPHA, BETA, COPY, MEMORY, SEARCH_ITEMSIZE, AllGather, AllGatherV, AllReduce,
+                    AllToAll, Exchange, LocalSlice, Move, Plan, ReduceScatter, Step, ZeroFill,
+                    coords_and_ranks, holds_full, offers_gatherv)
 
 # --------------------------------------------------------------------------- axis-local steps
 
@@ -38,8 +40,8 @@ def _innermost(layout: Layout, axis: int, dim: int) -> bool:
 def _local_step(before: Layout, axis: int, new) -> Step | None:
     """The one step that changes ``axis`` of ``before`` to ``new``, or None if no single step
     does it while keeping every other axis's pieces where they are."""
-    old, sbp, b = before.sbp[axis], before.sbp, before
-    after = Layout(before.placement, sbp[:axis] + (new,) + sbp[axis + 1:], before.shape)
+    old, b = before.sbp[axis], before
+    after = before.with_axis(axis, new)
     match old, new:
         case Split(), Broadcast() if _innermost(b, axis, old.dim):
             return AllGather(axis, old.dim, before, after)
@@ -58,8 +60,9 @@ def _local_step(before: Layout, axis: int, new) -> Step | None:
     return None
 
 
-def _values(ndim: int):
-    return [Split(d) for d in range(ndim)] + [broadcast, partial_sum]
+@memo(64)
+def _values(ndim: int) -> tuple:
+    return tuple(Split(d) for d in range(ndim)) + (broadcast, partial_sum)
 
 
 @memo(16384)
@@ -170,6 +173,115 @@ def _cores(dst: Layout) -> list[Layout]:
     return [dst.with_sbp(c) for c in itertools.product(*options)]
 
 
+# --------------------------------------------------------------------------- lower bounds
+
+
+class _Bound:
+    """Admissible lower bounds on the cost of reaching ``dst`` (docs/planner.md, "The search").
+
+    ``self(node)`` bounds every route from ``node``: α per collective the route cannot avoid, β
+    per byte it must send, the memory of the steps it must take. Each term is a bound on its own
+    part of the cost for *every* route (a minimum over the two kinds of route: axis-local steps
+    only, or reductions then one exchange), so their sum is one too."""
+
+    __slots__ = ("src", "dst", "union", "memory", "_memo")
+
+    def __init__(self, src: Layout, dst: Layout):
+        self.src, self.dst = src, dst
+        self.union = len(set(src.placement.flat_ranks) | set(dst.placement.flat_ranks))
+        # every step writes at least the smallest piece any layout of the tensor can have
+        smallest = dst.numel() / max(src.placement.size, dst.placement.size)
+        self.memory = MEMORY * SEARCH_ITEMSIZE * smallest
+        self._memo: dict = {}
+
+    def __call__(self, node: Layout) -> float:
+        h = self._memo.get(node)
+        if h is None:
+            h = self._memo[node] = self._bound(node) * (1 - 1e-9)  # never above, rounding aside
+        return h
+
+    def _bound(self, node: Layout) -> float:
+        dst, sizes = self.dst, node.placement.shape
+        partial = [a for a, v in enumerate(node.sbp) if isinstance(v, PartialSum) and sizes[a] > 1]
+        inf = math.inf
+        lat_local = steps_local = inf
+        keep = 1  # product of the partial axes a route may keep (dst is partial there too)
+        if node.placement == dst.placement:
+            lat_local, steps_local = 0, 0
+            for a, (v, w) in enumerate(zip(node.sbp, dst.sbp)):
+                if sizes[a] == 1 or v == w:
+                    continue
+                steps_local += 1
+                if not isinstance(v, Broadcast) and not isinstance(w, PartialSum):
+                    lat_local += 1  # S -> B, S(i) -> S(j), P -> B / S: a collective on this axis
+            keep = math.prod(sizes[a] for a in partial if isinstance(dst.sbp[a], PartialSum))
+        lat_exchange = len(partial) + 1 if node.placement == self.src.placement else inf
+        latency = min(lat_local, lat_exchange)
+        steps = min(steps_local, lat_exchange)
+        return (ALPHA * latency + BETA * SEARCH_ITEMSIZE * self._elements(node, partial, keep)
+                + self.memory * steps)
+
+    def _elements(self, node: Layout, partial, keep: int) -> float:
+        """Elements the busiest rank must send, summed over the steps of any route.
+
+        Partial axes: each must be reduced (unless dst keeps it), and a reduction along an
+        axis of n ranks sends (n - 1) times a piece no smaller than numel / N times the
+        product of the axes still partial then; summed in any order, numel (prod - keep) / N.
+        A non-partial node: every element a rank of dst must hold and does not is received
+        once at least, and per step the ranks receive no more than all of them send, so
+        the steps send at least (elements missing, summed over ranks) / (ranks)."""
+        sizes, numel = node.placement.shape, node.numel()
+        if partial:
+            return numel * (math.prod(sizes[a] for a in partial) - keep) / node.placement.size
+        if self.dst.is_partial:
+            return 0.0
+        ranks = node.placement.size if node.placement == self.dst.placement else self.union
+        return _missing(node, self.dst) / ranks
+
+    def exchange(self, target: Layout) -> float:
+        """A bound on any exchange into ``target``: one message, and writing its pieces."""
+        piece = target.max_local_numel() * SEARCH_ITEMSIZE
+        return ALPHA + (MEMORY + COPY) * piece
+
+    def exchange_from(self, node: Layout, target: Layout) -> float:
+        """A bound on ``exchange(node, target)``: the elements missing from each target piece
+        are received, so the busiest of the ranks sends at least their sum over the ranks."""
+        sent = _missing(node, target, owners_only=True) / self.union
+        return (self.exchange(target) + (BETA + COPY) * SEARCH_ITEMSIZE * sent) * (1 - 1e-9)
+
+
+@memo(16384)
+def _missing(node: Layout, target: Layout, owners_only: bool = False) -> int:
+    """Elements of the pieces of ``target`` their ranks do not hold in non-partial ``node``,
+    summed over ranks. With ``owners_only`` (an exchange into a partial target, which fills one
+    partial coordinate per box), only the cheapest coordinate of each box counts."""
+    place = node.placement
+    groups: dict = {}
+    for coord, rank in coords_and_ranks(target):
+        box = target.box(coord)
+        missing = box_numel(box)
+        mine = place.coord_of(rank)
+        if missing and mine is not None:
+            part = intersect(node.box(mine), box)
+            missing -= box_numel(part) if part else 0
+        key = (_split_key(target, coord), _partial_key(target, coord))
+        groups[key] = groups.get(key, 0) + missing
+    if not (owners_only and target.is_partial):
+        return sum(groups.values())
+    least: dict = {}
+    for (skey, _), missing in groups.items():
+        least[skey] = min(least.get(skey, missing), missing)
+    return sum(least.values())
+
+
+def lower_bound(src: Layout, dst: Layout) -> float:
+    """A lower bound on ``plan(src, dst).cost()`` (search item size), without searching: cheap,
+    and exact for many one-step plans' collective counts. Used to prune signature choices."""
+    if src == dst:
+        return 0.0
+    return _Bound(src, dst)(src)
+
+
 # --------------------------------------------------------------------------- the search
 
 
@@ -195,11 +307,79 @@ def plan(src: Layout, dst: Layout) -> Plan:
     _check(src, dst)
     if src == dst:
         return Plan(src, dst, ())
-    steps = _search(src, dst, avoid_full=not holds_full(dst))
-    if steps is None:
-        steps = _search(src, dst, avoid_full=False)
+    steps = _search(src, dst)
     if steps is None:  # unreachable: all-B is always a way through
         raise GlobalTensorError(f"found no plan from {src!r} to {dst!r}; please report this")
+    return Plan(src, dst, steps)
+
+
+# the kinds of entry in the search's queue: a layout reached, an exchange costed only by the
+# bound on any exchange into its target, one costed by the bound from its source
+_NODE, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2
+
+
+def _search(src: Layout, dst: Layout):
+    """A* from ``src`` over (layout, full) states: ``full`` marks routes through an intermediate
+    layout in which a rank holds the whole tensor (allowed only when ``dst`` has one). The queue
+    orders by (full, cost so far + lower bound), so a route with a full copy is only taken once
+    no other exists: the two Dijkstra passes of the reference in one search. Exchange edges are
+    costed lazily: queued with a bound and built only when they come first. Steps only ever
+    stay on src's or dst's placement."""
+    guard = not holds_full(dst)
+    bound = _Bound(src, dst)
+    targets = [dst] + _cores(dst) if dst.is_partial else [dst]
+    best, lengths = {(src, False): 0.0}, {(src, False): 0}
+    heap = [(False, bound(src), 0, 0, _NODE, 0.0, src, (), None)]
+    counter = itertools.count(1)
+
+    def reach(full, node, cost, path):
+        full = full or (guard and node != dst and holds_full(node))
+        known = best.get((node, full), math.inf)
+        # ties (within rounding) go to the shorter route
+        if cost < known - 1e-15 or (cost <= known + 1e-15 and len(path) < lengths[node, full]):
+            best[node, full], lengths[node, full] = cost, len(path)
+            heapq.heappush(heap, (full, cost + bound(node), len(path), next(counter), _NODE, cost, node,
+                                  path, None))
+
+    while heap:
+        full, f, _, _, kind, cost, node, path, target = heapq.heappop(heap)
+        if kind == _NODE:
+            if cost > best[node, full] or len(path) > lengths[node, full]:
+                continue  # a cheaper or shorter route reached it since
+            if node == dst:
+                return path
+            for step in _local_steps(node):
+                reach(full, step.after, cost + step.cost(), path + (step,))
+            if node.placement == src.placement and not node.is_partial:
+                for t in targets:
+                    if t != node:
+                        key = cost + bound.exchange(t) + bound(t)
+                        heapq.heappush(heap, (full, key, len(path) + 1, next(counter), _EXCHANGE, cost, node,
+                                              path, t))
+        elif kind == _EXCHANGE:
+            f2 = cost + bound.exchange_from(node, target) + bound(target)
+            heapq.heappush(heap, (full, max(f, f2), len(path) + 1, next(counter), _EXCHANGE_FROM, cost,
+                                  node, path, target))
+        else:
+            step = exchange(node, target)
+            reach(full, target, cost + step.cost(), path + (step,))
+    return None
+
+
+# --------------------------------------------------------------------------- the reference
+
+
+def reference_plan(src: Layout, dst: Layout) -> Plan:
+    """The exhaustive search this planner replaced (issue 14), kept as the test oracle of
+    optimality: Dijkstra over every layout and every exchange edge, first avoiding full
+    intermediate copies, then, if that finds nothing, again without the rule. Uncached; slow
+    on 3-D grids and beyond."""
+    _check(src, dst)
+    if src == dst:
+        return Plan(src, dst, ())
+    steps = _dijkstra(src, dst, avoid_full=not holds_full(dst))
+    if steps is None:
+        steps = _dijkstra(src, dst, avoid_full=False)
     return Plan(src, dst, steps)
 
 
@@ -211,9 +391,7 @@ def _edges(node: Layout, src: Layout, dst: Layout, cores: list[Layout]):
                 yield exchange(node, core)
 
 
-def _search(src: Layout, dst: Layout, avoid_full: bool):
-    """Dijkstra from ``src``; with ``avoid_full``, no intermediate layout holds the whole
-    tensor on one rank. Steps only ever stay on src's or dst's placement."""
+def _dijkstra(src: Layout, dst: Layout, avoid_full: bool):
     cores = _cores(dst)
     best = {src: 0.0}
     heap = [(0.0, 0, src, ())]
@@ -237,4 +415,4 @@ def _search(src: Layout, dst: Layout, avoid_full: bool):
     return None
 
 
-__all__ = ["exchange", "plan"]
+__all__ = ["exchange", "lower_bound", "plan", "reference_plan"]

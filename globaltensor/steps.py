@@ -28,9 +28,8 @@ def coords_and_ranks(layout: Layout):
     return zip(layout.placement.coords(), layout.placement.flat_ranks)
 
 
-@memo(16384)
 def _max_local(layout: Layout) -> int:
-    return max(box_numel(layout.box(c)) for c in layout.placement.coords())
+    return layout.max_local_numel()
 
 
 def holds_full(layout: Layout) -> bool:

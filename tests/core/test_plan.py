@@ -1,13 +1,14 @@
 """The planner: optimal steps for the classic conversions, nested-split order, uneven costs,
 placement changes, caching and the describe() text. Pure: no ranks, no communication."""
 import itertools
+import random
 
 import pytest
 
 import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
-from globaltensor.plan import _local_step, plan
+from globaltensor.plan import _local_step, lower_bound, plan, reference_plan
 from globaltensor.steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice,
                                 ReduceScatter, ZeroFill, holds_full)
 
@@ -263,3 +264,63 @@ def test_bad_inputs_raise_clear_errors():
         plan(lay([0, 1], S(0)), Layout(gt.placement("cuda", [0, 1]), (B,), (4, 4)))
     with pytest.raises(GlobalTensorError, match="expects two Layouts"):
         plan(lay([0, 1], S(0)), (B,))
+
+
+# --------------------------------------------------------------------------- optimality (issue 14)
+# The planner's A* search against the exhaustive Dijkstra it replaced (plan.reference_plan):
+# the same cost on every pair, to rounding. Plans may differ where two routes cost exactly the
+# same (ties go to the shorter route, the reference took the first found).
+
+OPTIMALITY_SHAPES = [(4, 4), (5, 7), (1, 3), (256, 1024), (2047, 4095)]
+
+
+def _same_cost(src, dst):
+    new, ref = plan(src, dst), reference_plan(src, dst)
+    assert new.steps[-1:] == () or new.steps[-1].after == dst
+    assert new.cost() <= ref.cost() * (1 + 1e-9) + 1e-18, (new.describe(), ref.describe())
+    assert new.cost() >= ref.cost() * (1 - 1e-9) - 1e-18, (new.describe(), ref.describe())
+    return new, ref
+
+
+@pytest.mark.parametrize("ranks", [[0, 1], [0, 1, 2, 3], [[0, 1], [2, 3]]],
+                         ids=["[2]", "[4]", "[2,2]"])
+@pytest.mark.parametrize("shape", OPTIMALITY_SHAPES)
+def test_plans_cost_what_the_exhaustive_search_finds(ranks, shape):
+    placement = gt.placement("cpu", ranks)
+    pairs = itertools.product(itertools.product(VALUES, repeat=placement.ndim), repeat=2)
+    for a, b in pairs:
+        _same_cost(lay(placement, a, shape), lay(placement, b, shape))
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_plans_on_a_2x2x2_grid_cost_what_the_exhaustive_search_finds(seed):
+    rng = random.Random(seed)
+    placement = gt.placement("cpu", [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    values = VALUES + [S(2)]
+    for _ in range(40):
+        shape = rng.choice(OPTIMALITY_SHAPES + [(4, 6, 8), (3, 5, 7)])
+        pick = [v for v in values if not isinstance(v, type(S(0))) or v.dim < len(shape)]
+        a, b = (tuple(rng.choice(pick) for _ in range(3)) for _ in range(2))
+        _same_cost(lay(placement, a, shape), lay(placement, b, shape))
+
+
+@pytest.mark.parametrize("src_ranks, dst_ranks", [
+    ([0, 1], [2, 3]), ([0, 1, 2], [1, 3]), ([0], [0, 1, 2, 3]), ([[0, 1], [2, 3]], [0, 1, 2, 3]),
+    ([0, 1, 2, 3], [[0, 1], [2, 3]]), ([[0, 1], [2, 3]], [[4, 5], [6, 7]]),
+])
+def test_placement_changes_cost_what_the_exhaustive_search_finds(src_ranks, dst_ranks):
+    src_p, dst_p = gt.placement("cpu", src_ranks), gt.placement("cpu", dst_ranks)
+    for shape in [(5, 7), (256, 1024)]:
+        for a in itertools.product(VALUES, repeat=src_p.ndim):
+            for b in itertools.product(VALUES, repeat=dst_p.ndim):
+                _same_cost(lay(src_p, a, shape), lay(dst_p, b, shape))
+
+
+def test_lower_bound_never_exceeds_the_cost():
+    for placement in [gt.placement("cpu", [[0, 1], [2, 3]]), gt.placement("cpu", [0, 1, 2])]:
+        for shape in [(4, 4), (5, 7), (256, 1024)]:
+            for a, b in itertools.product(itertools.product(VALUES, repeat=placement.ndim), repeat=2):
+                src, dst = lay(placement, a, shape), lay(placement, b, shape)
+                assert lower_bound(src, dst) <= plan(src, dst).cost()
+                if a == b:
+                    assert lower_bound(src, dst) == 0.0
