@@ -14,25 +14,30 @@ from .factories import (arange, empty, empty_like, full, full_like, ones, ones_l
                         rand_like, randint, randint_like, randn, randn_like, tensor, zeros,
                         zeros_like)
 from .random import manual_seed
+from .mode import global_mode
 from .spawn import spawn
 from .visualize import visualize
 from .convert import install_tensor_methods
 from .grads import install_grad_methods
 from .nn.module import install_module_methods
+from . import checkpoint
 
 install_tensor_methods()
 install_grad_methods()
 install_module_methods()
+checkpoint.install_checkpoint_methods()
 
 __all__ = [
     "GlobalTensor",
     "GlobalTensorError",
     "explain",
+    "global_mode",
     "arange", "empty", "empty_like", "full", "full_like", "manual_seed", "ones", "ones_like",
     "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "tensor", "visualize",
     "zeros", "zeros_like",
     "Layout",
     "Placement",
+    "checkpoint",
     "comm",
     "env",
     "nn",

@@ -1,0 +1,436 @@
+"""Sharded checkpoints: global tensors in ``torch.distributed.checkpoint`` (DCP).
+
+A global tensor tells DCP's planners which piece of the logical tensor this rank holds, through
+the hooks DTensor implements (``__create_write_items__``, ``__create_chunk_list__``,
+``__get_tensor_shard__``): its box from the ``Layout`` (global offsets and sizes). DCP does the
+rest: each rank writes the pieces it owns, a piece several ranks hold (a broadcast axis) is
+written once (DCP drops equal write items but one), and loading reads, for the box each rank of
+the *destination* layout holds, the parts of the saved pieces that overlap it. So a checkpoint
+saved on a 2x2 grid as (S(0), S(1)) loads on 2 ranks as S(1), as B, or in one process into plain
+tensors, and no rank ever holds more than its own piece::
+
+    import torch.distributed.checkpoint as dcp
+    dcp.save({"model": model.state_dict()}, checkpoint_id="ckpt")       # every rank
+    dcp.load({"model": other.state_dict()}, checkpoint_id="ckpt")       # any layout, any world
+
+``save`` / ``load`` below wrap this for a model, its optimizer and extra values, with checks
+that turn a bad directory, a shape or a key that differs into a ``GlobalTensorError`` on every
+rank before anything is read or written.
+
+Partial sums are reduced when saved: a tensor with a ``partial_sum`` axis is summed over it
+(that axis taken as broadcast) while DCP plans the save, so the checkpoint holds the logical
+value. Loading into a ``partial_sum`` tensor gives the value to coordinate 0 of each partial
+axis and zeros elsewhere (the factories' convention).
+"""
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import warnings
+
+import torch
+
+from . import comm, world
+from .errors import GlobalTensorError
+from .layout import Box, Layout, box_numel
+from .sbp import Broadcast, PartialSum
+from .tensor import GlobalTensor, redistribute
+
+__all__ = ["load", "save", "install_checkpoint_methods"]
+
+_REDUCED = "_gt_reduced"  # a partial tensor's summed piece, from planning to writing
+
+
+# ------------------------------------------------------------------ the hooks DCP's planners call
+
+
+def _create_write_items(self: GlobalTensor, fqn: str, obj=None) -> list:
+    """The piece this rank writes (none outside the placement or for an empty piece).
+
+    Collective for a partial tensor (every rank of the world plans every tensor of a save, in
+    the same order, so the sum runs here): the summed piece waits on the tensor for
+    ``__get_tensor_shard__``."""
+    from torch.distributed.checkpoint.metadata import (ChunkStorageMetadata, MetadataIndex,
+                                                       TensorProperties)
+    from torch.distributed.checkpoint.planner import TensorWriteData, WriteItem, WriteItemType
+
+    layout, local = _savable(self)
+    box = _written_box(layout)
+    if box is None:
+        return []
+    if local is not self._local:
+        self.__dict__[_REDUCED] = local
+    offsets, sizes = _chunk(box)
+    return [WriteItem(
+        index=MetadataIndex(fqn, offsets),
+        type=WriteItemType.SHARD,
+        tensor_data=TensorWriteData(chunk=ChunkStorageMetadata(offsets=offsets, sizes=sizes),
+                                    properties=TensorProperties(dtype=self.dtype),
+                                    size=torch.Size(layout.shape)))]
+
+
+def _create_chunk_list(self: GlobalTensor) -> list:
+    """The box this rank's piece must be filled with when loading (none outside the placement,
+    for an empty piece, or off coordinate 0 of a partial axis: that piece is zeroed)."""
+    self.__dict__.pop(_REDUCED, None)  # a save's leftover (its write went to another rank)
+    layout = self._layout
+    coord = layout.placement.coord_of(world.get_rank())
+    if coord is None:
+        return []
+    if any(coord[a] for a in layout.partial_axes):
+        self._local.zero_()
+        return []
+    box = layout.box(coord)
+    if box_numel(box) == 0:
+        return []
+    from torch.distributed.checkpoint.metadata import ChunkStorageMetadata
+
+    offsets, sizes = _chunk(box)
+    return [ChunkStorageMetadata(offsets=offsets, sizes=sizes)]
+
+
+def _get_tensor_shard(self: GlobalTensor, index) -> torch.Tensor:
+    """This rank's piece: the one DCP writes when saving, the one it fills when loading."""
+    reduced = self.__dict__.pop(_REDUCED, None)
+    if reduced is not None:
+        return reduced
+    if self._layout.numel() == 0:
+        return self._local.new_empty(self._layout.shape)
+    return self._local
+
+
+def install_checkpoint_methods() -> None:
+    """Give GlobalTensor DTensor's checkpoint hooks (called once by globaltensor/__init__.py)."""
+    GlobalTensor.__create_write_items__ = _create_write_items
+    GlobalTensor.__create_chunk_list__ = _create_chunk_list
+    GlobalTensor.__get_tensor_shard__ = _get_tensor_shard
+
+
+def _savable(x: GlobalTensor) -> tuple[Layout, torch.Tensor]:
+    """``x``'s layout and piece with every partial axis summed (taken as broadcast)."""
+    layout = x._layout
+    if not layout.is_partial:
+        return layout, x._local
+    summed = Layout(layout.placement,
+                    tuple(Broadcast() if isinstance(v, PartialSum) else v for v in layout.sbp),
+                    layout.shape)
+    return summed, redistribute(x, summed)._local
+
+
+def _written_box(layout: Layout) -> Box | None:
+    """The box this rank describes to the save planner: its own when not empty; the whole
+    (empty) tensor at coordinate 0 when the tensor has no element."""
+    coord = layout.placement.coord_of(world.get_rank())
+    if coord is None:
+        return None
+    if layout.numel() == 0:
+        return tuple((0, s) for s in layout.shape) if not any(coord) else None
+    box = layout.box(coord)
+    return box if box_numel(box) else None
+
+
+def _chunk(box: Box) -> tuple[torch.Size, torch.Size]:
+    return torch.Size(lo for lo, _ in box), torch.Size(hi - lo for lo, hi in box)
+
+
+# ------------------------------------------------------------ save / load for the common case
+
+MODEL, OPTIMIZER, EXTRA = "model", "optimizer", "extra"
+_STAGING, _OLD = ".saving", ".old"
+
+
+def save(path, *, model: torch.nn.Module | None = None,
+         optimizer: torch.optim.Optimizer | None = None, extra: dict | None = None) -> None:
+    """Save ``model``'s and ``optimizer``'s state and the ``extra`` values into the directory
+    ``path``; collective: every rank of the world calls it, and writes only the pieces it owns.
+
+    The state dicts come from torch's ``get_state_dict`` (keys are the parameters' names; an
+    AdamW's ``exp_avg`` / ``exp_avg_sq`` are global tensors laid out as their parameters).
+    ``extra`` holds small values every rank agrees on (a step count, a config); DCP keeps one
+    copy. The checkpoint is written next to ``path`` and moved there when complete, so an
+    interrupted save leaves a previous checkpoint at ``path`` as it was::
+
+        gt.checkpoint.save("ckpt", model=model, optimizer=opt, extra={"step": 5})
+    """
+    path = _checked_path(path, "save")
+    _check_arguments(model, optimizer, "save")
+    state = _state_dicts(model, optimizer)
+    if extra is not None:
+        if not isinstance(extra, dict):
+            raise GlobalTensorError(
+                f"gt.checkpoint.save: expected extra= to be a dict of values, found "
+                f"{type(extra).__name__}; e.g. extra={{'step': step}}")
+        state[EXTRA] = extra
+    dcp, _ = _dcp()
+    staging = path + _STAGING
+    _agree(_save_target_problem(path) or (_fresh_dir(staging) if _is_first() else ""))
+    with _single_process_quiet():
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), no_dist=not world.is_initialized())
+    _agree(_swap(staging, path) if _is_first() else "")
+
+
+def load(path, *, model: torch.nn.Module | None = None,
+         optimizer: torch.optim.Optimizer | None = None) -> dict:
+    """Load a checkpoint written by :func:`save` (or by ``dcp.save`` with the keys ``model`` /
+    ``optimizer``) into ``model`` and ``optimizer``, in their current placements and sbps,
+    whatever the layout and world size it was saved with; returns the saved ``extra`` dict.
+    Collective: every rank of the world calls it.
+
+    Before anything is read, every rank checks the directory (complete, no file missing or
+    short) and the keys and shapes of what it loads into; a difference raises the same
+    ``GlobalTensorError`` on every rank, and the model and optimizer are left as they were::
+
+        model.to_global(placement, sbp_fn)           # any layout, any number of ranks
+        opt = torch.optim.AdamW(model.parameters())
+        extra = gt.checkpoint.load("ckpt", model=model, optimizer=opt)
+    """
+    dcp, _ = _dcp()
+    path = _checked_path(path, "load")
+    _check_arguments(model, optimizer, "load")
+    metadata, problem = _read_metadata(path)
+    fresh = optimizer is not None and not optimizer.state
+    state: dict = {}
+    if not problem:
+        state = _state_dicts(model, optimizer)  # a fresh optimizer's state is made here
+        extra = _extra_placeholders(metadata)
+        if extra:
+            state[EXTRA] = extra
+        problem = _mismatch(path, state, metadata)
+    try:
+        _agree(problem)
+    except GlobalTensorError:
+        if fresh:
+            optimizer.state.clear()  # as it was: get_state_dict gave it zero moments
+        raise
+    with _single_process_quiet():
+        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not world.is_initialized())
+    _set_state_dicts(model, optimizer, state)
+    return state.get(EXTRA, {})
+
+
+def _check_arguments(model, optimizer, verb: str) -> None:
+    if model is not None and not isinstance(model, torch.nn.Module):
+        raise GlobalTensorError(
+            f"gt.checkpoint.{verb}: expected model= to be a torch.nn.Module, found "
+            f"{type(model).__name__}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise GlobalTensorError(
+            f"gt.checkpoint.{verb}: expected optimizer= to be a torch.optim.Optimizer, found "
+            f"{type(optimizer).__name__}")
+    if optimizer is not None and model is None:
+        raise GlobalTensorError(
+            f"gt.checkpoint.{verb}: an optimizer's state is keyed by its parameters' names, "
+            f"found optimizer= without model=; pass the model too")
+
+
+def _state_dicts(model, optimizer) -> dict:
+    """``{"model": ..., "optimizer": ...}`` from torch's get_state_dict helpers."""
+    _, dsd = _dcp()
+    state = {}
+    if model is not None:
+        state[MODEL] = dsd.get_model_state_dict(model)
+    if optimizer is not None:
+        state[OPTIMIZER] = dsd.get_optimizer_state_dict(model, optimizer)
+    return state
+
+
+def _set_state_dicts(model, optimizer, state: dict) -> None:
+    """Hand what DCP loaded to torch's set_state_dict helpers (the model's tensors were filled
+    in place; the optimizer's state dict is applied here)."""
+    _, dsd = _dcp()
+    if optimizer is not None:
+        dsd.set_state_dict(model, optimizer, model_state_dict=state[MODEL],
+                           optim_state_dict=state[OPTIMIZER])
+    elif model is not None:
+        dsd.set_model_state_dict(model, state[MODEL])
+
+
+# ------------------------------------------------------------------------- checks and agreement
+
+
+def _dcp():
+    """torch.distributed.checkpoint and its state_dict helpers, imported on first use (about
+    0.7 s here: ``import globaltensor`` does not pay for it)."""
+    import torch.distributed.checkpoint as dcp
+    import torch.distributed.checkpoint.state_dict as dsd
+
+    return dcp, dsd
+
+
+def _agree(problem: str) -> None:
+    """Raise on every rank if any rank found a problem (one small all_gather: a rank that
+    alone sees a bad directory must not leave the others waiting in DCP's collectives)."""
+    problems = comm.all_gather(problem) if world.is_initialized() else [problem]
+    found = [(rank, p) for rank, p in enumerate(problems) if p]
+    if found:
+        rank, first = found[0]
+        where = "" if len(found) == len(problems) else f" (on rank {rank})"
+        raise GlobalTensorError(first + where)
+
+
+@contextlib.contextmanager
+def _single_process_quiet():
+    """In a world of one (no torch.distributed) DCP warns that it assumes one process: so do
+    we, and say nothing."""
+    if world.is_initialized():
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
+        yield
+
+
+def _is_first() -> bool:
+    return world.get_rank() == 0
+
+
+def _checked_path(path, verb: str) -> str:
+    if not isinstance(path, (str, os.PathLike)):
+        raise GlobalTensorError(
+            f"gt.checkpoint.{verb}: expected a directory path (str or os.PathLike), found "
+            f"{type(path).__name__}")
+    return os.path.abspath(os.fspath(path))
+
+
+def _save_target_problem(path: str) -> str:
+    """A path save must not replace: a file, or a directory that is not a checkpoint."""
+    if os.path.isdir(path) and os.listdir(path) and not _has_metadata(path):
+        return (f"gt.checkpoint.save: expected {path} to be a new path or a checkpoint "
+                f"directory, found a directory of other files (no {_METADATA}); save into "
+                f"another path, nothing was written")
+    if os.path.exists(path) and not os.path.isdir(path):
+        return (f"gt.checkpoint.save: expected {path} to be a directory, found a file; save "
+                f"into another path, nothing was written")
+    return ""
+
+
+def _fresh_dir(path: str) -> str:
+    """An empty directory at ``path`` (a leftover of an interrupted save is removed)."""
+    try:
+        shutil.rmtree(path, ignore_errors=True)
+        os.makedirs(path)
+    except OSError as e:
+        return f"gt.checkpoint.save: could not create {path}: {e}; nothing was written"
+    return ""
+
+
+def _swap(staging: str, path: str) -> str:
+    """Put the complete checkpoint at ``path``, replacing the one there."""
+    old = path + _OLD
+    try:
+        shutil.rmtree(old, ignore_errors=True)
+        if os.path.exists(path):
+            os.rename(path, old)
+        os.rename(staging, path)
+        shutil.rmtree(old, ignore_errors=True)
+    except OSError as e:
+        return (f"gt.checkpoint.save: wrote the checkpoint to {staging} but could not move it "
+                f"to {path}: {e}; move it yourself")
+    return ""
+
+
+_METADATA = ".metadata"
+
+
+def _has_metadata(path: str) -> bool:
+    return os.path.isfile(os.path.join(path, _METADATA))
+
+
+def _read_metadata(path: str):
+    """(DCP's metadata, "") or (None, what is wrong with the directory)."""
+    fix = "pass the directory gt.checkpoint.save (or dcp.save) wrote"
+    if not os.path.exists(path):
+        return None, f"gt.checkpoint.load: expected a checkpoint directory, found no {path}; {fix}"
+    if not os.path.isdir(path):
+        return None, f"gt.checkpoint.load: expected a checkpoint directory, found a file {path}; {fix}"
+    if not _has_metadata(path):
+        return None, (
+            f"gt.checkpoint.load: expected a complete checkpoint in {path}, found no {_METADATA} "
+            f"(DCP writes it last: the save that wrote this directory did not finish); {fix}")
+    try:
+        metadata = _dcp()[0].FileSystemReader(path).read_metadata()
+    except Exception as e:  # noqa: BLE001 - any failure to read it is the same bad input
+        return None, (f"gt.checkpoint.load: could not read {os.path.join(path, _METADATA)} "
+                      f"({type(e).__name__}: {e}); {fix}")
+    return metadata, _missing_data(path, metadata)
+
+
+def _missing_data(path: str, metadata) -> str:
+    """Every data file the metadata names exists and is long enough."""
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = os.path.join(path, name)
+        found = os.path.getsize(file) if os.path.isfile(file) else None
+        if found is None or found < size:
+            what = "no such file" if found is None else f"{found} bytes"
+            return (f"gt.checkpoint.load: expected a complete checkpoint in {path}, found "
+                    f"{name} missing or cut short (expected at least {size} bytes, found "
+                    f"{what}); copy the whole directory again or load another checkpoint")
+    return ""
+
+
+def _extra_placeholders(metadata) -> dict:
+    """The ``extra`` values saved, as places for DCP to load them into."""
+    out: dict = {}
+    for key, md in metadata.state_dict_metadata.items():
+        where = (metadata.planner_data or {}).get(key)
+        if not where or where[0] != EXTRA:
+            continue
+        value = torch.empty(md.size, dtype=md.properties.dtype) if hasattr(md, "size") else None
+        _set_at(out, where[1:], value)
+    return out
+
+
+def _set_at(root, path, value) -> None:
+    """``root[path[0]][path[1]]... = value``, making dicts (str keys) and lists (int keys)."""
+    node = root
+    for key, following in zip(path[:-1], path[1:]):
+        make = [] if isinstance(following, int) else {}
+        if isinstance(node, list):
+            node.extend([None] * (key + 1 - len(node)))
+            node[key] = make if node[key] is None else node[key]
+        else:
+            node.setdefault(key, make)
+        node = node[key]
+    if isinstance(node, list):
+        node.extend([None] * (path[-1] + 1 - len(node)))
+    node[path[-1]] = value
+
+
+def _mismatch(path: str, state: dict, metadata) -> str:
+    """Keys missing on either side (within model / optimizer) and shapes that differ."""
+    planner = _dcp()[0].DefaultLoadPlanner()
+    planner.set_up_planner(state, metadata, is_coordinator=False)
+    here = planner.state_dict  # flattened as DCP flattens it: "optimizer.state.w1.exp_avg"
+    saved = metadata.state_dict_metadata
+    sections = tuple(f"{s}." for s in (MODEL, OPTIMIZER) if s in state)
+    problems = []
+    absent = [k for k in here if k not in saved]
+    unexpected = [k for k in saved if k.startswith(sections) and k not in here]
+    if absent:
+        problems.append(f"{len(absent)} key(s) the checkpoint lacks ({_few(absent)})")
+    if unexpected:
+        problems.append(f"{len(unexpected)} saved key(s) nothing here takes ({_few(unexpected)})")
+    shapes = [f"{k}: saved {_saved_shape(saved[k])}, here {list(v.shape)}"
+              for k, v in here.items() if k in saved and isinstance(v, torch.Tensor)
+              and _saved_shape(saved[k]) != list(v.shape)]
+    if shapes:
+        problems.append(f"{len(shapes)} shape(s) that differ ({_few(shapes)})")
+    if not problems:
+        return ""
+    return (f"gt.checkpoint.load({path}): expected the keys and shapes of the checkpoint, found "
+            + "; ".join(problems) + ". Build the model (and optimizer) as they were when saved "
+            "(any placement and sbp will do), or load a subset yourself with dcp.load and "
+            "DefaultLoadPlanner(allow_partial_load=True); nothing was loaded")
+
+
+def _saved_shape(md):
+    return list(md.size) if isinstance(md, _dcp()[0].TensorStorageMetadata) else "a non-tensor value"
+
+
+def _few(items, n: int = 4) -> str:
+    head = "; ".join(items[:n])
+    return head + (f"; and {len(items) - n} more" if len(items) > n else "")
