@@ -17,19 +17,12 @@ are empty, with the output's ndim and dtype.
 """
 from __future__ import annotations
 
-import torch
-from torch.utils._pytree import tree_leaves, tree_map
-
 from .. import debug as _debug
 from .._cache import Bounded, ById
-from ..errors import GlobalTensorError
-from ..layout import Layout
-from ..ops import B
 from ..runtime.agreement import check
-from ..tensor import GlobalTensor
-from .args import LocalTensorFound, by_value, flatten, local_tensor_error
+from .adopt import adopt_locals
+from .args import LocalTensorFound, by_value, flatten
 from .decide import decide, op_name
-from .decisions import my_coord
 
 _DECISIONS = Bounded(100_000)  # (op, layouts by value, args) -> decision: a pure function's cache
 _BY_ID = ById(20_000)          # the same decisions keyed by the layouts' ids (no hashing of layouts)
@@ -40,7 +33,7 @@ def dispatch(func, types, args, kwargs):
     try:
         key, tensors = flatten(func, args, kwargs)
     except LocalTensorFound as found:
-        args, kwargs = _adopt_locals(args, kwargs, found.value)
+        args, kwargs = adopt_locals(func, args, kwargs, found.value)
         key, tensors = flatten(func, args, kwargs)
     if _debug.is_debug():  # GT_DEBUG: every rank runs this op on these layouts (see debug.py)
         check("aten." + op_name(func), args=_debug.op_args(args, kwargs))
@@ -58,25 +51,6 @@ def _lookup(func, args, kwargs, tensors, key):
     if decision is None:
         decision = _DECISIONS.put(value_key, decide(func, args, kwargs, tensors, key))
     return _BY_ID.put(key, decision, pinned=[t._layout for t in tensors])
-
-
-def _adopt_locals(args, kwargs, found):
-    """Inside backward, autograd makes full-size local tensors (zeros for the gradients of
-    unused outputs): take them as broadcast values on the placement of the global inputs."""
-    if torch._C._current_graph_task_id() < 0:
-        raise local_tensor_error(found)
-    tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, GlobalTensor)]
-    if not tensors:
-        raise GlobalTensorError("internal: no global tensor among the arguments; please report this")
-    placement = tensors[0]._layout.placement
-    inside = my_coord(placement) is not None
-
-    def adopt(v):
-        if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor) and v.dim() != 0:
-            layout = Layout(placement, (B,) * placement.ndim, tuple(v.shape))
-            return GlobalTensor._make(v if inside else v.new_empty((0,) * v.dim()), layout)
-        return v
-    return tree_map(adopt, (list(args), kwargs))
 
 
 __all__ = ["dispatch"]

@@ -1,3 +1,3 @@
 """Modules and global tensors: ``gt.nn``."""
 from . import parallel
-from .module import to_global
+from .module import to_global, to_local

@@ -19,7 +19,7 @@ from ..sbp import SBP_TYPES, Broadcast, PartialSum, format_sbp, normalize
 from ..convert import check_placement
 from ..tensor import GlobalTensor, redistribute
 
-__all__ = ["to_global"]
+__all__ = ["to_global", "to_local"]
 
 
 def to_global(module: torch.nn.Module, placement: Placement, sbp_fn=None) -> torch.nn.Module:
@@ -31,17 +31,66 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp_fn=None) -> tor
     """
     placement = check_placement(placement)
     choose = _sbp_chooser(sbp_fn, placement)
+    _each_tensor(module, lambda value, name, parameter, converted: _converted(
+        value, name, placement, choose, converted, parameter))
+    _run_forward_in_global_mode(module, placement)
+    return module
+
+
+def to_local(module: torch.nn.Module) -> torch.nn.Module:
+    """Turn ``module``'s global parameters and buffers back into plain tensors holding their
+    *full* values (collective: every rank gets them), in place; returns it. Leaves the forward
+    out of global mode. For export, ``torch.save`` of one rank's state, or single-device tests."""
+    def local(value, name, parameter, converted):
+        if not isinstance(value, GlobalTensor):
+            return value
+        if id(value) not in converted:
+            full = value.detach().full_tensor()
+            converted[id(value)] = (torch.nn.Parameter(full, requires_grad=value.requires_grad)
+                                    if parameter else full)
+        return converted[id(value)]
+    _each_tensor(module, local)
+    handles = module.__dict__.pop("_gt_global_mode", None)
+    for h in handles or ():
+        h.remove()
+    return module
+
+
+def _each_tensor(module, convert) -> None:
+    """Replace each parameter and buffer by ``convert(value, name, parameter, converted)``;
+    ``converted`` (by id) keeps shared tensors shared."""
     converted: dict[int, torch.Tensor] = {}
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for name, value in list(sub._parameters.items()):
             if value is not None:
-                sub._parameters[name] = _converted(value, _join(prefix, name), placement, choose,
-                                                   converted, parameter=True)
+                sub._parameters[name] = convert(value, _join(prefix, name), True, converted)
         for name, value in list(sub._buffers.items()):
             if value is not None:
-                sub._buffers[name] = _converted(value, _join(prefix, name), placement, choose,
-                                                converted, parameter=False)
-    return module
+                sub._buffers[name] = convert(value, _join(prefix, name), False, converted)
+
+
+def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -> None:
+    """The module's forward runs in ``gt.global_mode(placement)`` (mode.py): positions, masks and
+    rotary tables it builds with torch's factories are global (broadcast) tensors."""
+    from ..mode import GlobalMode
+
+    for h in module.__dict__.pop("_gt_global_mode", None) or ():
+        h.remove()
+    entered: list = []
+
+    def enter(mod, args, kwargs=None):
+        mode = GlobalMode(placement)
+        mode.__enter__()
+        entered.append(mode)
+
+    def leave(mod, args, *rest):
+        if entered:
+            entered.pop().__exit__(None, None, None)
+
+    module.__dict__["_gt_global_mode"] = (
+        module.register_forward_pre_hook(enter, prepend=True),
+        module.register_forward_hook(leave, always_call=True),
+    )
 
 
 def _join(prefix: str, name: str) -> str:
@@ -74,12 +123,11 @@ def _converted(value, name, placement, choose, converted, parameter):
     key = id(value)
     if key in converted:
         return converted[key]
-    if isinstance(value, GlobalTensor):
-        raise GlobalTensorError(
-            f"module.to_global: {name} is already a global tensor (sbp {format_sbp(value.sbp)}); "
-            f"convert a module once, or redistribute its tensors with t.to_global(...)")
     sbp = choose(name, value)
-    g = _full_to_global(value.detach(), placement, sbp, name)
+    if isinstance(value, GlobalTensor):  # already global: lay it out anew (the value is kept)
+        g = _relaid(value.detach(), placement, sbp, name)
+    else:
+        g = _full_to_global(value.detach(), placement, sbp, name)
     if parameter:
         # a global leaf that requires grad keeps its .grad in its own layout (grads.py)
         g = torch.nn.Parameter(g, requires_grad=value.requires_grad)
@@ -97,6 +145,14 @@ def _full_to_global(full: torch.Tensor, placement: Placement, sbp, name) -> Glob
     return redistribute(replicated, layout)
 
 
+def _relaid(value: GlobalTensor, placement: Placement, sbp, name) -> GlobalTensor:
+    try:
+        return value.to_global(placement=placement, sbp=sbp)
+    except GlobalTensorError as e:
+        raise GlobalTensorError(f"module.to_global: {name} (already global, sbp "
+                                f"{format_sbp(value.sbp)}): {e}") from None
+
+
 def _module_to_global(self: torch.nn.Module, placement: Placement, sbp=None) -> torch.nn.Module:
     """``module.to_global(placement, sbp)``: see :func:`globaltensor.nn.to_global`."""
     return to_global(self, placement, sbp)
@@ -105,3 +161,4 @@ def _module_to_global(self: torch.nn.Module, placement: Placement, sbp=None) -> 
 def install_module_methods():
     """``nn.Module.to_global`` (called once by globaltensor/__init__.py)."""
     torch.nn.Module.to_global = _module_to_global
+    torch.nn.Module.to_local = to_local

@@ -144,16 +144,30 @@ def test_nn_layers_forward_backward():
         assert grads["0.weight"][0] == (B, S(0)) and grads["3.bias"][0] == (B, B)
 
 
-def test_converting_twice_and_bad_sbp_are_clear_errors():
-    def twice(rank):
-        m = MLP(W1, W2).to_global(G2, B)
-        m.to_global(G2, B)
+def test_converting_a_global_module_again_lays_it_out_anew_and_to_local_gives_full_values():
+    ref = torch.relu(X @ W1) @ W2
 
+    def body(rank):
+        m = MLP(W1, W2).to_global(G22, megatron)
+        m.to_global(G22, lambda name, t: (S(0), B) if name == "w1" else (B, B))  # values kept
+        x = gt.tensor(X, placement=G22, sbp=(S(0), B))
+        out = m(x).full_tensor()
+        sbps = (m.w1.sbp, m.w2.sbp, isinstance(m.w1, torch.nn.Parameter))
+        m.to_local()
+        plain = (type(m.w1), type(m.steps), m(X))  # plain modules again, forward out of global mode
+        return out, sbps, plain
+
+    for out, sbps, (w_type, buf_type, plain_out) in run_ranks(body, 4, timeout=60):
+        torch.testing.assert_close(out, ref)
+        assert sbps == ((S(0), B), (B, B), True)
+        assert w_type is torch.nn.Parameter and buf_type is torch.Tensor
+        torch.testing.assert_close(plain_out, ref)
+
+
+def test_a_bad_sbp_is_a_clear_error():
     def bad(rank):
         MLP(W1, W2).to_global(G22, S(0))
 
-    with pytest.raises(RankFailed, match="already a global tensor"):
-        run_ranks(twice, 2, timeout=30)
     with pytest.raises(RankFailed, match="expected 2 sbp values"):
         run_ranks(bad, 4, timeout=30)
 

@@ -1,0 +1,73 @@
+"""Local tensors among a global op's inputs, and the thread's global mode (mode.py).
+
+A non-scalar local tensor meeting a global one is an error, except where it is known to hold
+the same value on every rank: inside backward (autograd's own zeros) and in global mode, where
+it is taken as a broadcast value on the op's placement.
+"""
+from __future__ import annotations
+
+import hashlib
+import threading
+
+import torch
+from torch.utils._pytree import tree_leaves, tree_map
+
+from .. import debug as _debug
+from ..errors import GlobalTensorError
+from ..layout import Layout
+from ..ops import B
+from ..runtime.agreement import check
+from ..tensor import GlobalTensor
+from .args import local_tensor_error
+from .decide import op_name
+from .decisions import my_coord
+
+_state = threading.local()
+
+
+def modes() -> list:
+    """This thread's stack of global modes (innermost last)."""
+    stack = getattr(_state, "stack", None)
+    if stack is None:
+        stack = _state.stack = []
+    return stack
+
+
+def active():
+    """The innermost global mode of this thread, or None."""
+    stack = getattr(_state, "stack", None)
+    return stack[-1] if stack else None
+
+
+def agree_on_value(what: str, value: torch.Tensor) -> None:
+    """GT_DEBUG: every rank holds the same ``value`` (compared by a digest), else a clear error
+    naming the ranks that differ."""
+    data = value.detach().contiguous().cpu().reshape(-1)
+    digest = hashlib.blake2b(data.view(torch.uint8).numpy().tobytes(), digest_size=8).hexdigest()
+    check(what + " taken as broadcast", value_digest=digest, shape=list(value.shape),
+          dtype=value.dtype)
+
+
+def adopt_locals(func, args, kwargs, found):
+    """A non-scalar local tensor among a global op's inputs is taken as a broadcast value on the
+    placement of the global inputs where it is known to be one: inside backward (autograd makes
+    full-size local zeros for the gradients of unused outputs) and in global mode (mode.py;
+    with GT_DEBUG the ranks' values are compared). Elsewhere it is a clear error."""
+    in_mode = active() is not None
+    if not in_mode and torch._C._current_graph_task_id() < 0:
+        raise local_tensor_error(found)
+    tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, GlobalTensor)]
+    if not tensors:
+        raise GlobalTensorError("internal: no global tensor among the arguments; please report this")
+    placement = tensors[0]._layout.placement
+    inside = my_coord(placement) is not None
+
+    def adopt(v):
+        if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor) and v.dim() != 0:
+            if in_mode and _debug.is_debug():
+                agree_on_value(f"aten.{op_name(func)}: a local input", v)
+            layout = Layout(placement, (B,) * placement.ndim, tuple(v.shape))
+            return GlobalTensor._make(v if inside else v.new_empty((0,) * v.dim()), layout)
+        return v
+    return tree_map(adopt, (list(args), kwargs))
+

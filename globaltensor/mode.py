@@ -1,0 +1,199 @@
+"""Global mode: single-device model code runs unchanged on global tensors.
+
+``with gt.global_mode(placement, sbp=gt.sbp.broadcast):``
+
+- torch's factories (``torch.arange``, ``zeros``, ``ones``, ``full``, ``empty``, ``eye``,
+  ``tensor``, ``rand*``, ...) called by the code inside return global tensors on ``placement``
+  with ``sbp``. Deterministic factories compute the full value and keep this rank's piece;
+  ``rand``/``randn``/``randint`` (and their ``_like`` forms on local tensors) draw from
+  ``gt.manual_seed``'s stream, so every rank agrees whatever the layout; other random factories
+  (``randperm``, ``normal``...) take the first rank's draw.
+- a non-scalar local tensor meeting a global one in an operator is taken as a broadcast value on
+  that operator's placement (dispatch asks :func:`active`); with ``GT_DEBUG=1`` the ranks' values
+  are compared and a difference names the ranks.
+- a torch function given a global tensor that still returns a plain local tensor (e.g.
+  ``matrix_power(x, 0)`` builds an identity with no input) returns it as a broadcast value.
+
+``module.to_global`` enters the mode around the module's forward on the module's placement
+(nn/module.py), so HF models that build positions, masks and rotary tables in ``forward`` run.
+
+The mode is a ``TorchFunctionMode`` and is thread-local (thread-ranks each have their own).
+globaltensor's own code (redistributions, collectives, ``full_tensor``...) makes plain local
+tensors on purpose: a torch call made from a frame of the ``globaltensor`` package passes through
+untouched.
+"""
+from __future__ import annotations
+
+import contextlib
+import sys
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._pytree import tree_leaves
+
+from . import debug as _debug
+from . import env
+from .convert import check_placement, device_for
+from .errors import GlobalTensorError
+from .layout import Layout
+from .sbp import Broadcast, normalize
+from .dispatch.adopt import active, agree_on_value, modes
+from .tensor import GlobalTensor
+
+@contextlib.contextmanager
+def global_mode(placement, sbp=None):
+    """Run single-device code on global tensors (see the module's docstring)."""
+    mode = GlobalMode(placement, sbp)
+    with mode:
+        yield mode
+
+
+# factories whose result is the same on every rank: computed whole, then this rank's piece kept
+_DETERMINISTIC = {
+    torch.arange, torch.range, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye,
+    torch.tensor, torch.as_tensor, torch.asarray, torch.linspace, torch.logspace,
+    torch.empty_strided, torch.scalar_tensor, torch.tril_indices, torch.triu_indices,
+    torch.from_numpy, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
+}
+# random factories: size from the call, values from gt's stream (same on every rank)
+_RANDOM_SIZED = {torch.rand: "uniform", torch.randn: "normal"}
+_RANDOM_LIKE = {torch.rand_like: "uniform", torch.randn_like: "normal"}
+# other random factories: the first rank's draw, sent to the others
+_RANDOM_OTHER = {torch.randperm, torch.randint, torch.randint_like, torch.normal, torch.poisson,
+                 torch.bernoulli, torch.multinomial}
+
+_OURS = "globaltensor"
+
+__all__ = ["GlobalMode", "active", "global_mode"]
+
+
+class GlobalMode(TorchFunctionMode):
+    """The torch-function mode behind :func:`global_mode`."""
+
+    def __init__(self, placement, sbp=None):
+        super().__init__()
+        self.placement = check_placement(placement)
+        sbp = (Broadcast(),) * self.placement.ndim if sbp is None else sbp
+        self.sbp = normalize(sbp, self.placement.ndim)
+
+    def __enter__(self):
+        stack = modes()
+        stack.append(self)
+        try:
+            return super().__enter__()
+        except BaseException:
+            stack.pop()
+            raise
+
+    def __exit__(self, *exc):
+        try:
+            return super().__exit__(*exc)
+        finally:
+            modes().pop()
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if _called_by_us():
+            return func(*args, **kwargs)  # our own code makes local tensors on purpose
+        if func in _DETERMINISTIC:
+            if _any_global(args, kwargs):
+                return func(*args, **kwargs)  # e.g. zeros_like(global): dispatch handles it
+            return self._wrap(func(*args, **_local_kwargs(kwargs)), sync=False)
+        if func in _RANDOM_SIZED or func in _RANDOM_LIKE:
+            if _any_global(args, kwargs):
+                return func(*args, **kwargs)
+            full = func(*args, **_local_kwargs(kwargs))
+            return self._random(full, _RANDOM_SIZED.get(func) or _RANDOM_LIKE[func])
+        if func in _RANDOM_OTHER and not _any_global(args, kwargs):
+            return self._wrap(func(*args, **_local_kwargs(kwargs)), sync=True)
+        result = func(*args, **kwargs)
+        if type(result) is torch.Tensor and result.dim() > 0 and _any_global(args, kwargs):
+            # a torch function built its result from no input (matrix_power(x, 0) is an eye)
+            return self._wrap(result, sync=False, placement=_placement_of(args, kwargs))
+        return result
+
+    # ---- making global tensors
+    def _layout(self, full: torch.Tensor, placement=None) -> Layout:
+        placement = placement or self.placement
+        sbp = self.sbp if placement is self.placement else (Broadcast(),) * placement.ndim
+        return Layout(placement, sbp, tuple(full.shape))
+
+    def _wrap(self, full: torch.Tensor, *, sync: bool, placement=None) -> GlobalTensor:
+        layout = self._layout(full, placement)
+        if sync:  # the first rank's draw, sent to the others (to_global's broadcast)
+            every = (Broadcast(),) * layout.placement.ndim
+            out = full.detach().to_global(placement=layout.placement, sbp=every)
+            return out if layout.sbp == every else out.to_global(sbp=layout.sbp)
+        if _debug.is_debug():
+            agree_on_value("global_mode: a factory's value", full)
+        return _piece_of(full, layout)
+
+    def _random(self, full: torch.Tensor, kind: str) -> GlobalTensor:
+        from . import random as gt_random
+
+        layout = self._layout(full)
+        coord = layout.placement.coord_of(env.get_rank())
+        dtype, device = full.dtype, device_for(layout.placement)
+        if coord is None:
+            local = full.new_empty((0,) * full.dim())
+        elif kind == "uniform":
+            local = gt_random.uniform_piece(layout, coord, dtype, device)
+        else:
+            local = gt_random.normal_piece(layout, coord, dtype, device)
+        return GlobalTensor._make(local, layout, full.requires_grad)
+
+
+def _called_by_us() -> bool:
+    """Whether the torch call comes from globaltensor's code (torch's own Python frames, such
+    as ``torch.overrides`` or ``torch.nn.functional``, are looked through)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        name = frame.f_globals.get("__name__", "")
+        if not name.startswith("torch"):
+            return name.startswith(_OURS)
+        frame = frame.f_back
+    return False
+
+
+def _local_kwargs(kwargs):
+    """A factory's keywords without a device other than the placement's (HF passes
+    ``device=x.device``, which for a global tensor is the placement's device anyway)."""
+    if "device" in kwargs:
+        kwargs = dict(kwargs)
+        kwargs.pop("device")
+    return kwargs
+
+
+def _any_global(args, kwargs) -> bool:
+    for v in args:
+        if isinstance(v, GlobalTensor):
+            return True
+        if isinstance(v, (list, tuple)) and any(isinstance(u, GlobalTensor) for u in v):
+            return True
+    return any(isinstance(v, GlobalTensor) for v in kwargs.values())
+
+
+def _placement_of(args, kwargs):
+    for v in tree_leaves((args, kwargs)):
+        if isinstance(v, GlobalTensor):
+            return v._layout.placement
+    raise GlobalTensorError("internal: no global tensor among the arguments; please report this")
+
+
+def _piece_of(full: torch.Tensor, layout: Layout) -> GlobalTensor:
+    coord = layout.placement.coord_of(env.get_rank())
+    device = device_for(layout.placement)
+    requires_grad = full.requires_grad
+    full = full.detach()
+    if coord is None:
+        local = full.new_empty((0,) * full.dim())
+    else:
+        local = full[layout.slices(coord)]
+        if layout.partial_axes and not all(coord[a] == 0 for a in layout.partial_axes):
+            local = torch.zeros_like(local)
+        if local.data_ptr() == full.data_ptr() and local.shape == full.shape:
+            local = full
+        else:
+            local = local.contiguous()
+    out = GlobalTensor._make(local.to(device), layout)
+    return out.requires_grad_() if requires_grad else out
