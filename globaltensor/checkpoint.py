@@ -25,13 +25,16 @@ axis and zeros elsewhere (the factories' convention).
 from __future__ import annotations
 
 import contextlib
+import glob
 import os
 import shutil
+import threading
+import uuid
 import warnings
 
 import torch
 
-from . import comm, world
+from . import world
 from .errors import GlobalTensorError
 from .layout import Box, Layout, box_numel
 from .sbp import Broadcast, PartialSum
@@ -137,7 +140,7 @@ def _chunk(box: Box) -> tuple[torch.Size, torch.Size]:
 # ------------------------------------------------------------ save / load for the common case
 
 MODEL, OPTIMIZER, EXTRA = "model", "optimizer", "extra"
-_STAGING, _OLD = ".saving", ".old"
+_STAGING, _OLD = ".saving", ".replaced-"
 
 
 def save(path, *, model: torch.nn.Module | None = None,
@@ -163,11 +166,11 @@ def save(path, *, model: torch.nn.Module | None = None,
                 f"{type(extra).__name__}; e.g. extra={{'step': step}}")
         state[EXTRA] = extra
     dcp, _ = _dcp()
-    staging = path + _STAGING
-    _agree(_save_target_problem(path) or (_fresh_dir(staging) if _is_first() else ""))
-    with _single_process_quiet():
-        dcp.save(state, storage_writer=dcp.FileSystemWriter(staging), no_dist=not world.is_initialized())
-    _agree(_swap(staging, path) if _is_first() else "")
+    try:
+        with _single_process_quiet():
+            dcp.save(state, storage_writer=_writer(path), no_dist=not world.is_initialized())
+    except dcp.CheckpointException as e:
+        raise _ours(e) from None
 
 
 def load(path, *, model: torch.nn.Module | None = None,
@@ -188,23 +191,23 @@ def load(path, *, model: torch.nn.Module | None = None,
     dcp, _ = _dcp()
     path = _checked_path(path, "load")
     _check_arguments(model, optimizer, "load")
-    metadata, problem = _read_metadata(path)
+    reader = _reader(path)
+    problem = _directory_problem(path, reader)
     fresh = optimizer is not None and not optimizer.state
     state: dict = {}
     if not problem:
         state = _state_dicts(model, optimizer)  # a fresh optimizer's state is made here
-        extra = _extra_placeholders(metadata)
+        extra = _extra_placeholders(reader.read_metadata())
         if extra:
             state[EXTRA] = extra
-        problem = _mismatch(path, state, metadata)
     try:
-        _agree(problem)
-    except GlobalTensorError:
+        with _single_process_quiet():
+            dcp.load(state, storage_reader=reader, planner=_planner(path, problem),
+                     no_dist=not world.is_initialized())
+    except dcp.CheckpointException as e:
         if fresh:
             optimizer.state.clear()  # as it was: get_state_dict gave it zero moments
-        raise
-    with _single_process_quiet():
-        dcp.load(state, storage_reader=dcp.FileSystemReader(path), no_dist=not world.is_initialized())
+        raise _ours(e) from None
     _set_state_dicts(model, optimizer, state)
     return state.get(EXTRA, {})
 
@@ -246,7 +249,7 @@ def _set_state_dicts(model, optimizer, state: dict) -> None:
         dsd.set_model_state_dict(model, state[MODEL])
 
 
-# ------------------------------------------------------------------------- checks and agreement
+# ------------------------------------------- checks; DCP's writer, reader and planner, extended
 
 
 def _dcp():
@@ -256,17 +259,6 @@ def _dcp():
     import torch.distributed.checkpoint.state_dict as dsd
 
     return dcp, dsd
-
-
-def _agree(problem: str) -> None:
-    """Raise on every rank if any rank found a problem (one small all_gather: a rank that
-    alone sees a bad directory must not leave the others waiting in DCP's collectives)."""
-    problems = comm.all_gather(problem) if world.is_initialized() else [problem]
-    found = [(rank, p) for rank, p in enumerate(problems) if p]
-    if found:
-        rank, first = found[0]
-        where = "" if len(found) == len(problems) else f" (on rank {rank})"
-        raise GlobalTensorError(first + where)
 
 
 @contextlib.contextmanager
@@ -279,10 +271,6 @@ def _single_process_quiet():
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable")
         yield
-
-
-def _is_first() -> bool:
-    return world.get_rank() == 0
 
 
 def _checked_path(path, verb: str) -> str:
@@ -305,8 +293,79 @@ def _save_target_problem(path: str) -> str:
     return ""
 
 
-def _fresh_dir(path: str) -> str:
-    """An empty directory at ``path`` (a leftover of an interrupted save is removed)."""
+def _writer(path: str):
+    """DCP's FileSystemWriter into ``path + ".saving"``, whose coordinator (rank 0) checks
+    ``path`` and empties the staging directory before any rank writes (DCP's global planning
+    step), and moves the complete checkpoint to ``path`` after writing ``.metadata`` (DCP's
+    finish step). Both run inside DCP's own collectives: an error there reaches every rank as
+    a CheckpointException, with no collective of ours added to a save."""
+    dcp, _ = _dcp()
+    staging = path + _STAGING
+
+    class Writer(dcp.FileSystemWriter):
+        def prepare_global_plan(self, plans):
+            problem = _save_target_problem(path) or _emptied(staging)
+            if problem:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise GlobalTensorError(problem)
+            return super().prepare_global_plan(plans)
+
+        def finish(self, metadata, results):
+            super().finish(metadata, results)
+            problem = _swap(staging, path)
+            if problem:
+                raise GlobalTensorError(problem)
+
+    return Writer(staging)
+
+
+def _reader(path: str):
+    """DCP's FileSystemReader of ``path`` that reads the metadata once: for the checks before
+    the load, then for DCP (an empty one when the directory has none to read)."""
+    dcp, _ = _dcp()
+
+    class Reader(dcp.FileSystemReader):
+        metadata = None
+
+        def read_metadata(self, *args, **kwargs):
+            if self.metadata is None:
+                self.metadata = super().read_metadata(*args, **kwargs)
+            return self.metadata
+
+    return Reader(path)
+
+
+def _planner(path: str, problem: str):
+    """DCP's DefaultLoadPlanner that, on every rank, raises the problem this rank found with
+    the directory, or a key or shape that differs, before DCP's first collective of a load
+    (its plan): that collective takes the error to every rank before anything is read."""
+    dcp, _ = _dcp()
+
+    class Planner(dcp.DefaultLoadPlanner):
+        def create_local_plan(self):
+            found = problem or _mismatch(path, self.original_state_dict, self.state_dict,
+                                         self.metadata)
+            if found:
+                raise GlobalTensorError(found)
+            return super().create_local_plan()
+
+    return Planner()
+
+
+def _ours(e: BaseException) -> BaseException:
+    """A CheckpointException carrying our GlobalTensorError (raised on a rank inside DCP's
+    steps) as that error, naming the rank when not every rank found it; any other failure as
+    DCP raised it."""
+    failures = getattr(e, "failures", {})
+    for rank, (exc, _) in sorted(failures.items()):
+        if isinstance(exc, GlobalTensorError):
+            alone = world.is_initialized() and len(failures) < world.get_world_size()
+            return GlobalTensorError(str(exc) + (f" (on rank {rank})" if alone else ""))
+    return e
+
+
+def _emptied(path: str) -> str:
+    """``path`` an empty directory (the leftover of an interrupted save is removed)."""
     try:
         shutil.rmtree(path, ignore_errors=True)
         os.makedirs(path)
@@ -316,18 +375,25 @@ def _fresh_dir(path: str) -> str:
 
 
 def _swap(staging: str, path: str) -> str:
-    """Put the complete checkpoint at ``path``, replacing the one there."""
-    old = path + _OLD
+    """Put the complete checkpoint at ``path``; the one it replaces is deleted in the
+    background (a thread the interpreter waits for at exit; a leftover of a process killed
+    meanwhile is deleted by the next save to ``path``)."""
+    old = f"{path}{_OLD}{uuid.uuid4().hex[:12]}"
     try:
-        shutil.rmtree(old, ignore_errors=True)
         if os.path.exists(path):
             os.rename(path, old)
         os.rename(staging, path)
-        shutil.rmtree(old, ignore_errors=True)
     except OSError as e:
         return (f"gt.checkpoint.save: wrote the checkpoint to {staging} but could not move it "
                 f"to {path}: {e}; move it yourself")
+    _delete_later(glob.glob(glob.escape(path + _OLD) + "*"))
     return ""
+
+
+def _delete_later(paths: list[str]) -> None:
+    if paths:
+        threading.Thread(target=lambda: [shutil.rmtree(p, ignore_errors=True) for p in paths],
+                         name="gt-checkpoint-delete").start()
 
 
 _METADATA = ".metadata"
@@ -337,23 +403,27 @@ def _has_metadata(path: str) -> bool:
     return os.path.isfile(os.path.join(path, _METADATA))
 
 
-def _read_metadata(path: str):
-    """(DCP's metadata, "") or (None, what is wrong with the directory)."""
+def _directory_problem(path: str, reader) -> str:
+    """What is wrong with the checkpoint directory ``path``, "" when nothing (its metadata is
+    then read, into ``reader``); when something is, the reader gets an empty metadata."""
     fix = "pass the directory gt.checkpoint.save (or dcp.save) wrote"
     if not os.path.exists(path):
-        return None, f"gt.checkpoint.load: expected a checkpoint directory, found no {path}; {fix}"
-    if not os.path.isdir(path):
-        return None, f"gt.checkpoint.load: expected a checkpoint directory, found a file {path}; {fix}"
-    if not _has_metadata(path):
-        return None, (
-            f"gt.checkpoint.load: expected a complete checkpoint in {path}, found no {_METADATA} "
-            f"(DCP writes it last: the save that wrote this directory did not finish); {fix}")
-    try:
-        metadata = _dcp()[0].FileSystemReader(path).read_metadata()
-    except Exception as e:  # noqa: BLE001 - any failure to read it is the same bad input
-        return None, (f"gt.checkpoint.load: could not read {os.path.join(path, _METADATA)} "
-                      f"({type(e).__name__}: {e}); {fix}")
-    return metadata, _missing_data(path, metadata)
+        problem = f"gt.checkpoint.load: expected a checkpoint directory, found no {path}; {fix}"
+    elif not os.path.isdir(path):
+        problem = f"gt.checkpoint.load: expected a checkpoint directory, found a file {path}; {fix}"
+    elif not _has_metadata(path):
+        problem = (f"gt.checkpoint.load: expected a complete checkpoint in {path}, found no "
+                   f"{_METADATA} (DCP writes it last: the save that wrote this directory did not "
+                   f"finish); {fix}")
+    else:
+        try:
+            problem = _missing_data(path, reader.read_metadata())
+        except Exception as e:  # noqa: BLE001 - any failure to read it is the same bad input
+            problem = (f"gt.checkpoint.load: could not read {os.path.join(path, _METADATA)} "
+                       f"({type(e).__name__}: {e}); {fix}")
+    if problem:
+        reader.metadata = _dcp()[0].Metadata(state_dict_metadata={}, storage_data={})
+    return problem
 
 
 def _missing_data(path: str, metadata) -> str:
@@ -400,11 +470,10 @@ def _set_at(root, path, value) -> None:
     node[path[-1]] = value
 
 
-def _mismatch(path: str, state: dict, metadata) -> str:
-    """Keys missing on either side (within model / optimizer) and shapes that differ."""
-    planner = _dcp()[0].DefaultLoadPlanner()
-    planner.set_up_planner(state, metadata, is_coordinator=False)
-    here = planner.state_dict  # flattened as DCP flattens it: "optimizer.state.w1.exp_avg"
+def _mismatch(path: str, state: dict, here: dict, metadata) -> str:
+    """Keys missing on either side (within model / optimizer) and shapes that differ, between
+    ``state`` flattened as DCP flattens it (``here``: "optimizer.state.w1.exp_avg") and the
+    checkpoint's metadata."""
     saved = metadata.state_dict_metadata
     sections = tuple(f"{s}." for s in (MODEL, OPTIMIZER) if s in state)
     problems = []

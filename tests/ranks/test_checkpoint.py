@@ -3,6 +3,7 @@ DCP's planners, so each rank writes what it owns and loading reshards into any l
 world size, or plain tensors in one process. gt.checkpoint.save / load wrap it for a model, its
 optimizer and extra values, and turn bad input into one GlobalTensorError on every rank."""
 import os
+import threading
 
 import pytest
 import torch
@@ -380,14 +381,25 @@ def test_save_replaces_a_checkpoint_whole_and_never_a_directory_of_other_files(s
         gt.checkpoint.save(path, model=MLP(seed=seed).to_global(G2, lambda n, t: S(1)))
         return sorted(os.listdir(os.path.dirname(path)))
 
-    message = on_every_rank(2, save, str(other), 3)[0][0]
-    assert "found a directory of other files (no .metadata)" in message
+    for message, _ in on_every_rank(2, save, str(other), 3):
+        assert "found a directory of other files (no .metadata)" in message
     assert (other / "notes.txt").read_text() == "keep me" and os.listdir(other) == ["notes.txt"]
 
     path = str(tmp_path / "ckpt")
-    for seed in (3, 4):  # the second save replaces the first; no staging directory is left
-        assert on_every_rank(2, save, path, seed)[0] == (None, ["ckpt", "mine"])
+    on_every_rank(2, save, path, 3)
+    # an interrupted save: a staging directory of partial files, a replaced one not yet deleted
+    os.makedirs(path + ".saving")
+    (tmp_path / "ckpt.saving" / "__0_0.distcp").write_bytes(b"partial")
+    os.makedirs(path + ".replaced-0123")
     model = MLP(seed=0)
+    gt.checkpoint.load(path, model=model)  # the checkpoint at path is whole
+    assert torch.equal(model.w1, MLP(seed=3).w1)
+
+    assert on_every_rank(2, save, path, 4)[0][0] is None
+    for t in threading.enumerate():  # the replaced checkpoint is deleted in the background
+        if t.name == "gt-checkpoint-delete":
+            t.join(10)
+    assert sorted(os.listdir(tmp_path)) == ["ckpt", "mine"]
     gt.checkpoint.load(path, model=model)
     assert torch.equal(model.w1, MLP(seed=4).w1)
 
@@ -401,3 +413,20 @@ def test_bad_arguments_raise_before_any_communication(tmp_path):
         gt.checkpoint.save(str(tmp_path), model=MLP(), extra=5)
     with pytest.raises(GlobalTensorError, match="expected a directory path"):
         gt.checkpoint.load(5, model=MLP())
+
+
+def test_saved_in_one_process_loads_on_ranks(tmp_path):
+    """A plain model saved with no world at all, loaded into global tensors on a 2x2 grid."""
+    path = str(tmp_path / "plain")
+    model = MLP(seed=5)
+    gt.checkpoint.save(path, model=model, extra={"epoch": 3})
+    with pytest.raises(GlobalTensorError, match="found a file"):  # in one process too
+        gt.checkpoint.save(str(tmp_path / "plain" / ".metadata"), model=model)
+
+    def body(rank):
+        m = MLP(seed=0).to_global(G22, tp_dp)
+        extra = gt.checkpoint.load(path, model=m)
+        return extra, m.w1.full_tensor(), m.w2.full_tensor()
+
+    extra, w1, w2 = run_ranks(body, 4, timeout=TIMEOUT)[3]
+    assert extra == {"epoch": 3} and torch.equal(w1, model.w1) and torch.equal(w2, model.w2)
