@@ -18,8 +18,8 @@ that turn a bad directory, a shape or a key that differs into a ``GlobalTensorEr
 rank before anything is read or written.
 
 Partial sums are reduced when saved: a tensor with a ``partial_sum`` axis is summed over it
-(that axis taken as broadcast) while DCP plans the save, so the checkpoint holds the logical
-value. Loading into a ``partial_sum`` tensor gives the value to coordinate 0 of each partial
+while DCP plans the save (a reduce_scatter where a dim is free to split), so the checkpoint
+holds the logical value. Loading into a ``partial_sum`` tensor gives the value to coordinate 0 of each partial
 axis and zeros elsewhere (the factories' convention).
 """
 from __future__ import annotations
@@ -37,7 +37,7 @@ import torch
 from . import world
 from .errors import GlobalTensorError
 from .layout import Box, Layout, box_numel
-from .sbp import Broadcast, PartialSum
+from .sbp import Broadcast, PartialSum, Split
 from .tensor import GlobalTensor, redistribute
 
 __all__ = ["load", "save", "install_checkpoint_methods"]
@@ -111,14 +111,25 @@ def install_checkpoint_methods() -> None:
 
 
 def _savable(x: GlobalTensor) -> tuple[Layout, torch.Tensor]:
-    """``x``'s layout and piece with every partial axis summed (taken as broadcast)."""
+    """``x``'s layout and piece with every partial axis summed."""
     layout = x._layout
     if not layout.is_partial:
         return layout, x._local
-    summed = Layout(layout.placement,
-                    tuple(Broadcast() if isinstance(v, PartialSum) else v for v in layout.sbp),
-                    layout.shape)
+    summed = _summed(layout)
     return summed, redistribute(x, summed)._local
+
+
+def _summed(layout: Layout) -> Layout:
+    """``layout`` with each partial axis split along the largest dim no later axis splits (a
+    reduce_scatter: each rank keeps a part of the sum, and writes it), or broadcast where no
+    such dim is left (an all_reduce)."""
+    sbp = list(layout.sbp)
+    for axis, v in enumerate(sbp):
+        if isinstance(v, PartialSum):
+            later = {w.dim for w in layout.sbp[axis + 1:] if isinstance(w, Split)}
+            free = [d for d in range(layout.ndim) if d not in later and layout.shape[d] > 1]
+            sbp[axis] = Split(max(free, key=lambda d: layout.shape[d])) if free else Broadcast()
+    return Layout(layout.placement, tuple(sbp), layout.shape)
 
 
 def _written_box(layout: Layout) -> Box | None:

@@ -16,7 +16,7 @@ from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.testing import run_ranks
 
-from helpers import make_global
+from helpers import full_of, make_global, random_cases
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 G22 = gt.placement("cpu", [[0, 1], [2, 3]])
@@ -107,8 +107,9 @@ def test_saved_on_a_2x2_grid_loads_as_s1_as_b_and_in_one_process(tmp_path):
 
 def test_partial_sums_are_reduced_when_saved_and_loaded_into_partial(tmp_path):
     path = str(tmp_path / "ckpt")
-    fulls = {"p0": value((6, 4), torch.float64, 1), "p1": value((5, 3), torch.float32, 2)}
-    sbps = {"p0": (P, S(0)), "p1": (S(1), P)}
+    fulls = {"p0": value((6, 4), torch.float64, 1), "p1": value((5, 3), torch.float32, 2),
+             "p2": value((5,), torch.float64, 3), "p3": value((), torch.float32, 4)}
+    sbps = {"p0": (P, S(0)), "p1": (S(1), P), "p2": (P, P), "p3": (P, B)}
 
     def save(rank):  # P pieces are unequal parts of the value (helpers.piece)
         state = {k: make_global(v, Layout(G22, sbps[k], v.shape), rank) for k, v in fulls.items()}
@@ -117,6 +118,11 @@ def test_partial_sums_are_reduced_when_saved_and_loaded_into_partial(tmp_path):
         return all(torch.equal(before[k], t.to_local()) for k, t in state.items())
 
     assert all(run_ranks(save, 4, timeout=TIMEOUT))  # the saved tensors keep their pieces
+    meta = dcp.FileSystemReader(path).read_metadata()
+    for k, v in fulls.items():  # summed with reduce_scatters: each rank wrote a part of the sum
+        chunks = meta.state_dict_metadata[k].chunks
+        assert sum(torch.Size(c.sizes).numel() for c in chunks) == v.numel(), k
+    assert len(meta.state_dict_metadata["p0"].chunks) == 4
     for k, (full, _) in load_on(path, fulls, G2, lambda v: B, 2)[1].items():
         assert torch.allclose(full, fulls[k], atol=1e-6), k
 
@@ -157,6 +163,24 @@ def test_placements_leaving_ranks_out_and_empty_tensors(tmp_path):
     for got in run_ranks(load, 3, timeout=TIMEOUT):
         for k, v in fulls.items():
             assert torch.equal(got[k], v), k
+
+
+def test_random_layouts_save_and_load_into_random_layouts(tmp_path):
+    """Shuffled ranks, 1-3 placement axes, axes of size 1, empty dims, scalars, S / B / P."""
+    cases = random_cases(seed=15, count=40, world=4)
+
+    def body(rank):
+        wrong = []
+        for i, (src, dst) in enumerate(cases):
+            full, path = full_of(src.shape), str(tmp_path / f"case{i}")
+            dcp.save({"t": make_global(full, src, rank)}, checkpoint_id=path)
+            state = {"t": make_global(torch.zeros_like(full), dst, rank)}
+            dcp.load(state, checkpoint_id=path)
+            if not torch.allclose(state["t"].full_tensor(), full, rtol=1e-5):
+                wrong.append(f"{src} -> {dst}")
+        return wrong
+
+    assert run_ranks(body, 4, timeout=TIMEOUT)[0] == []
 
 
 def test_each_rank_writes_only_what_it_owns(tmp_path):
