@@ -161,17 +161,42 @@ def _checked_shape(shape) -> tuple[int, ...]:
     return tuple(int(s) for s in dims)
 
 
-@memo(65536)
 def _box(layout: Layout, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
-    ranges = [(0, s) for s in layout.shape]
-    for axis, value in enumerate(layout.sbp):
-        if isinstance(value, Split):
-            lo, hi = ranges[value.dim]
-            ranges[value.dim] = split_range(lo, hi, layout.placement.shape[axis], coord[axis])
-    return tuple(ranges)
+    return boxes(layout)[coord]
 
 
-__all__ = ["Layout", "split_sizes", "split_range", "Broadcast", "PartialSum", "Split"]
+@memo(16384)
+def boxes(layout: Layout) -> dict:
+    """Every grid coordinate's box, worked out once per layout: each dim's ranges follow
+    only the axes that split it (nested, axis 0 outermost), so they are cut once per dim."""
+    shape = layout.placement.shape
+    per_dim = []  # per tensor dim: the axes that split it, and the range per coordinate on them
+    for dim, size in enumerate(layout.shape):
+        axes = [a for a, v in enumerate(layout.sbp) if isinstance(v, Split) and v.dim == dim]
+        ranges = {(): (0, size)}
+        for axis in axes:
+            ranges = {sub + (i,): piece for sub, (lo, hi) in ranges.items()
+                      for i, piece in enumerate(_pieces(lo, hi, shape[axis]))}
+        per_dim.append((axes, ranges))
+    return {coord: tuple(ranges[tuple(coord[a] for a in axes)] for axes, ranges in per_dim)
+            for coord in grid_coords(layout.placement)}
+
+
+def _pieces(start: int, stop: int, k: int) -> list[tuple[int, int]]:
+    out = []
+    for size in split_sizes(stop - start, k):
+        out.append((start, start + size))
+        start += size
+    return out
+
+
+@memo(1024)
+def grid_coords(placement: Placement) -> tuple[tuple[int, ...], ...]:
+    """``placement.coords()``, worked out once per placement."""
+    return tuple(placement.coords())
+
+
+__all__ = ["Layout", "boxes", "grid_coords", "split_sizes", "split_range", "Broadcast", "PartialSum", "Split"]
 
 
 # --------------------------------------------------------------------------- the box algebra
@@ -192,6 +217,18 @@ def intersect(a: Box, b: Box) -> Box | None:
     """The common part of two boxes, or None when they do not overlap."""
     out = tuple((max(x0, y0), min(x1, y1)) for (x0, x1), (y0, y1) in zip(a, b))
     return None if any(lo >= hi for lo, hi in out) else out
+
+
+def overlap_numel(a: Box, b: Box) -> int:
+    """``box_numel(intersect(a, b))``, 0 when they do not overlap (no box is built)."""
+    n = 1
+    for (x0, x1), (y0, y1) in zip(a, b):
+        lo = x0 if x0 > y0 else y0
+        hi = x1 if x1 < y1 else y1
+        if hi <= lo:
+            return 0
+        n *= hi - lo
+    return n
 
 
 def relative(region: Box, within: Box) -> tuple[slice, ...]:

@@ -20,7 +20,7 @@ import math
 
 from ._cache import memo
 from .errors import GlobalTensorError
-from .layout import Box, Layout, box_numel, intersect
+from .layout import Box, Layout, box_numel, boxes, intersect, overlap_numel
 from .sbp import Broadcast, PartialSum, Split, broadcast, format_sbp, partial_sum
 from .steps import (ALPHA, BETA, COPY, MEMORY, SEARCH_ITEMSIZE, AllGather, AllGatherV, AllReduce,
                     AllToAll, Exchange, LocalSlice, Move, Plan, ReduceScatter, Step, ZeroFill,
@@ -224,19 +224,19 @@ class _Bound:
     def _elements(self, node: Layout, partial, keep: int) -> float:
         """Elements the busiest rank must send, summed over the steps of any route.
 
-        Partial axes: each must be reduced (unless dst keeps it), and a reduction along an
-        axis of n ranks sends (n - 1) times a piece no smaller than numel / N times the
-        product of the axes still partial then; summed in any order, numel (prod - keep) / N.
-        A non-partial node: every element a rank of dst must hold and does not is received
-        once at least, and per step the ranks receive no more than all of them send, so
-        the steps send at least (elements missing, summed over ranks) / (ranks)."""
-        sizes, numel = node.placement.shape, node.numel()
-        if partial:
-            return numel * (math.prod(sizes[a] for a in partial) - keep) / node.placement.size
-        if self.dst.is_partial:
-            return 0.0
+        Per step, the ranks receive no more than all of them send, so the steps send at least
+        (elements some rank must receive, summed) / (ranks): see :func:`_lacking`. Partial
+        axes of ``node`` must also each be reduced (unless dst keeps them), and a reduction
+        along an axis of n ranks sends (n - 1) times a piece no smaller than numel / N times
+        the product of the axes still partial then; summed in any order, numel (prod - keep) / N.
+        The larger of the two bounds holds."""
         ranks = node.placement.size if node.placement == self.dst.placement else self.union
-        return _missing(node, self.dst) / ranks
+        lacking = _lacking(node, self.dst) / ranks
+        if not partial:
+            return lacking
+        sizes = node.placement.shape
+        reduced = node.numel() * (math.prod(sizes[a] for a in partial) - keep) / node.placement.size
+        return max(lacking, reduced)
 
     def exchange(self, target: Layout) -> float:
         """A bound on any exchange into ``target``: one message, and writing its pieces."""
@@ -245,33 +245,117 @@ class _Bound:
 
     def exchange_from(self, node: Layout, target: Layout) -> float:
         """A bound on ``exchange(node, target)``: the elements missing from each target piece
-        are received, so the busiest of the ranks sends at least their sum over the ranks."""
-        sent = _missing(node, target, owners_only=True) / self.union
-        return (self.exchange(target) + (BETA + COPY) * SEARCH_ITEMSIZE * sent) * (1 - 1e-9)
+        are received, so the busiest of the ranks sends at least their sum over the ranks; a
+        rank receives one message per other piece of ``node`` its target piece overlaps."""
+        missing, messages = _missing(node, target)
+        sent = missing / self.union
+        return (self.exchange(target) + ALPHA * (messages - 1)
+                + (BETA + COPY) * SEARCH_ITEMSIZE * sent) * (1 - 1e-9)
 
 
 @memo(16384)
-def _missing(node: Layout, target: Layout, owners_only: bool = False) -> int:
-    """Elements of the pieces of ``target`` their ranks do not hold in non-partial ``node``,
-    summed over ranks. With ``owners_only`` (an exchange into a partial target, which fills one
-    partial coordinate per box), only the cheapest coordinate of each box counts."""
+def _lacking(node: Layout, dst: Layout) -> int:
+    """Elements, summed over dst's groups of summands, that no member can make from what it
+    holds in ``node``; each must reach the group in at least one received element.
+
+    A group is the ranks of dst that share their coordinates on every non-partial axis (one
+    rank for a non-partial dst): their pieces add up to the group's box. The group can make an
+    element without receiving anything only if its members hold every summand of it in
+    ``node`` (one summand for a non-partial node). On one placement, that needs every partial
+    axis of ``node`` to be partial in dst too; then the members holding each summand hold the
+    same boxes, so those of the first summand tell."""
+    same = node.placement == dst.placement
+    partial = tuple(a for a, (v, n) in enumerate(zip(node.sbp, node.placement.shape))
+                    if isinstance(v, PartialSum) and n > 1)
+    if partial and not same:
+        return _lacking_anywhere(node, dst)
+    groups, everything = _groups(dst, node.placement, partial)
+    if partial and any(not isinstance(dst.sbp[a], PartialSum) for a in partial):
+        return everything  # each group's members hold one summand
+    pieces = boxes(node)
+    total = 0
+    for box, size, members in groups:
+        if len(members) == 1:
+            total += size - overlap_numel(pieces[members[0]], box)
+        else:  # distinct pieces of a non-partial layout are disjoint
+            total += size - sum(overlap_numel(p, box) for p in {pieces[m] for m in members})
+    return total
+
+
+@memo(1024)
+def _groups(dst: Layout, where, first_of=()) -> tuple[list, int]:
+    """dst's groups of summands (see :func:`_lacking`): per group its box, the box's numel and
+    the coordinates its members have on placement ``where`` (members outside it hold nothing,
+    and only those at coordinate 0 of the axes ``first_of`` count); and the sum of the boxes'
+    numels."""
+    found: dict = {}
+    for coord, rank in coords_and_ranks(dst):
+        key = tuple(c for c, v in zip(coord, dst.sbp) if not isinstance(v, PartialSum))
+        box = dst.box(coord)
+        entry = found.setdefault(key, (box, box_numel(box), []))
+        mine = where.coord_of(rank)
+        if mine is not None and not any(mine[a] for a in first_of):
+            entry[2].append(mine)
+    groups = [g for g in found.values() if g[1]]
+    return groups, sum(size for _, size, _ in groups)
+
+
+def _lacking_anywhere(node: Layout, dst: Layout) -> int:
+    """:func:`_lacking` for a partial ``node`` on another placement than dst: per group, the
+    elements inside the pieces of every summand its members hold."""
+    groups, _ = _groups(dst, node.placement)
+    tokens = math.prod(n for n, v in zip(node.placement.shape, node.sbp) if isinstance(v, PartialSum))
+    total = 0
+    for box, size, members in groups:
+        held: dict = {}  # per summand: the distinct (so disjoint) parts of box members hold
+        for mine in members:
+            part = intersect(node.box(mine), box)
+            if part:
+                token = tuple(c for c, v in zip(mine, node.sbp) if isinstance(v, PartialSum))
+                held.setdefault(token, set()).add(part)
+        whole = []
+        if len(held) == tokens:
+            for parts in held.values():
+                whole = list(parts) if not whole else [
+                    x for a in whole for b in parts if (x := intersect(a, b)) is not None]
+        total += size - sum(box_numel(b) for b in whole)
+    return total
+
+
+@memo(16384)
+def _missing(node: Layout, target: Layout) -> tuple[int, int]:
+    """For an exchange from non-partial ``node``: the elements the ranks of ``target`` receive,
+    summed, and the most messages one of them receives (1 for a partial target, whose owners
+    are not known here). A partial target fills one partial coordinate per box: only the
+    cheapest coordinate of each box counts."""
     place = node.placement
+    ranges = _dim_ranges(node)
     groups: dict = {}
+    messages = 1
     for coord, rank in coords_and_ranks(target):
         box = target.box(coord)
         missing = box_numel(box)
         mine = place.coord_of(rank)
-        if missing and mine is not None:
-            part = intersect(node.box(mine), box)
-            missing -= box_numel(part) if part else 0
+        own = overlap_numel(node.box(mine), box) if mine is not None and missing else 0
+        missing -= own
+        if missing and not target.is_partial:
+            others = math.prod(sum(1 for lo, hi in rs if lo < hi and lo < b and a < hi)
+                               for rs, (a, b) in zip(ranges, box)) - (own > 0)
+            messages = max(messages, others)
         key = (_split_key(target, coord), _partial_key(target, coord))
         groups[key] = groups.get(key, 0) + missing
-    if not (owners_only and target.is_partial):
-        return sum(groups.values())
+    if not target.is_partial:
+        return sum(groups.values()), messages
     least: dict = {}
     for (skey, _), missing in groups.items():
         least[skey] = min(least.get(skey, missing), missing)
-    return sum(least.values())
+    return sum(least.values()), messages
+
+
+@memo(16384)
+def _dim_ranges(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per tensor dim, the distinct ranges the pieces of ``layout`` cover."""
+    return tuple(tuple(sorted({b[d] for b in boxes(layout).values()})) for d in range(layout.ndim))
 
 
 def lower_bound(src: Layout, dst: Layout) -> float:
@@ -313,18 +397,22 @@ def plan(src: Layout, dst: Layout) -> Plan:
     return Plan(src, dst, steps)
 
 
-# the kinds of entry in the search's queue: a layout reached, an exchange costed only by the
-# bound on any exchange into its target, one costed by the bound from its source
-_NODE, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2
+# the kinds of entry in the search's queue: a layout reached (its key with the bound from it,
+# or with one inherited from the step before, not yet worked out), an exchange costed only by
+# the bound on any exchange into its target, one costed by the bound from its source
+_NODE, _GUESSED, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2, 3
 
 
 def _search(src: Layout, dst: Layout):
     """A* from ``src`` over (layout, full) states: ``full`` marks routes through an intermediate
     layout in which a rank holds the whole tensor (allowed only when ``dst`` has one). The queue
     orders by (full, cost so far + lower bound), so a route with a full copy is only taken once
-    no other exists: the two Dijkstra passes of the reference in one search. Exchange edges are
-    costed lazily: queued with a bound and built only when they come first. Steps only ever
-    stay on src's or dst's placement."""
+    no other exists: the two Dijkstra passes of the reference in one search.
+
+    Work is deferred until an entry comes first: a layout is queued with the bound its
+    predecessor implies (the predecessor's bound less the step's cost) and gets its own bound
+    when it comes first; an exchange is queued with a bound and built only when it comes first
+    again. Steps only ever stay on src's or dst's placement."""
     guard = not holds_full(dst)
     bound = _Bound(src, dst)
     targets = [dst] + _cores(dst) if dst.is_partial else [dst]
@@ -332,37 +420,46 @@ def _search(src: Layout, dst: Layout):
     heap = [(False, bound(src), 0, 0, _NODE, 0.0, src, (), None)]
     counter = itertools.count(1)
 
-    def reach(full, node, cost, path):
+    def reach(full, node, cost, path, inherited):
         full = full or (guard and node != dst and holds_full(node))
         known = best.get((node, full), math.inf)
         # ties (within rounding) go to the shorter route
         if cost < known - 1e-15 or (cost <= known + 1e-15 and len(path) < lengths[node, full]):
             best[node, full], lengths[node, full] = cost, len(path)
-            heapq.heappush(heap, (full, cost + bound(node), len(path), next(counter), _NODE, cost, node,
-                                  path, None))
+            heapq.heappush(heap, (full, cost + max(inherited, 0.0), len(path), next(counter), _GUESSED,
+                                  cost, node, path, None))
 
     while heap:
-        full, f, _, _, kind, cost, node, path, target = heapq.heappop(heap)
-        if kind == _NODE:
+        entry = heapq.heappop(heap)
+        full, f, _, _, kind, cost, node, path, target = entry
+        if kind <= _GUESSED:
             if cost > best[node, full] or len(path) > lengths[node, full]:
                 continue  # a cheaper or shorter route reached it since
+            if kind == _GUESSED:
+                h = bound(node)
+                if cost + h > f:
+                    heapq.heappush(heap, (full, cost + h, entry[2], entry[3], _NODE) + entry[5:])
+                    continue
             if node == dst:
                 return path
+            h = bound(node)
             for step in _local_steps(node):
-                reach(full, step.after, cost + step.cost(), path + (step,))
+                c = step.cost()
+                reach(full, step.after, cost + c, path + (step,), h - c)
             if node.placement == src.placement and not node.is_partial:
                 for t in targets:
                     if t != node:
                         key = cost + bound.exchange(t) + bound(t)
-                        heapq.heappush(heap, (full, key, len(path) + 1, next(counter), _EXCHANGE, cost, node,
-                                              path, t))
+                        heapq.heappush(heap, (full, key, len(path) + 1, next(counter), _EXCHANGE, cost,
+                                              node, path, t))
         elif kind == _EXCHANGE:
             f2 = cost + bound.exchange_from(node, target) + bound(target)
             heapq.heappush(heap, (full, max(f, f2), len(path) + 1, next(counter), _EXCHANGE_FROM, cost,
                                   node, path, target))
         else:
             step = exchange(node, target)
-            reach(full, target, cost + step.cost(), path + (step,))
+            c = step.cost()
+            reach(full, target, cost + c, path + (step,), f - cost - c)
     return None
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from ._cache import memo
-from .layout import Box, Layout, box_numel, intersect
+from .layout import Box, Layout, box_numel, boxes, grid_coords, overlap_numel
 
 # The α-β cost model, in seconds: a latency per collective (or per point-to-point message on
 # the busiest rank) plus a time per byte sent by the busiest rank. Local steps cost only the
@@ -25,7 +25,7 @@ SEARCH_ITEMSIZE = 4
 
 
 def coords_and_ranks(layout: Layout):
-    return zip(layout.placement.coords(), layout.placement.flat_ranks)
+    return zip(grid_coords(layout.placement), layout.placement.flat_ranks)
 
 
 def _max_local(layout: Layout) -> int:
@@ -212,18 +212,19 @@ class AllToAll(Step):
 def _even(layout: Layout, axis: int, dim: int, last_short: bool = False) -> bool:
     """Whether every piece along ``axis`` has one length of ``dim`` (or, with ``last_short``,
     every piece but the last along the axis)."""
-    coords = [c for c in layout.placement.coords()
-              if not (last_short and c[axis] == layout.placement.shape[axis] - 1)]
-    return len({b - a for a, b in (layout.box(c)[dim] for c in coords)}) <= 1
+    last = layout.placement.shape[axis] - 1
+    lengths = {b[dim][1] - b[dim][0] for c, b in boxes(layout).items()
+               if not (last_short and c[axis] == last)}
+    return len(lengths) <= 1
 
 
 @memo(16384)
 def _all_to_all_sent(before: Layout, after: Layout) -> int:
-    def sent(coord):
-        mine, kept = before.box(coord), intersect(before.box(coord), after.box(coord))
-        return box_numel(mine) - (box_numel(kept) if kept else 0)
-
-    return max(sent(c) for c in before.placement.coords())
+    ahead = boxes(after)
+    most = 0
+    for coord, mine in boxes(before).items():
+        most = max(most, box_numel(mine) - overlap_numel(mine, ahead[coord]))
+    return most
 
 
 @dataclass(frozen=True, slots=True)
