@@ -167,27 +167,26 @@ def _box(layout: Layout, coord: tuple[int, ...]) -> tuple[tuple[int, int], ...]:
 
 @memo(16384)
 def boxes(layout: Layout) -> dict:
-    """Every grid coordinate's box, worked out once per layout: each dim's ranges follow
-    only the axes that split it (nested, axis 0 outermost), so they are cut once per dim."""
-    shape = layout.placement.shape
-    per_dim = []  # per tensor dim: the axes that split it, and the range per coordinate on them
-    for dim, size in enumerate(layout.shape):
-        axes = [a for a, v in enumerate(layout.sbp) if isinstance(v, Split) and v.dim == dim]
-        ranges = {(): (0, size)}
-        for axis in axes:
-            ranges = {sub + (i,): piece for sub, (lo, hi) in ranges.items()
-                      for i, piece in enumerate(_pieces(lo, hi, shape[axis]))}
-        per_dim.append((axes, ranges))
-    return {coord: tuple(ranges[tuple(coord[a] for a in axes)] for axes, ranges in per_dim)
-            for coord in grid_coords(layout.placement)}
+    """Every grid coordinate's box, worked out once per layout, axis by axis (axis 0
+    outermost): an axis that splits a dim cuts each box's range of that dim in its pieces."""
+    entries = [((), tuple((0, s) for s in layout.shape))]
+    for value, n in zip(layout.sbp, layout.placement.shape):
+        if isinstance(value, Split) and n > 1:
+            d = value.dim
+            entries = [(coord + (i,), box[:d] + (piece,) + box[d + 1:])
+                       for coord, box in entries for i, piece in enumerate(_pieces(*box[d], n))]
+        else:
+            entries = [(coord + (i,), box) for coord, box in entries for i in range(n)]
+    return dict(entries)
 
 
-def _pieces(start: int, stop: int, k: int) -> list[tuple[int, int]]:
+@memo(4096)
+def _pieces(start: int, stop: int, k: int) -> tuple[tuple[int, int], ...]:
     out = []
     for size in split_sizes(stop - start, k):
         out.append((start, start + size))
         start += size
-    return out
+    return tuple(out)
 
 
 @memo(1024)

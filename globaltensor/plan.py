@@ -106,20 +106,29 @@ def exchange(before: Layout, after: Layout) -> Exchange:
         if box_numel(box):
             holders.setdefault(box, []).append(rank)
     owners = _owners(before, after)
+    ranges, order = _dim_ranges(before), {box: i for i, box in enumerate(holders)}
     moves, needs = [], {}
     for coord, rank in coords_and_ranks(after):
         target = after.box(coord)
         if not box_numel(target) or owners.get(_split_key(after, coord), ()) != _partial_key(after, coord):
             continue
-        for box, ranks in holders.items():
-            region = intersect(box, target)
-            if region is None:
-                continue
+        for box in _overlapping(order, ranges, target):
+            ranks, region = holders[box], intersect(box, target)
             if rank in ranks:
                 moves.append(Move(rank, (rank,), region))
             else:
                 needs.setdefault((box, region), []).append(rank)
     return Exchange(tuple(moves) + _assign(holders, needs), before, after)
+
+
+def _overlapping(order: dict, ranges, target: Box) -> list[Box]:
+    """The boxes of ``order`` (box -> its place) that overlap ``target``, in that order: each is
+    a product of one of ``ranges`` per dim, so only the overlapping ranges are combined."""
+    near = [[r for r in rs if r[0] < r[1] and r[0] < hi and lo < r[1]] for rs, (lo, hi) in zip(ranges, target)]
+    found = [box for box in itertools.product(*near) if box in order]
+    if len(found) > 1:
+        found.sort(key=order.__getitem__)
+    return found
 
 
 def _split_key(layout: Layout, coord) -> tuple[int, ...]:
