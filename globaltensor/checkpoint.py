@@ -25,6 +25,7 @@ axis and zeros elsewhere (the factories' convention).
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import glob
 import os
 import shutil
@@ -43,6 +44,10 @@ from .tensor import GlobalTensor, redistribute
 __all__ = ["load", "save", "install_checkpoint_methods"]
 
 _REDUCED = "_gt_reduced"  # a partial tensor's summed piece, from planning to writing
+# pieces of partial tensors to zero once every rank's load plan is made (gt.checkpoint.load:
+# a load that fails in planning leaves the destination as it was); None: zero them at once
+_ZERO_LATER: contextvars.ContextVar[list | None] = contextvars.ContextVar("gt_zero_later",
+                                                                         default=None)
 
 
 # ------------------------------------------------------------------ the hooks DCP's planners call
@@ -82,7 +87,11 @@ def _create_chunk_list(self: GlobalTensor) -> list:
     if coord is None:
         return []
     if any(coord[a] for a in layout.partial_axes):
-        self._local.zero_()
+        deferred = _ZERO_LATER.get()
+        if deferred is None:
+            self._local.zero_()
+        else:
+            deferred.append(self._local)
         return []
     box = layout.box(coord)
     if box_numel(box) == 0:
@@ -349,16 +358,29 @@ def _reader(path: str):
 def _planner(path: str, problem: str):
     """DCP's DefaultLoadPlanner that, on every rank, raises the problem this rank found with
     the directory, or a key or shape that differs, before DCP's first collective of a load
-    (its plan): that collective takes the error to every rank before anything is read."""
+    (its plan): that collective takes the error to every rank before anything is read or
+    zeroed."""
     dcp, _ = _dcp()
 
     class Planner(dcp.DefaultLoadPlanner):
+        zero_later: list = []
+
         def create_local_plan(self):
             found = problem or _mismatch(path, self.original_state_dict, self.state_dict,
                                          self.metadata)
             if found:
                 raise GlobalTensorError(found)
-            return super().create_local_plan()
+            self.zero_later = []
+            token = _ZERO_LATER.set(self.zero_later)
+            try:
+                return super().create_local_plan()
+            finally:
+                _ZERO_LATER.reset(token)
+
+        def finish_plan(self, plan):  # every rank's plan is made: now pieces may change
+            for piece in self.zero_later:
+                piece.zero_()
+            return super().finish_plan(plan)
 
     return Planner()
 

@@ -9,7 +9,7 @@ import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 import torch.nn.functional as F
-from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
@@ -372,6 +372,30 @@ def test_a_problem_one_rank_alone_sees_raises_on_every_rank(saved, tmp_path):
         assert message.endswith("(on rank 1)")
 
 
+def test_a_failed_load_leaves_partial_pieces_as_they_were(saved, tmp_path):
+    """Loading into a P tensor zeroes the pieces off coordinate 0, but only once every rank's
+    plan is made: here rank 0 alone sees a bad path, and rank 1's piece is kept."""
+    def body(rank, where):
+        model = MLP(seed=9).to_global(G2, lambda n, t: B)
+        w1 = model.w1.full_tensor()
+        model.w1 = torch.nn.Parameter(make_global(w1, Layout(G2, P, w1.shape), rank))  # 2 parts
+        before = model.w1.to_local().clone()
+        assert before.abs().sum() > 0
+        try:
+            gt.checkpoint.load(where(rank), model=model)
+        except GlobalTensorError as e:
+            return str(e), torch.equal(before, model.w1.to_local())
+        return None, model.w1.full_tensor()
+
+    bad = run_ranks(body, 2, lambda rank: str(tmp_path / "x") if rank == 0 else saved,
+                    timeout=TIMEOUT)
+    assert [(m.endswith("(on rank 0)"), kept) for m, kept in bad] == [(True, True)] * 2
+    good = run_ranks(body, 2, lambda rank: saved, timeout=TIMEOUT)
+    w1 = MLP()
+    gt.checkpoint.load(saved, model=w1)
+    assert good[0][0] is None and torch.equal(good[0][1], w1.w1) and torch.equal(good[1][1], w1.w1)
+
+
 def test_shapes_or_keys_that_differ_raise_on_every_rank_and_change_nothing(saved):
     for message, _ in on_every_rank(2, load_keeps, saved, lambda: MLP(hidden=10, seed=9)):
         assert "found 6 shape(s) that differ (model.w1: saved [8, 12], here [8, 10]; model.w2: " in message
@@ -447,10 +471,16 @@ def test_saved_in_one_process_loads_on_ranks(tmp_path):
     with pytest.raises(GlobalTensorError, match="found a file"):  # in one process too
         gt.checkpoint.save(str(tmp_path / "plain" / ".metadata"), model=model)
 
-    def body(rank):
+    def body(rank, where):
         m = MLP(seed=0).to_global(G22, tp_dp)
-        extra = gt.checkpoint.load(path, model=m)
+        extra = gt.checkpoint.load(where, model=m)
         return extra, m.w1.full_tensor(), m.w2.full_tensor()
 
-    extra, w1, w2 = run_ranks(body, 4, timeout=TIMEOUT)[3]
+    extra, w1, w2 = run_ranks(body, 4, path, timeout=TIMEOUT)[3]
     assert extra == {"epoch": 3} and torch.equal(w1, model.w1) and torch.equal(w2, model.w2)
+
+    # and from one plain file (pretrained weights): DCP's torch_save_to_dcp, then any layout
+    torch.save({"model": MLP(seed=6).state_dict()}, tmp_path / "weights.pt")
+    torch_save_to_dcp(tmp_path / "weights.pt", tmp_path / "from-file")
+    extra, w1, w2 = run_ranks(body, 4, str(tmp_path / "from-file"), timeout=TIMEOUT)[0]
+    assert extra == {} and torch.equal(w1, MLP(seed=6).w1) and torch.equal(w2, MLP(seed=6).w2)
