@@ -193,14 +193,14 @@ class _Bound:
     part of the cost for *every* route (a minimum over the two kinds of route: axis-local steps
     only, or reductions then one exchange), so their sum is one too."""
 
-    __slots__ = ("src", "dst", "union", "memory", "_memo")
+    __slots__ = ("src", "dst", "itemsize", "union", "memory", "_memo")
 
-    def __init__(self, src: Layout, dst: Layout):
-        self.src, self.dst = src, dst
+    def __init__(self, src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE):
+        self.src, self.dst, self.itemsize = src, dst, itemsize
         self.union = len(set(src.placement.flat_ranks) | set(dst.placement.flat_ranks))
         # every step writes at least the smallest piece any layout of the tensor can have
         smallest = dst.numel() / max(src.placement.size, dst.placement.size)
-        self.memory = MEMORY * SEARCH_ITEMSIZE * smallest
+        self.memory = MEMORY * itemsize * smallest
         self._memo: dict = {}
 
     def __call__(self, node: Layout) -> float:
@@ -227,7 +227,7 @@ class _Bound:
         lat_exchange = len(partial) + 1 if node.placement == self.src.placement else inf
         latency = min(lat_local, lat_exchange)
         steps = min(steps_local, lat_exchange)
-        return (ALPHA * latency + BETA * SEARCH_ITEMSIZE * self._elements(node, partial, keep)
+        return (ALPHA * latency + BETA * self.itemsize * self._elements(node, partial, keep)
                 + self.memory * steps)
 
     def _elements(self, node: Layout, partial, keep: int) -> float:
@@ -249,7 +249,7 @@ class _Bound:
 
     def exchange(self, target: Layout) -> float:
         """A bound on any exchange into ``target``: one message, and writing its pieces."""
-        piece = target.max_local_numel() * SEARCH_ITEMSIZE
+        piece = target.max_local_numel() * self.itemsize
         return ALPHA + (MEMORY + COPY) * piece
 
     def exchange_from(self, node: Layout, target: Layout) -> float:
@@ -259,7 +259,7 @@ class _Bound:
         missing, messages = _missing(node, target)
         sent = missing / self.union
         return (self.exchange(target) + ALPHA * (messages - 1)
-                + (BETA + COPY) * SEARCH_ITEMSIZE * sent) * (1 - 1e-9)
+                + (BETA + COPY) * self.itemsize * sent) * (1 - 1e-9)
 
 
 @memo(16384)
@@ -367,12 +367,13 @@ def _dim_ranges(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
     return tuple(tuple(sorted({b[d] for b in boxes(layout).values()})) for d in range(layout.ndim))
 
 
-def lower_bound(src: Layout, dst: Layout) -> float:
-    """A lower bound on ``plan(src, dst).cost()`` (search item size), without searching: cheap,
-    and exact for many one-step plans' collective counts. Used to prune signature choices."""
+@memo(16384)
+def lower_bound(src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE) -> float:
+    """A lower bound on ``plan(src, dst).cost(itemsize)``, without searching (microseconds to
+    a few tens of them). The signature choice prunes with it."""
     if src == dst:
         return 0.0
-    return _Bound(src, dst)(src)
+    return _Bound(src, dst, itemsize)(src)
 
 
 # --------------------------------------------------------------------------- the search

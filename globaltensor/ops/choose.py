@@ -3,20 +3,25 @@
 On an n-D grid a candidate is one row per placement axis (the product of a rule's rows with
 themselves). :func:`choose` costs each candidate by the redistribution its inputs need
 (``plan(src, dst).cost``), plus the move each input's gradient will then need in backward, and
-returns the cheapest as a :class:`Choice`.
+returns the cheapest as a :class:`Choice`. It does not plan every candidate: rows are filtered
+per axis, candidates are ordered by cheap lower bounds and planned only while a bound can still
+beat the best (branch and bound, docs/planner.md); :func:`reference_choose` is the exhaustive
+loop it replaced, kept as the tests' oracle.
 
 Pure: no torch.distributed, no rank.
 """
 from __future__ import annotations
 
+import heapq
 import itertools
 import math
 from dataclasses import dataclass
 
 from ..errors import GlobalTensorError
 from ..layout import Layout
-from ..plan import plan
-from ..sbp import Broadcast, PartialSum, SbpValue
+from ..plan import lower_bound, plan
+from ..sbp import Broadcast, PartialSum, SbpValue, Split
+from ..steps import ALPHA, BETA, MEMORY
 from .signature import KEEP, B, P, Call, Rule, rows_for
 
 
@@ -40,14 +45,6 @@ def _move_cost(src: Layout, dst: Layout, itemsize: int) -> float:
     return plan(src, dst).cost(itemsize)
 
 
-def _candidates(rule: Rule, n_in: int, mesh):
-    for combo in itertools.product(rule.rows, repeat=len(mesh)):
-        kernels = {r.kernel for r in combo if r.kernel}
-        if len(kernels) > 1:
-            continue
-        yield combo, (kernels.pop() if kernels else None)
-
-
 def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
            fixed: tuple[int, ...] = (), grads: tuple[bool, ...] = (),
            free: tuple = ()) -> Choice | None:
@@ -69,8 +66,184 @@ def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
 
 
 def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()) -> Choice | None:
-    placement = layouts[0].placement
-    mesh = placement.shape
+    """Branch and bound over the candidates (one row per placement axis, DESIGN.md's product).
+
+    Rows that cannot stand on an axis are dropped per axis (an input asked to become P, a split
+    of a dim the input lacks, a fixed input or result changed); each remaining candidate gets a
+    bound on its cost worked out per axis in microseconds (:class:`_Cheap`), and candidates are
+    costed in the order of their bounds: first a finer bound (``plan.lower_bound``), then the
+    plans themselves, until the next bound cannot beat the best found. The result is the
+    candidate the exhaustive loop (:func:`reference_choose`) picks: the least (cost, inputs
+    changed, rows in product order)."""
+    for r in rule.rows:
+        if len(r.ins) != len(layouts):
+            raise GlobalTensorError(
+                f"internal: a rule for {call.op} gave rows for {len(r.ins)} inputs, the "
+                f"call has {len(layouts)} global tensor inputs; please report this")
+    mesh = layouts[0].placement.shape
+    options = [_axis_options(rule, layouts, axis, fixed, free) for axis in range(len(mesh))]
+    cheap = [_Cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
+             enumerate(zip(layouts, itemsizes))]
+    heap = []
+    for combo in itertools.product(*options):
+        kernels = {r.kernel for _, r, _, _ in combo if r.kernel}
+        if len(kernels) > 1:
+            continue
+        ins = tuple(zip(*(values for _, _, values, _ in combo)))
+        resolved = tuple(zip(*(values for _, _, _, values in combo)))
+        changed = sum(1 for layout, sbp in zip(layouts, resolved) if sbp != layout.sbp)
+        bound = sum(c.bound(sbp) for c, sbp in zip(cheap, resolved))
+        order = tuple(index for index, _, _, _ in combo)
+        heap.append((bound, changed, order, 0, combo, ins))  # 0: no term worked out yet
+    heapq.heapify(heap)
+    best, best_key = None, None
+    while heap:
+        bound, changed, order, terms, combo, ins = heapq.heappop(heap)
+        if best_key is not None and (bound, changed, order) >= best_key:
+            break
+        rows = tuple(r for _, r, _, _ in combo)
+        outs = outs_of(rows)
+        targets = _targets(layouts, ins)
+        if terms == 0:  # first time first: is it a candidate at all, and a finer bound
+            if targets is None or (rule.check is not None and not rule.check(call, mesh, ins, outs)):
+                continue
+            terms = _terms(layouts, targets, itemsizes, outs, grads, free)
+        else:  # then the plans, the largest bound first: one may be enough to rule it out
+            terms = _exact_one(terms, layouts, targets, itemsizes, outs)
+        if terms is None:
+            continue  # a move that would invent a partial sum
+        if any(not exact for _, exact, _, _ in terms):
+            total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
+            heapq.heappush(heap, (max(bound, total), changed, order, terms, combo, ins))
+            continue
+        cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
+        key = (cost, changed, order)
+        if best_key is None or key < best_key:
+            kernels = {r.kernel for r in rows if r.kernel}
+            best, best_key = Choice(targets, outs, kernels.pop() if kernels else None, cost), key
+    return best
+
+
+def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
+    """The parts of a candidate's cost, each as (bound, exact?, input, backward?): the moves
+    its inputs need (the planner's bound, or 0 for a free layout) and, for inputs that will
+    get a gradient, the move that gradient needs in backward."""
+    terms = []
+    for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):
+        if src == dst:
+            continue
+        if not (free and dst in free[i]):
+            terms.append((lower_bound(src, dst, n), False, i, False))
+        if grads and grads[i]:
+            grad, wanted = _backward_move(src, dst, outs)
+            bound = lower_bound(grad, grad.with_sbp(wanted), n) if wanted != grad.sbp else 0.0
+            terms.append((bound, wanted == grad.sbp, i, True))
+    return tuple(sorted(terms, key=lambda t: -t[0]))
+
+
+def _exact_one(terms, layouts, targets, itemsizes, outs):
+    """``terms`` with the first (largest) inexact one costed exactly (None: it is infinite)."""
+    k = next(k for k, (_, exact, _, _) in enumerate(terms) if not exact)
+    _, _, i, backward = terms[k]
+    src, dst, n = layouts[i], targets[i], itemsizes[i]
+    cost = backward_cost(src, dst, outs, n) if backward else _move_cost(src, dst, n)
+    if math.isinf(cost):
+        return None
+    return terms[:k] + ((cost, True, i, backward),) + terms[k + 1:]
+
+
+def _axis_options(rule: Rule, layouts, axis: int, fixed, free) -> list:
+    """(index, row, sbp per input) for the rows that can stand on ``axis``: none asks an input
+    to become P (unless a free layout of it is P there), splits a dim it lacks, or changes a
+    fixed input (or, for an in-place op, its result)."""
+    options = []
+    for index, row in enumerate(rule.rows):
+        values, resolved = [], []
+        for i, (layout, v) in enumerate(zip(layouts, row.ins)):
+            own = layout.sbp[axis]
+            v = own if v is KEEP else v
+            if isinstance(v, Split) and not -layout.ndim <= v.dim < layout.ndim:
+                break
+            r = v.resolve(layout.ndim) if isinstance(v, Split) else v
+            if isinstance(r, PartialSum) and not isinstance(own, PartialSum) and not (
+                    free and any(isinstance(f.sbp[axis], PartialSum) for f in free[i])):
+                break
+            if i in fixed and r != own:
+                break
+            values.append(v)
+            resolved.append(r)
+        else:
+            if fixed and row.outs[0] != layouts[fixed[0]].sbp[axis]:
+                continue
+            options.append((index, row, tuple(values), tuple(resolved)))
+    return options
+
+
+class _Cheap:
+    """A bound on moving one input to a target sbp, from per-axis facts (see plan._Bound):
+    α per axis that needs a collective (or one exchange after reducing every partial axis),
+    the memory of one step per changed axis, and β for the elements that must move: the
+    reductions a partial axis needs, or what the target's pieces lack (summed over ranks,
+    a layout's pieces hold numel N / s elements, s the product of its split axes' sizes)."""
+
+    __slots__ = ("layout", "itemsize", "free", "partial", "smallest", "reduce", "held", "_memo")
+
+    def __init__(self, layout: Layout, itemsize: int, free):
+        self.layout, self.itemsize, self.free = layout, itemsize, free
+        mesh = layout.placement.shape
+        self.partial = [a for a, v in enumerate(layout.sbp) if isinstance(v, PartialSum) and mesh[a] > 1]
+        self.smallest = layout.numel() / layout.placement.size
+        self.reduce = math.prod(mesh[a] for a in self.partial)
+        # elements per rank, on average, that ranks hold of the value (none while partial)
+        splits = math.prod(n for n, v in zip(mesh, layout.sbp) if isinstance(v, Split))
+        self.held = 0.0 if self.partial else layout.numel() / splits
+        self._memo: dict = {}
+
+    def bound(self, sbp) -> float:
+        found = self._memo.get(sbp)
+        if found is None:
+            found = self._memo[sbp] = self._bound(sbp)
+        return found
+
+    def _bound(self, sbp) -> float:
+        layout = self.layout
+        if sbp == layout.sbp or any(sbp == f.sbp for f in self.free):
+            return 0.0
+        mesh = layout.placement.shape
+        comm = steps = 0
+        keep = splits = sums = 1
+        kept = True  # every partial axis stays partial
+        for a, (v, w) in enumerate(zip(layout.sbp, sbp)):
+            if mesh[a] == 1:
+                continue
+            if isinstance(w, Split):
+                splits *= mesh[a]
+            elif isinstance(w, PartialSum):
+                sums *= mesh[a]
+            if isinstance(v, PartialSum) and isinstance(w, PartialSum):
+                keep *= mesh[a]
+                continue
+            kept = kept and not isinstance(v, PartialSum)
+            if v != w:
+                steps += 1
+                comm += not isinstance(v, Broadcast) and not isinstance(w, PartialSum)
+        exchange = len(self.partial) + 1
+        numel = layout.numel()
+        wanted = numel / (splits * sums)  # per rank, on average, the target's groups need
+        lacking = wanted - self.held if not self.partial else (0.0 if kept else wanted)
+        elements = max(self.smallest * (self.reduce - keep), lacking)
+        return (ALPHA * min(comm, exchange) + self.itemsize * (
+            MEMORY * self.smallest * min(steps, exchange) + BETA * elements)) * (1 - 1e-9)
+
+
+def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()) -> Choice | None:
+    """The exhaustive choice this module replaced (issue 14), kept as the test oracle: every
+    candidate of the product of rows over axes, each planned."""
+    rule = rows_for(call)
+    if rule is None or not layouts:
+        return None
+    layouts = tuple(layouts)
+    mesh = layouts[0].placement.shape
     best, best_key = None, None
     for order, (combo, kernel) in enumerate(_candidates(rule, len(layouts), mesh)):
         if any(len(r.ins) != len(layouts) for r in combo):
@@ -94,6 +267,14 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
         if best_key is None or key < best_key:
             best, best_key = Choice(targets, outs, kernel, cost), key
     return best
+
+
+def _candidates(rule: Rule, n_in: int, mesh):
+    for combo in itertools.product(rule.rows, repeat=len(mesh)):
+        kernels = {r.kernel for r in combo if r.kernel}
+        if len(kernels) > 1:
+            continue
+        yield combo, (kernels.pop() if kernels else None)
 
 
 def _candidate_cost(layouts, targets, itemsizes, outs, grads, free) -> float:
@@ -131,12 +312,18 @@ def backward_cost(src: Layout, dst: Layout, outs, itemsize: int) -> float:
     arrives in :func:`grad_layout` and its producer takes it in the dual of ``src`` (S stays S,
     P wants B; a B source accepts any layout, as partial sums or not). The cost of that plan
     (0 when the gradient already fits): P -> S(d) costs a gather in backward, P -> B nothing."""
-    grad = grad_layout(dst, outs)
-    wanted = tuple(g if isinstance(s, Broadcast) else (B if isinstance(s, PartialSum) else s)
-                   for s, g in zip(src.sbp, grad.sbp))
+    grad, wanted = _backward_move(src, dst, outs)
     if wanted == grad.sbp:
         return 0.0
     return plan(grad, grad.with_sbp(wanted)).cost(itemsize)
+
+
+def _backward_move(src: Layout, dst: Layout, outs):
+    """The gradient's layout and the sbp its producer takes it in (see :func:`backward_cost`)."""
+    grad = grad_layout(dst, outs)
+    wanted = tuple(g if isinstance(s, Broadcast) else (B if isinstance(s, PartialSum) else s)
+                   for s, g in zip(src.sbp, grad.sbp))
+    return grad, wanted
 
 
 def outs_of(combo) -> tuple[tuple[SbpValue, ...], ...]:
@@ -154,4 +341,4 @@ def _targets(layouts, ins):
     return tuple(out)
 
 
-__all__ = ["Choice", "backward_cost", "choose", "grad_layout", "outs_of"]
+__all__ = ["Choice", "backward_cost", "choose", "grad_layout", "outs_of", "reference_choose"]

@@ -1,0 +1,57 @@
+"""The signature choice's branch and bound (issue 14) against the exhaustive loop it replaced
+(ops.choose.reference_choose): the same Choice (targets, outputs, kernel, cost) on a seeded
+sample of calls, input layouts, item sizes, gradients, free layouts and in-place ops, on grids
+[2], [2, 2], [1, 2], [2, 3] and [2, 2, 2]. Pure: one process, no ranks."""
+import random
+
+import numpy as np
+import pytest
+
+import globaltensor as gt
+from globaltensor.layout import Layout
+from globaltensor.ops import Call, Ref, choose
+from globaltensor.ops.choose import reference_choose
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+POINTWISE = frozenset({"pointwise"})
+CALLS = [
+    (Call("mm.default", ((8, 6), (6, 10)), (Ref(0), Ref(1))), False),
+    (Call("mm.default", ((1024, 512), (512, 2048)), (Ref(0), Ref(1))), False),
+    (Call("add.Tensor", ((8, 6), (8, 6)), (Ref(0), Ref(1)), (), POINTWISE), False),
+    (Call("add.Tensor", ((8, 6), (6,)), (Ref(0), Ref(1)), (), POINTWISE), False),
+    (Call("mul.Tensor", ((5, 7), (5, 7)), (Ref(0), Ref(1)), (), POINTWISE), False),
+    (Call("bmm.default", ((4, 6, 8), (4, 8, 2)), (Ref(0), Ref(1))), False),
+    (Call("sum.dim_IntList", ((8, 6),), (Ref(0), (1,), True)), False),
+    (Call("view.default", ((4, 6),), (Ref(0), (24,))), False),
+    (Call("view.default", ((4, 6),), (Ref(0), (2, 2, 6))), False),
+    (Call("add_.Tensor", ((8, 6), (8, 6)), (Ref(0), Ref(1)), (), POINTWISE | {"inplace"}), True),
+]
+GRIDS = {"[2]": [0, 1], "[2,2]": [[0, 1], [2, 3]], "[1,2]": [[0, 1]], "[2,3]": [[0, 1, 2], [3, 4, 5]],
+         "[2,2,2]": np.arange(8).reshape(2, 2, 2).tolist()}
+
+
+def _random_layout(rng, placement, shape):
+    values = [S(d) for d in range(len(shape))] + [B, P]
+    return Layout(placement, tuple(rng.choice(values) for _ in range(placement.ndim)), shape)
+
+
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_choice_is_the_one_the_exhaustive_loop_picks(grid):
+    rng = random.Random(grid)
+    placement = gt.placement("cpu", GRIDS[grid])
+    checked = 0
+    for call, inplace in CALLS:
+        for _ in range(12 if placement.ndim < 3 else 6):
+            layouts = tuple(_random_layout(rng, placement, s) for s in call.shapes)
+            itemsizes = tuple(rng.choice([2, 4, 8]) for _ in layouts)
+            grads = tuple(rng.random() < 0.5 for _ in layouts) if rng.random() < 0.6 else ()
+            free = ()
+            if rng.random() < 0.3:
+                free = tuple(frozenset({_random_layout(rng, placement, l.shape)})
+                             if rng.random() < 0.5 else frozenset() for l in layouts)
+            fixed = (0,) if inplace else ()
+            new = choose(call, layouts, itemsizes, fixed=fixed, grads=grads, free=free)
+            ref = reference_choose(call, layouts, itemsizes, fixed=fixed, grads=grads, free=free)
+            assert new == ref, (call.op, layouts, grads, free)
+            checked += new is not None
+    assert checked > 40
