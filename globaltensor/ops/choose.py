@@ -82,6 +82,9 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
                 f"call has {len(layouts)} global tensor inputs; please report this")
     mesh = layouts[0].placement.shape
     options = [_axis_options(rule, layouts, axis, fixed, free) for axis in range(len(mesh))]
+    stay = _stay(rule, call, layouts, options)
+    if stay is not None:
+        return stay
     cheap = [_Cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
              enumerate(zip(layouts, itemsizes))]
     heap = []
@@ -122,6 +125,28 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
             kernels = {r.kernel for r in rows if r.kernel}
             best, best_key = Choice(targets, outs, kernels.pop() if kernels else None, cost), key
     return best
+
+
+def _stay(rule: Rule, call: Call, layouts, options) -> Choice | None:
+    """The first candidate (in product order) that moves no input, if there is one: it costs
+    0 and changes nothing, so no other candidate comes before it (the common case, decided
+    without costing anything)."""
+    own = [tuple(layout.sbp[axis] for layout in layouts) for axis in range(len(options))]
+    keeping = [[o for o in opts if o[3] == own[axis]] for axis, opts in enumerate(options)]
+    mesh = layouts[0].placement.shape
+    for combo in itertools.product(*keeping):
+        rows = tuple(r for _, r, _, _ in combo)
+        kernels = {r.kernel for r in rows if r.kernel}
+        if len(kernels) > 1:
+            continue
+        ins = tuple(zip(*(values for _, _, values, _ in combo)))
+        outs = outs_of(rows)
+        if rule.check is not None and not rule.check(call, mesh, ins, outs):
+            continue
+        targets = _targets(layouts, ins)
+        if targets is not None:
+            return Choice(targets, outs, kernels.pop() if kernels else None, 0.0)
+    return None
 
 
 def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
