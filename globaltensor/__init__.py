@@ -18,11 +18,13 @@ from .mode import global_mode
 from .spawn import spawn
 from .visualize import visualize
 from .convert import install_tensor_methods
+from . import pydata
 from .grads import install_grad_methods
 from .nn.module import install_module_methods
 from . import checkpoint
 
 install_tensor_methods()
+pydata.install()
 install_grad_methods()
 install_module_methods()
 checkpoint.install_checkpoint_methods()

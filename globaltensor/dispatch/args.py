@@ -150,4 +150,6 @@ def local_tensor_error(value: torch.Tensor) -> GlobalTensorError:
         f"an operator got a global tensor and a local tensor of shape {list(value.shape)}; "
         f"expected global tensors (or 0-dim local scalars) only. Make the local tensor "
         f"global first, e.g. t.to_global(placement=x.placement, sbp=gt.sbp.broadcast) for "
-        f"a full value on every rank")
+        f"a full value on every rank, or run the code under gt.global_mode(placement), where "
+        f"local tensors are taken as broadcast values (torch ops that build a local tensor "
+        f"inside, such as quantile or matrix_power(x, 0), need it)")

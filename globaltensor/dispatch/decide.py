@@ -11,8 +11,9 @@ from ..errors import GlobalTensorError
 from ..ops import DECOMPOSE, MUTATES, REWRITES, B, Choice, arg_value, choose, rule_for
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
-from .decisions import Contextual, Decomposed, InplaceView, Plain, Special, ViaFunctional
-from .outputs import OutSpec, meta_result, out_specs
+from .decisions import (AdoptIndexScalars, Contextual, Decomposed, InplaceView, Plain, RunToLearn,
+                        Special, ViaFunctional)
+from .outputs import DataDependent, OutSpec, meta_result, out_specs
 from .special import SPECIAL, foreach, mixed_placements
 from .views import is_view, write_into
 
@@ -39,6 +40,9 @@ def decide(func, args, kwargs, tensors, key, context=None):
     if name.startswith("_foreach_"):
         return Special(foreach)
     _check_no_out(func, name)
+    index_scalars = _local_index_scalars(func, args, kwargs)
+    if index_scalars:
+        return AdoptIndexScalars(index_scalars)
     if name.split(".")[0] in DECOMPOSE:
         fn = _decomposition(func)
         if fn is not None:
@@ -68,7 +72,14 @@ def decide(func, args, kwargs, tensors, key, context=None):
 
 
 def _plain(func, args, kwargs, tensors, choice, inplace, call, key):
-    meta = meta_result(func, args, kwargs, call.op)
+    try:
+        meta = meta_result(func, args, kwargs, call.op)
+    except DataDependent:
+        if inplace:
+            raise
+        full = (B,) * tensors[0]._layout.placement.ndim
+        return RunToLearn(tuple(t._layout if t._layout.sbp == full else t._layout.with_sbp(full)
+                                for t in tensors))
     if inplace:
         outs = OutSpec(tensors[0]._layout, tensors[0].dtype)
     else:
@@ -91,6 +102,21 @@ def _mutated(func, call, args, kwargs, tensors, inplace) -> tuple[int, ...]:
     for name in names[1:] if inplace else names:
         value = arg_value(call.op, args, kwargs, name)
         found += [i for i, t in enumerate(tensors) if t is value]
+    return tuple(found)
+
+
+_INDEX_NAMES = frozenset({"index", "indices", "target"})
+
+
+def _local_index_scalars(func, args, kwargs) -> tuple[str, ...]:
+    """The index/target arguments given as 0-dim local tensors (decisions.AdoptIndexScalars)."""
+    found = []
+    for i, a in enumerate(func._schema.arguments):
+        if a.name not in _INDEX_NAMES:
+            continue
+        v = args[i] if i < len(args) and not a.kwarg_only else kwargs.get(a.name)
+        if type(v) is torch.Tensor and v.dim() == 0:
+            found.append(a.name)
     return tuple(found)
 
 

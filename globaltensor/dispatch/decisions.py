@@ -18,6 +18,8 @@ from torch.utils._mode_utils import no_dispatch
 from .. import world
 from .._cache import Bounded
 from ..errors import GlobalTensorError
+from ..layout import Layout
+from ..sbp import Broadcast
 from ..ops import KERNELS, KernelContext
 from ..redistribute import moved, moved_targets, redistribute_local
 from ..runtime.failure import local_failure
@@ -25,6 +27,9 @@ from ..tensor import GlobalTensor
 from .args import local_args
 from .outputs import OutSpec, empties, wrap
 from .views import LINK, link, write_back, write_into
+
+
+B_SBP = Broadcast()
 
 
 def my_coord(placement):
@@ -281,3 +286,106 @@ class Special:
 
     def run(self, func, args, kwargs, tensors):
         return self.fn(func, args, kwargs, tensors)
+
+
+class RunToLearn:
+    """An op whose output shape depends on its data (nonzero, unique, masked_select, x[mask],
+    bincount, repeat_interleave, equal, allclose...): meta tensors cannot tell the shape, so
+    the members run it on broadcast inputs and the result is broadcast, its shape learnt from
+    the run. Ranks outside the placement learn shapes, dtypes and plain values (``equal``'s
+    bool) from the placement's first rank, one object broadcast over the world; when the
+    placement holds every rank nothing is sent."""
+
+    __slots__ = ("targets", "placement")
+
+    def __init__(self, targets):
+        self.targets = targets
+        self.placement = targets[0].placement
+
+    def run(self, func, args, kwargs, tensors):
+        pieces = [t._local if t._layout == target else moved(t, target)
+                  for t, target in zip(tensors, self.targets)]
+        inside = my_coord(self.placement) is not None
+        result = None
+        if inside:
+            largs, lkwargs = local_args(args, kwargs, pieces)
+            try:
+                result = func(*largs, **lkwargs)
+            except Exception as error:  # noqa: BLE001 - every member runs the same full values
+                if isinstance(error, GlobalTensorError) or world.get_world_size() == 1:
+                    raise
+                raise local_failure(str(func), self.placement.flat_ranks, error) from error
+        if self.placement.size != world.get_world_size():  # asked per call: decisions outlive worlds
+            result = _from_first_member(result, self.placement, inside)
+        return _broadcast_wrapped(result, self.placement)
+
+
+def _described(value):
+    """What an outside rank needs of a result: shapes and dtypes of tensors, plain values."""
+    if isinstance(value, torch.Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, (tuple, list)):
+        return (type(value).__name__, [_described(v) for v in value])
+    return ("value", value)
+
+
+def _rebuilt(desc, device):
+    kind = desc[0]
+    if kind == "tensor":
+        return ("shape", desc[1], torch.empty((0,) * len(desc[1]), dtype=desc[2], device=device))
+    if kind in ("tuple", "list"):
+        items = [_rebuilt(d, device) for d in desc[1]]
+        return tuple(items) if kind == "tuple" else list(items)
+    return desc[1]
+
+
+def _from_first_member(result, placement, inside):
+    import torch.distributed as dist
+
+    first = int(placement.flat_ranks[0])
+    box = [_described(result) if world.get_rank() == first else None]
+    dist.broadcast_object_list(box, src=first)
+    return result if inside else _rebuilt(box[0], torch.device("cpu"))
+
+
+def _broadcast_wrapped(result, placement):
+    full = (B_SBP,) * placement.ndim
+    if isinstance(result, tuple) and len(result) == 3 and result[0] == "shape":
+        _, shape, empty = result  # an outside rank: an empty piece of the learnt shape
+        return GlobalTensor._make(empty, Layout(placement, full, shape))
+    if isinstance(result, torch.Tensor):
+        return GlobalTensor._make(result, Layout(placement, full, tuple(result.shape)))
+    if isinstance(result, (tuple, list)):
+        return type(result)(_broadcast_wrapped(r, placement) for r in result)
+    return result
+
+
+class AdoptIndexScalars:
+    """A 0-dim local tensor given as an op's index or target (``index_select(x, 0,
+    torch.tensor(1))``, ``nll_loss(x, torch.tensor(3))``) is data, not a pointwise scalar: it
+    becomes a 0-dim broadcast global tensor and the call is dispatched again."""
+
+    __slots__ = ("names",)
+
+    def __init__(self, names):
+        self.names = names
+
+    def run(self, func, args, kwargs, tensors):
+        placement = tensors[0]._layout.placement
+        inside = my_coord(placement) is not None
+        full = (B_SBP,) * placement.ndim
+
+        def adopt(v):
+            if type(v) is torch.Tensor and v.dim() == 0:
+                return GlobalTensor._make(v if inside else v.new_empty(()), Layout(placement, full, ()))
+            return v
+        schema = func._schema.arguments
+        args = list(args)
+        for i, a in enumerate(schema):
+            if a.name not in self.names:
+                continue
+            if i < len(args) and not a.kwarg_only:
+                args[i] = adopt(args[i])
+            elif a.name in kwargs:
+                kwargs = dict(kwargs, **{a.name: adopt(kwargs[a.name])})
+        return func(*args, **kwargs)

@@ -28,9 +28,14 @@ def meta_result(func, args, kwargs, name):
     except (NotImplementedError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "meta" not in str(e).lower():
             raise GlobalTensorError(f"{name} on global tensors: {e}") from e
-        raise GlobalTensorError(
+        raise DataDependent(
             f"{name}: cannot work out the output shape without running the op (no meta "
             f"kernel: {e}); gather the inputs with x.full_tensor() and run it locally") from e
+
+
+class DataDependent(GlobalTensorError):
+    """The op's output shape depends on its data (nonzero, unique, masked_select...): meta
+    tensors cannot tell it. Dispatch runs such ops on broadcast inputs (decisions.RunToLearn)."""
 
 
 class OutSpec:

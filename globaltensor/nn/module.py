@@ -33,8 +33,17 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp_fn=None) -> tor
     choose = _sbp_chooser(sbp_fn, placement)
     _each_tensor(module, lambda value, name, parameter, converted: _converted(
         value, name, placement, choose, converted, parameter))
+    _refresh_flat_weights(module)
     _run_forward_in_global_mode(module, placement)
     return module
+
+
+def _refresh_flat_weights(module: torch.nn.Module) -> None:
+    """RNN/LSTM/GRU keep a list of their weights besides ``_parameters``; torch refreshes it in
+    ``_apply`` (``.to()``), so do the same after the tensors are replaced."""
+    for sub in module.modules():
+        if isinstance(sub, torch.nn.RNNBase):
+            sub._init_flat_weights()
 
 
 def to_local(module: torch.nn.Module) -> torch.nn.Module:
@@ -50,6 +59,7 @@ def to_local(module: torch.nn.Module) -> torch.nn.Module:
                                     if parameter else full)
         return converted[id(value)]
     _each_tensor(module, local)
+    _refresh_flat_weights(module)
     handles = module.__dict__.pop("_gt_global_mode", None)
     for h in handles or ():
         h.remove()

@@ -284,7 +284,20 @@ def diagonal_scatter(call: Call):
     return tuple(rows + [Row((S(d), S(k)), (S(d),)) for k, d in enumerate(_diagonal_rest(call))])
 
 
+def constant_pad(call: Call):
+    """``constant_pad_nd(x, pad, value)``: the padded dims must be whole, the others may stay
+    split; a partial sum passes only when the padding value is 0 (every rank pads with it)."""
+    nd = len(call.shapes[0])
+    pad = list(call.get("pad"))
+    padded = {nd - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0}
+    rows = keep_whole(call, padded)
+    if call.get("value", 0) != 0:
+        rows = tuple(r for r in rows if r.ins[0] != P)
+    return rows
+
+
 register("view", "_unsafe_view", "reshape", rule=view, rewrite=_rewrite_view)
+register("constant_pad_nd", rule=constant_pad)
 register("permute", rule=permute)
 register("transpose", "t", rule=transpose)
 register("squeeze", rule=squeeze, kernels={"squeeze": _k_squeeze})

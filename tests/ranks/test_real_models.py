@@ -134,3 +134,76 @@ def test_gpt2_tensor_and_data_parallel_on_a_2x2_grid(attn):
 
 def test_gpt2_data_parallel():
     check_training(lambda: gpt2("eager"), grid=False)
+
+
+class Block(torch.nn.Module):
+    """A ResNet basic block: conv-BN-ReLU-conv-BN plus the shortcut, then ReLU."""
+
+    def __init__(self, c):
+        super().__init__()
+        self.conv1 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn1 = torch.nn.BatchNorm2d(c)
+        self.conv2 = torch.nn.Conv2d(c, c, 3, padding=1, bias=False)
+        self.bn2 = torch.nn.BatchNorm2d(c)
+
+    def forward(self, x):
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(x + self.bn2(self.conv2(y)))
+
+
+class SmallResNet(torch.nn.Module):
+    def __init__(self, classes=5):
+        super().__init__()
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, 8, 3, padding=1, bias=False),
+                                        torch.nn.BatchNorm2d(8), torch.nn.ReLU(),
+                                        torch.nn.MaxPool2d(2))
+        self.blocks = torch.nn.Sequential(Block(8), Block(8))
+        self.pool = torch.nn.AdaptiveAvgPool2d(1)
+        self.head = torch.nn.Linear(8, classes)
+
+    def forward(self, x):
+        x = self.pool(self.blocks(self.stem(x)))
+        return self.head(torch.flatten(x, 1))
+
+
+def test_resnet_with_batchnorm_data_parallel_matches_one_process():
+    torch.manual_seed(0)
+    base = SmallResNet().double()
+    images = torch.randn(7, 3, 8, 8, dtype=torch.float64, generator=torch.Generator().manual_seed(2))
+    labels = torch.tensor([0, 1, 2, 3, 4, 0, 2])
+
+    def steps(model, x, y):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+        losses = []
+        for _ in range(STEPS):
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            opt.step()
+            losses.append(full(loss).item())
+        return losses
+
+    reference = copy.deepcopy(base)
+    ref_losses = steps(reference, images, labels)
+    ref_state = reference.state_dict()
+
+    def body(rank):
+        model = copy.deepcopy(base)
+        placement = gt.placement("cpu", [0, 1])
+        model.to_global(placement, B)
+        seen = []  # the sbp of every layer's output: the batch stays split, none is whole
+        for name, sub in model.named_modules():
+            if name and not list(sub.children()):
+                sub.register_forward_hook(lambda m, i, o, name=name: seen.append((name, o.sbp)))
+        x = gt.tensor(images, placement=placement, sbp=S(0))  # uneven: 4 + 3 images
+        y = gt.tensor(labels, placement=placement, sbp=S(0))
+        losses = steps(model, x, y)
+        state = {k: full(v) for k, v in model.state_dict().items()}
+        return losses, state, seen
+
+    for losses, state, seen in run_ranks(body, 2, timeout=120):
+        assert losses == pytest.approx(ref_losses, rel=1e-9)
+        for k, v in state.items():  # parameters, running means and variances, batch counters
+            torch.testing.assert_close(v, ref_state[k], rtol=1e-9, atol=1e-12, msg=k)
+        whole = {name for name, sbp in seen if sbp != (S(0),)}
+        assert not whole, f"layers that computed the whole batch: {sorted(whole)}"
