@@ -62,6 +62,11 @@ _RANDOM_LIKE = {torch.rand_like: "uniform", torch.randn_like: "normal"}
 _RANDOM_OTHER = {torch.randperm, torch.randint, torch.randint_like, torch.normal, torch.poisson,
                  torch.bernoulli, torch.multinomial}
 
+# func -> how its value is made: "same" (computed alike on every rank), "uniform"/"normal"
+# (gt's random stream), "first" (the first rank's draw)
+_FACTORIES = {**dict.fromkeys(_DETERMINISTIC, "same"), **_RANDOM_SIZED, **_RANDOM_LIKE,
+              **dict.fromkeys(_RANDOM_OTHER, "first")}
+
 _OURS = "globaltensor"
 
 __all__ = ["GlobalMode", "active", "global_mode"]
@@ -93,24 +98,23 @@ class GlobalMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if _called_by_us():
-            return func(*args, **kwargs)  # our own code makes local tensors on purpose
-        if func in _DETERMINISTIC:
-            if _any_global(args, kwargs):
-                return func(*args, **kwargs)  # e.g. zeros_like(global): dispatch handles it
-            return self._wrap(func(*args, **_local_kwargs(kwargs)), sync=False)
-        if func in _RANDOM_SIZED or func in _RANDOM_LIKE:
-            if _any_global(args, kwargs):
-                return func(*args, **kwargs)
-            full = func(*args, **_local_kwargs(kwargs))
-            return self._random(full, _RANDOM_SIZED.get(func) or _RANDOM_LIKE[func])
-        if func in _RANDOM_OTHER and not _any_global(args, kwargs):
-            return self._wrap(func(*args, **_local_kwargs(kwargs)), sync=True)
-        result = func(*args, **kwargs)
-        if type(result) is torch.Tensor and result.dim() > 0 and _any_global(args, kwargs):
-            # a torch function built its result from no input (matrix_power(x, 0) is an eye)
-            return self._wrap(result, sync=False, placement=_placement_of(args, kwargs))
-        return result
+        kind = _FACTORIES.get(func)
+        if kind is None:  # the common case: any other torch call, run as it is
+            result = func(*args, **kwargs)
+            if (type(result) is torch.Tensor and result.dim() > 0 and _any_global(args, kwargs)
+                    and not _called_by_us()):
+                # a torch function built its result from no input (matrix_power(x, 0): an eye)
+                return self._wrap(result, sync=False, placement=_placement_of(args, kwargs))
+            return result
+        if _any_global(args, kwargs) or _called_by_us():
+            # zeros_like(global) is dispatch's; our own code makes local tensors on purpose
+            return func(*args, **kwargs)
+        full = func(*args, **_local_kwargs(kwargs))
+        if kind == "same":
+            return self._wrap(full, sync=False)
+        if kind == "first":
+            return self._wrap(full, sync=True)
+        return self._random(full, kind)
 
     # ---- making global tensors
     def _layout(self, full: torch.Tensor, placement=None) -> Layout:
