@@ -83,7 +83,7 @@ def _create_chunk_list(self: GlobalTensor) -> list:
     for an empty piece, or off coordinate 0 of a partial axis: that piece is zeroed)."""
     self.__dict__.pop(_REDUCED, None)  # a save's leftover (its write went to another rank)
     layout = self._layout
-    coord = layout.placement.coord_of(world.get_rank())
+    coord = _coord(layout)
     if coord is None:
         return []
     if any(coord[a] for a in layout.partial_axes):
@@ -144,13 +144,26 @@ def _summed(layout: Layout) -> Layout:
 def _written_box(layout: Layout) -> Box | None:
     """The box this rank describes to the save planner: its own when not empty; the whole
     (empty) tensor at coordinate 0 when the tensor has no element."""
-    coord = layout.placement.coord_of(world.get_rank())
+    coord = _coord(layout)
     if coord is None:
         return None
     if layout.numel() == 0:
         return tuple((0, s) for s in layout.shape) if not any(coord) else None
     box = layout.box(coord)
     return box if box_numel(box) else None
+
+
+def _coord(layout: Layout):
+    """This rank's grid coordinate in ``layout`` (None outside the placement). A hook that runs
+    in a thread with no world (``dcp.async_save`` inside ``gt.testing.run_ranks``, whose worlds
+    are per thread) cannot know its rank: refuse rather than describe another rank's piece."""
+    if layout.placement.size > 1 and not world.is_initialized():
+        raise GlobalTensorError(
+            f"a global tensor on {layout.placement.size} ranks reached torch.distributed."
+            f"checkpoint in a thread with no torch.distributed world, so its rank is unknown "
+            f"(e.g. dcp.async_save inside gt.testing.run_ranks, whose worlds are per thread); "
+            f"save from the rank's own thread (dcp.save), or in real processes")
+    return layout.placement.coord_of(world.get_rank())
 
 
 def _chunk(box: Box) -> tuple[torch.Size, torch.Size]:

@@ -16,7 +16,7 @@ from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.testing import run_ranks
 
-from helpers import full_of, make_global, random_cases
+from helpers import error_or_none, full_of, make_global, random_cases
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 G22 = gt.placement("cpu", [[0, 1], [2, 3]])
@@ -484,3 +484,19 @@ def test_saved_in_one_process_loads_on_ranks(tmp_path):
     torch_save_to_dcp(tmp_path / "weights.pt", tmp_path / "from-file")
     extra, w1, w2 = run_ranks(body, 4, str(tmp_path / "from-file"), timeout=TIMEOUT)[0]
     assert extra == {} and torch.equal(w1, MLP(seed=6).w1) and torch.equal(w2, MLP(seed=6).w2)
+
+
+def test_hooks_in_a_thread_with_no_world_refuse_instead_of_guessing_the_rank():
+    """dcp.async_save plans in a thread of its own; inside run_ranks (one world per thread)
+    that thread has no world, and the hooks must not describe rank 0's piece for every rank."""
+    def body(rank):
+        x = make_global(full_of((4, 3)), Layout(G2, S(0), (4, 3)), rank)
+        found = []
+        t = threading.Thread(target=lambda: found.append(error_or_none(x.__create_chunk_list__)))
+        t.start()
+        t.join(10)
+        return found, x.__create_chunk_list__()[0].offsets  # in its own thread: fine
+
+    for rank, (found, offsets) in enumerate(run_ranks(body, 2, timeout=TIMEOUT)):
+        assert found[0][0] == "GlobalTensorError" and "its rank is unknown" in found[0][1]
+        assert tuple(offsets) == (2 * rank, 0)
