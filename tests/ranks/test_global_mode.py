@@ -15,6 +15,7 @@ X = torch.tensor([[1., -2, 0, 4], [0, 5, -6, 0], [7, 0, 9, -1]])
 ALL = gt.placement("cpu", [0, 1])
 # a 3-rank world where rank 2 is outside the placement: it still learns shapes and values
 PART = gt.placement("cpu", [0, 1])
+MASK = torch.ones(3, 3, dtype=torch.bool).tril()
 
 
 def on_ranks(fn, sbps=(B, S(0), S(1)), world=2, placement=ALL):
@@ -97,6 +98,11 @@ LOCAL_DATA = {
     "to(other)": (lambda x: x.to(x.double()),) * 2,
     "type_as": (lambda x: x.type_as(x.double()),) * 2,
     "softmax(dtype=)": (lambda x: torch.softmax(x, 0, dtype=torch.float64),) * 2,
+    "prelu": (lambda x: F.prelu(x, x.new_tensor([0.25])), lambda x: F.prelu(x, torch.tensor([0.25]))),
+    "sdpa with a bool mask": (
+        lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None],
+                                                 attn_mask=x.new_tensor(MASK, dtype=torch.bool)),
+        lambda x: F.scaled_dot_product_attention(x[None], x[None], x[None], attn_mask=MASK)),
 }
 
 
