@@ -6,7 +6,10 @@ rank's part), a split weight's perhaps as P too. After accumulation, a hook brin
 the leaf's layout: P -> B is an all-reduce on a data-parallel axis (the sum over the ranks that
 share the leaf), P -> S a reduce-scatter. A move that is one all-reduce is launched
 asynchronously and waited for at the end of backward, as DDP does, so it overlaps the rest of
-backward; until then ``.grad`` is the partial gradient (the same logical value). Any other move
+backward; gradients sharing an all-reduce group and dtype go in buckets of ``bucket_cap_mb``
+(DDP's semantics, 25 MB by default): one all-reduce of a flat buffer per full bucket, launched
+as it fills, the last ones at the end of backward. Until then ``.grad`` is the partial gradient
+(the same logical value). Any other move
 (and any move under GT_DEBUG, whose checks name each redistribution) runs in the hook.
 
 ``GlobalTensor.requires_grad_`` and the ``requires_grad`` setter (installed by
@@ -19,6 +22,7 @@ import torch.distributed as dist
 
 from . import debug as _debug
 from . import world
+from .errors import GlobalTensorError
 from .plan import plan
 from .runtime.groups import group_along, groups_along
 from .steps import AllReduce
@@ -72,38 +76,108 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
         param.grad = redistribute(grad, param._layout)
 
 
-_PENDING: dict = {}  # graph task id -> [(param, reduced piece or None, work or None)]
+_PENDING: dict = {}  # graph task id -> _Reductions of that backward
+BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb; gt.nn.set_bucket_cap_mb changes it
+
+
+def set_bucket_cap_mb(mb: float) -> None:
+    """The size at which a bucket of gradients is all-reduced during backward (DDP's
+    ``bucket_cap_mb``, default 25). 0 reduces each gradient on its own as soon as it is ready."""
+    global BUCKET_CAP_MB
+    if isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb < 0:
+        raise GlobalTensorError(f"set_bucket_cap_mb expects a number of megabytes >= 0, found {mb!r}")
+    BUCKET_CAP_MB = float(mb)
+
+
+class _Bucket:
+    """Gradients reduced together: same placement axis group and dtype, filled in the order
+    their hooks fire (the same on every rank), all-reduced as one flat buffer."""
+
+    __slots__ = ("group", "params", "pieces", "nbytes", "flat", "work")
+
+    def __init__(self, group):
+        self.group, self.params, self.pieces, self.nbytes = group, [], [], 0
+        self.flat = self.work = None
+
+    def add(self, param, piece) -> None:
+        self.params.append(param)
+        self.pieces.append(piece)
+        if piece is not None:
+            self.nbytes += piece.numel() * piece.element_size()
+
+    def launch(self) -> None:
+        pieces = [p for p in self.pieces if p is not None]
+        if pieces and self.group is not None:
+            self.flat = torch.cat([p.reshape(-1) for p in pieces])
+            self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+
+    def finish(self) -> None:
+        if self.work is not None:
+            self.work.wait()
+        offset = 0
+        for param, piece in zip(self.params, self.pieces):
+            if piece is None:  # outside the placement: an empty piece, as the executor gives
+                local = param._local.new_zeros(param._layout.local_shape_of_rank(world.get_rank()))
+            else:
+                n = piece.numel()
+                local = self.flat[offset:offset + n].view(piece.shape)
+                offset += n
+            param.grad = GlobalTensor._make(local, param._layout)
+
+
+class _Reductions:
+    """The gradient all-reduces of one backward: open buckets by (group, dtype), and those
+    launched, in launch order."""
+
+    __slots__ = ("open", "launched")
+
+    def __init__(self):
+        self.open: dict = {}
+        self.launched: list = []
+
+    def add(self, key, group, param, piece) -> None:
+        bucket = self.open.get(key)
+        if bucket is None:
+            bucket = self.open[key] = _Bucket(group)
+        bucket.add(param, piece)
+        if bucket.nbytes >= BUCKET_CAP_MB * 2**20:
+            del self.open[key]
+            bucket.launch()
+            self.launched.append(bucket)
+
+    def finish(self) -> None:
+        for bucket in self.open.values():  # the last, partly filled buckets
+            bucket.launch()
+            self.launched.append(bucket)
+        self.open.clear()
+        with torch.no_grad():
+            for bucket in self.launched:
+                bucket.finish()
 
 
 def _launch_all_reduce(param, grad: GlobalTensor, step: AllReduce) -> None:
-    """Start the all-reduce of ``grad``'s piece along ``step.axis``; the end of this backward
-    waits for it and sets ``param.grad``. Every rank takes this path (the plan is the same
-    everywhere); ranks outside the placement only take part in creating the groups, as the
-    executor does."""
+    """Add ``grad``'s piece to the bucket of its all-reduce group (along ``step.axis``); a full
+    bucket is all-reduced at once, asynchronously, the rest at the end of this backward, which
+    waits for them all and sets each ``param.grad``. Every rank takes this path (the plan is
+    the same everywhere); ranks outside the placement only take part in creating the groups,
+    as the executor does."""
     placement = step.after.placement
     groups_along(placement, step.axis)  # created by every rank of the world together
     coord = placement.coord_of(world.get_rank())
-    piece, work = None, None
+    group, piece = None, None
     if coord is not None:
         group, _ = group_along(placement, step.axis, coord)
-        piece = grad._local.clone(memory_format=torch.contiguous_format)
-        work = dist.all_reduce(piece, group=group, async_op=True)
+        piece = grad._local
     task = torch._C._current_graph_task_id()
     pending = _PENDING.get(task)
     if pending is None:
-        pending = _PENDING[task] = []
-        torch.autograd.Variable._execution_engine.queue_callback(
-            lambda: _finish_all_reduces(task, pending))
-    pending.append((param, piece, work))
+        pending = _PENDING[task] = _Reductions()
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(task, pending))
+    pending.add((placement, step.axis, grad.dtype), group, param, piece)
 
 
-def _finish_all_reduces(task: int, pending: list) -> None:
-    """End of backward: wait for the gradients' all-reduces (in launch order) and install them."""
+def _finish(task: int, pending: _Reductions) -> None:
+    """End of backward: launch the last buckets, wait for every all-reduce (in launch order)
+    and install the gradients."""
     _PENDING.pop(task, None)
-    with torch.no_grad():
-        for param, piece, work in pending:
-            if work is not None:
-                work.wait()
-            else:  # outside the placement: an empty piece, as the executor gives
-                piece = param._local.new_zeros(param._layout.local_shape_of_rank(world.get_rank()))
-            param.grad = GlobalTensor._make(piece, param._layout)
+    pending.finish()

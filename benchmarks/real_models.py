@@ -1,0 +1,361 @@
+"""Real models: a training step on global tensors against torch DDP and DTensor, same run.
+
+    python benchmarks/real_models.py [--runs 3] [--steps 8] [--only overhead,dp,tp,grid,cnn]
+
+Models are transformers' own Llama and GPT-2 (tiny configs, random init) and a ResNet-style CNN
+with BatchNorm (tests/ranks/test_real_models.py defines the same shapes). Each comparison
+alternates the contenders step by step in one run so machine load hits both alike; a step is
+zero_grad + forward + backward + optimizer step, its time the slowest rank's after a barrier.
+Each comparison is repeated ``--runs`` times; the median ratio and the spread are printed.
+
+- overhead: one process, placement [0], everything broadcast (no communication): added time
+  per aten op = (global step - plain step) / aten ops per step (counted on the plain step).
+- dp:   GPT-2 1-D data parallel on 4 ranks (parameters B, batch S(0)) vs torch DDP.
+- tp:   Llama tensor parallel on a placement of 4 (Megatron layout) vs DTensor's
+        parallelize_module with ColwiseParallel / RowwiseParallel.
+- grid: Llama on a 2x2 grid (data x tensor parallel) vs DTensor TP on the tensor axis plus a
+        hand-written bucketed all-reduce of the gradients over the data axis.
+- cnn:  the CNN data parallel (sync-BN semantics) vs torch DDP with plain BatchNorm (torch's
+        SyncBatchNorm needs a GPU; DDP's BatchNorm uses per-rank statistics, less work).
+
+Collectives per step are counted on torch.distributed calls (rank 0) for each contender.
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import statistics
+import sys
+import time
+import warnings
+
+import torch
+import torch.distributed as dist
+
+import globaltensor as gt
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+BATCH, SEQ, VOCAB = 8, 32, 256
+COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "send",
+               "recv", "isend", "irecv", "batch_isend_irecv")
+
+
+def llama():
+    import transformers
+
+    config = transformers.LlamaConfig(
+        vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
+        attn_implementation="sdpa")
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(config)
+
+
+def gpt2():
+    import transformers
+
+    config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4,
+                                     n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
+                                     attn_pdrop=0.0)
+    torch.manual_seed(0)
+    return transformers.GPT2LMHeadModel(config)
+
+
+class CNN(torch.nn.Module):
+    def __init__(self, c=16, classes=10):
+        super().__init__()
+        def block():
+            return torch.nn.Sequential(torch.nn.Conv2d(c, c, 3, padding=1, bias=False),
+                                       torch.nn.BatchNorm2d(c), torch.nn.ReLU())
+        self.stem = torch.nn.Sequential(torch.nn.Conv2d(3, c, 3, padding=1, bias=False),
+                                        torch.nn.BatchNorm2d(c), torch.nn.ReLU(),
+                                        torch.nn.MaxPool2d(2))
+        self.body = torch.nn.Sequential(block(), block(), block())
+        self.head = torch.nn.Linear(c, classes)
+
+    def forward(self, x):
+        x = torch.nn.functional.adaptive_avg_pool2d(self.body(self.stem(x)), 1)
+        return self.head(torch.flatten(x, 1))
+
+
+def cnn():
+    torch.manual_seed(0)
+    return CNN()
+
+
+def lm_loss(model, batch):
+    return model(batch, labels=batch).loss
+
+
+def cnn_loss(model, batch):
+    x, y = batch
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def data_for(kind, gen):
+    if kind == "cnn":
+        return torch.randn(BATCH, 3, 16, 16, generator=gen), torch.randint(0, 10, (BATCH,), generator=gen)
+    return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
+
+
+class Counter:
+    """torch.distributed calls made by this process while ``on``."""
+
+    def __init__(self):
+        self.on, self.counts = False, {}
+        for name in COLLECTIVES:
+            original = getattr(dist, name, None)
+            if original is not None:
+                setattr(dist, name, self._wrap(name, original))
+
+    def _wrap(self, name, original):
+        def call(*args, **kwargs):
+            if self.on:
+                self.counts[name] = self.counts.get(name, 0) + 1
+            return original(*args, **kwargs)
+        return call
+
+    def measure(self, fn):
+        self.counts, self.on = {}, True
+        try:
+            fn()
+        finally:
+            self.on = False
+        return dict(self.counts)
+
+
+def step_fn(model, opt, loss_fn, batch, after_backward=None):
+    def step():
+        opt.zero_grad()
+        loss_fn(model, batch).backward()
+        if after_backward is not None:
+            after_backward()
+        opt.step()
+    return step
+
+
+def timed(step) -> float:
+    dist.barrier()
+    start = time.perf_counter()
+    step()
+    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    return took.item()
+
+
+def race(steps: dict, n: int) -> dict:
+    """Median step time of each contender, alternating them step by step."""
+    times = {k: [] for k in steps}
+    names = list(steps)
+    for i in range(n + 2):
+        for name in (names if i % 2 == 0 else names[::-1]):
+            took = timed(steps[name])
+            if i >= 2:  # warm-up
+                times[name].append(took)
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+# ----------------------------------------------------------------------------- contenders
+
+
+def megatron(name, t, axis_count):
+    column = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+    row = ("o_proj", "down_proj")
+    lead = (B,) * (axis_count - 1)
+    if t.dim() == 2 and any(c in name for c in column):
+        return lead + (S(0),)
+    if t.dim() == 2 and any(c in name for c in row):
+        return lead + (S(1),)
+    return lead + (B,)
+
+
+def dtensor_tp(model, mesh):
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    plan = {}
+    for i in range(len(model.model.layers)):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[f"model.layers.{i}.self_attn.{proj}"] = ColwiseParallel()
+        plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"model.layers.{i}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)
+
+
+def bucketed_all_reduce(params, group):
+    """The hand-written data-parallel gradient reduction: one flat all-reduce (DTensor grads
+    reduced as their local pieces), then the average."""
+    def reduce():
+        grads = [p.grad for p in params if p.grad is not None]
+        pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
+        flat = torch.cat([x.reshape(-1) for x in pieces])
+        dist.all_reduce(flat, group=group)
+        offset = 0
+        for x in pieces:
+            x.copy_(flat[offset:offset + x.numel()].view_as(x))
+            offset += x.numel()
+    return reduce
+
+
+def worker(local_rank, what, steps, threads):
+    torch.set_num_threads(threads)
+    warnings.simplefilter("ignore")
+    gt.init()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    counter = Counter()
+    gen = torch.Generator().manual_seed(100 + rank)
+    out = {}
+    if what == "dp":
+        base = gpt2()
+        everyone = gt.placement("cpu", list(range(world)))
+        mine = data_for("lm", gen)
+        full = torch.cat([torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(100 + r)) for r in range(world)])
+        g = copy.deepcopy(base).to_global(everyone, B)
+        t = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        steps_ = {
+            "gt": step_fn(g, torch.optim.AdamW(g.parameters(), lr=1e-4), lm_loss,
+                          gt.tensor(full, placement=everyone, sbp=S(0))),
+            "torch DDP": step_fn(t, torch.optim.AdamW(t.parameters(), lr=1e-4), lm_loss, mine),
+        }
+    elif what in ("tp", "grid"):
+        from torch.distributed.device_mesh import init_device_mesh
+
+        base = llama()
+        ids = torch.randint(0, VOCAB, (BATCH * (2 if what == "grid" else 1), SEQ),
+                            generator=torch.Generator().manual_seed(7))
+        if what == "tp":
+            placement = gt.placement("cpu", list(range(world)))
+            g = copy.deepcopy(base).to_global(placement, lambda n, t: megatron(n, t, 1))
+            gids = gt.tensor(ids, placement=placement, sbp=B)
+            mesh = init_device_mesh("cpu", (world,))
+            d = dtensor_tp(copy.deepcopy(base), mesh)
+            d_step = step_fn(d, torch.optim.AdamW(d.parameters(), lr=1e-4), lm_loss, ids)
+        else:
+            placement = gt.placement("cpu", [[0, 1], [2, 3]])
+            g = copy.deepcopy(base).to_global(placement, lambda n, t: megatron(n, t, 2))
+            gids = gt.tensor(ids, placement=placement, sbp=(S(0), B))
+            mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+            d = dtensor_tp(copy.deepcopy(base), mesh["tp"])
+            half = ids.chunk(2)[mesh.get_coordinate()[0]]
+            d_step = step_fn(d, torch.optim.AdamW(d.parameters(), lr=1e-4), lm_loss, half,
+                             bucketed_all_reduce(list(d.parameters()), mesh.get_group("dp")))
+        steps_ = {"gt": step_fn(g, torch.optim.AdamW(g.parameters(), lr=1e-4), lm_loss, gids),
+                  "DTensor": d_step}
+    else:  # cnn
+        base = cnn()
+        everyone = gt.placement("cpu", list(range(world)))
+        x, y = data_for("cnn", gen)
+        xs = [data_for("cnn", torch.Generator().manual_seed(100 + r)) for r in range(world)]
+        fx, fy = torch.cat([a for a, _ in xs]), torch.cat([b for _, b in xs])
+        g = copy.deepcopy(base).to_global(everyone, B)
+        t = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
+        steps_ = {
+            "gt": step_fn(g, torch.optim.SGD(g.parameters(), lr=0.01), cnn_loss,
+                          (gt.tensor(fx, placement=everyone, sbp=S(0)),
+                           gt.tensor(fy, placement=everyone, sbp=S(0)))),
+            "torch DDP": step_fn(t, torch.optim.SGD(t.parameters(), lr=0.01), cnn_loss, (x, y)),
+        }
+    out["median"] = race(steps_, steps)
+    out["collectives"] = {k: counter.measure(s) for k, s in steps_.items()}
+    return out
+
+
+# ----------------------------------------------------------------------------- overhead
+
+
+def overhead(steps: int) -> dict:
+    """Per-op dispatch overhead in a world of one (thread-rank, placement [0], everything B)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from globaltensor.testing import run_ranks
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.n += 1
+            return func(*args, **(kwargs or {}))
+
+    def body(rank):
+        torch.set_num_threads(1)
+        warnings.simplefilter("ignore")
+        p = gt.placement("cpu", [0])
+        res = {}
+        for name, make, loss_fn in (("llama", llama, lm_loss), ("gpt2", gpt2, lm_loss),
+                                    ("cnn", cnn, cnn_loss)):
+            base = make()
+            batch = data_for("cnn" if name == "cnn" else "lm", torch.Generator().manual_seed(1))
+            plain = copy.deepcopy(base)
+            g = copy.deepcopy(base).to_global(p, B)
+            gbatch = tuple(gt.tensor(v, placement=p, sbp=B) for v in batch) if name == "cnn" \
+                else gt.tensor(batch, placement=p, sbp=B)
+            opt_cls = torch.optim.SGD if name == "cnn" else torch.optim.AdamW
+            sp = step_fn(plain, opt_cls(plain.parameters(), lr=1e-4), loss_fn, batch)
+            sg = step_fn(g, opt_cls(g.parameters(), lr=1e-4), loss_fn, gbatch)
+            counting = Count()
+            with counting:
+                sp()
+            times = race({"plain": sp, "global": sg}, steps)
+            res[name] = (counting.n, times["plain"], times["global"])
+        return res
+    return run_ranks(body, 1, timeout=1800)[0]
+
+
+def spread(values):
+    return f"{statistics.median(values):.2f} (spread {min(values):.2f}-{max(values):.2f})"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--runs", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=8)
+    ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    ap.add_argument("--only", default="overhead,dp,tp,grid,cnn")
+    a = ap.parse_args()
+    only = a.only.split(",")
+    import importlib.util
+
+    if importlib.util.find_spec("transformers") is None:
+        sys.exit("benchmarks/real_models.py needs transformers (pip install -e '.[test]')")
+    if "overhead" in only:
+        per_model: dict = {}
+        for _ in range(a.runs):
+            for name, (ops, plain, glob) in overhead(a.steps).items():
+                per_model.setdefault(name, []).append((ops, plain, glob))
+        print("Added dispatch overhead per aten op, world of 1, everything B (target <= 8 us):")
+        for name, rows in per_model.items():
+            ops = rows[0][0]
+            added = [(g - p) / ops * 1e6 for _, p, g in rows]
+            print(f"  {name:6s} {ops:4d} aten ops/step   plain {statistics.median([p for _, p, _ in rows]) * 1e3:7.2f} ms"
+                  f"   global {statistics.median([g for _, _, g in rows]) * 1e3:7.2f} ms"
+                  f"   added {spread(added)} us/op")
+    targets = {"dp": 1.25, "tp": 1.2, "grid": 1.3, "cnn": 1.3}
+    titles = {"dp": "GPT-2 1-D data parallel, 4 ranks: gt / torch DDP",
+              "tp": "Llama tensor parallel on 4 ranks: gt / DTensor parallelize_module",
+              "grid": "Llama 2x2 (DP x TP): gt / DTensor TP + bucketed DP all-reduce",
+              "cnn": "CNN data parallel with BatchNorm, 4 ranks: gt (sync-BN) / torch DDP (local BN)"}
+    for what in ("dp", "tp", "grid", "cnn"):
+        if what not in only:
+            continue
+        ratios, medians, counts = [], [], None
+        for _ in range(a.runs):
+            out = gt.spawn(worker, args=(what, a.steps, a.threads), nproc_per_node=4,
+                           timeout=1800)[0]
+            names = list(out["median"])
+            ratios.append(out["median"][names[0]] / out["median"][names[1]])
+            medians.append(out["median"])
+            counts = out["collectives"]
+        print(f"{titles[what]} (target <= {targets[what]}):")
+        for n in names:
+            print(f"  {n:10s} {statistics.median([m[n] for m in medians]) * 1e3:8.1f} ms/step   "
+                  f"collectives/step (rank 0): {sum(counts[n].values())} {counts[n]}")
+        print(f"  ratio {spread(ratios)}")
+
+
+if __name__ == "__main__":
+    main()
