@@ -1,6 +1,8 @@
 """globaltensor: OneFlow-style global tensors (placement + SBP) for PyTorch."""
+from ._version import __version__
+
 from . import sbp
-from .env import init
+from .env import init, print0
 from . import env
 from . import comm
 from . import nn
@@ -16,6 +18,7 @@ from .factories import (arange, empty, empty_like, full, full_like, ones, ones_l
 from .random import manual_seed
 from .mode import global_mode
 from .spawn import spawn
+from .trace import comm_trace
 from .visualize import visualize
 from .convert import install_tensor_methods
 from . import pydata
@@ -41,10 +44,12 @@ __all__ = [
     "Placement",
     "checkpoint",
     "comm",
+    "comm_trace",
     "env",
     "nn",
     "init",
     "placement",
+    "print0",
     "sbp",
     "set_debug",
     "spawn",

@@ -18,6 +18,7 @@ from .placement import Placement
 from .plan import plan as _plan
 from .runtime.agreement import check
 from .runtime.execute import run as _execute
+from .trace import watching
 from .runtime.meta import broadcast_along, exchange_meta
 from .sbp import Broadcast, Split, format_sbp, normalize, resolve
 from .tensor import (GlobalTensor, _FromLocal, _Redistribute, _records_graph, _redistributed,
@@ -223,7 +224,7 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
             if hit[1] is None:
                 return self
             rank = world.cached_rank()
-            if rank is not None:
+            if rank is not None and not watching():  # a trace or the profiler: the full path
                 return _rewrapped(self, _execute(hit[1], self._local, rank), hit[0])
     dst = _cached_target(src, placement, sbp)
     _check_grad_sbp(grad_sbp, dst.placement, len(src.shape))

@@ -10,7 +10,8 @@ corrupted data::
     y = x.to_global(sbp=gt.sbp.broadcast)   # raises on every rank if some rank skipped it
 
 When debug is off, a hook costs one ContextVar read. The flag lives in a ContextVar (ranks may be
-threads of one interpreter in tests); ``GT_DEBUG`` is read the first time a context asks.
+threads of one interpreter in tests); ``GT_DEBUG`` is read the first time a context asks
+(``TORCH_DISTRIBUTED_DEBUG=DETAIL`` with GT_DEBUG unset turns the checks on as well).
 
 This module is pure: the flag and the messages. The hook, ``runtime.agreement.check``, and the
 store traffic behind it live in ``runtime/agreement.py``.
@@ -28,7 +29,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import GlobalTensorError
-from .sbp import SBP_TYPES
+from .sbp import SBP_TYPES, format_sbp
 
 # None: not decided in this context yet -> read GT_DEBUG once and remember it here
 _FLAG: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug", default=None)
@@ -42,6 +43,8 @@ _MAX_FACT = 1000  # characters kept of one fact's text
 
 def _env_flag() -> bool:
     raw = os.environ.get("GT_DEBUG", "").strip().lower()
+    if not raw and os.environ.get("TORCH_DISTRIBUTED_DEBUG", "").strip().upper() == "DETAIL":
+        return True  # torch's own "check everything" switch turns our checks on too
     if raw in _TRUE:
         return True
     if raw in _FALSE:
@@ -118,7 +121,7 @@ def fact_text(value) -> str:
     elif isinstance(value, torch.Tensor):
         text = f"tensor(shape={list(value.shape)}, dtype={value.dtype})"
     elif isinstance(value, tuple) and value and all(_is_sbp(v) for v in value):
-        text = "(" + ", ".join(str(v) for v in value) + ")"
+        text = format_sbp(value)
     elif isinstance(value, (list, tuple)):
         inner = ", ".join(fact_text(v) for v in value)
         text = f"[{inner}]" if isinstance(value, list) else f"({inner})"
@@ -264,6 +267,51 @@ def caller(module: str, skip: int = 1) -> str:
             return code.co_name
         frame = frame.f_back
     return module.rsplit(".", 1)[-1]
+
+
+# (module, function) -> the user-level call it stands for; the outermost one on the stack wins,
+# so ``x.item()`` (which calls full_tensor) is named ``item()``
+_USER_CALLS = {
+    ("globaltensor.tensor", "item"): "item()",
+    ("globaltensor.tensor", "tolist"): "tolist()",
+    ("globaltensor.tensor", "numpy"): "numpy()",
+    ("globaltensor.tensor", "full_tensor"): "full_tensor()",
+    ("globaltensor.tensor", "__repr__"): "print",
+    ("globaltensor.tensor", "__str__"): "print",
+    ("globaltensor.tensor", "__format__"): "print",
+    ("globaltensor.tensor", "backward"): "backward of to_global",
+    ("globaltensor.convert", "to_global"): "to_global",
+    ("globaltensor.grads", "*"): "gradient sync",
+    ("globaltensor.checkpoint", "*"): "checkpoint",
+}
+
+
+def user_call(skip: int = 1) -> str | None:
+    """The user-level call that led here (``item()``, ``print``, ``full_tensor()``,
+    ``to_global``, ``aten.mm`` for an operator), read from the call stack; None when none is
+    known. Walks only globaltensor's and torch's own frames, so it costs microseconds: call it
+    only when debugging or tracing, never on the warm path."""
+    frame = sys._getframe(skip)
+    found = None
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("globaltensor", "torch")):
+            break  # the user's code
+        name = frame.f_code.co_name
+        if module == "globaltensor.dispatch" and name == "dispatch":
+            func = frame.f_locals.get("func")
+            found = "aten." + _op_name(func) if func is not None else found
+        else:
+            found = _USER_CALLS.get((module, name)) or _USER_CALLS.get((module, "*")) or found
+        frame = frame.f_back
+    return found
+
+
+def _op_name(func) -> str:
+    try:  # as dispatch names it in its own checks: aten.mm.default
+        return f"{func._schema.name.split('::')[1]}.{func._overloadname}"
+    except AttributeError:
+        return str(func)
 
 
 __all__ = ["set_debug", "is_debug", "debugging", "Descriptor", "disagreement"]

@@ -7,6 +7,7 @@ harness (``gt.testing``) each thread sees its own rank through a context variabl
 from __future__ import annotations
 
 import contextvars
+import functools
 from dataclasses import dataclass
 
 from .world import get_rank, get_world_size, init, int_env as _int_env, is_initialized  # noqa: F401
@@ -59,3 +60,35 @@ def get_node_size() -> int:
 def set_local_info(info: LocalInfo | None):
     """Used by gt.testing: make this thread see ``info``. Returns a token for reset."""
     return _LOCAL.set(info)
+
+
+def rank_zero_only(fn):
+    """Decorator: ``fn`` runs on rank 0 only and returns None on every other rank (Lightning's
+    ``rank_zero_only``). For logging and files, never for global operations: ``x.item()``,
+    ``print(x)`` of a global tensor or a ``gt.comm`` call inside it would wait for ranks that
+    never come. Read values first, on every rank, then pass them in::
+
+        @gt.env.rank_zero_only
+        def log(step, loss):
+            print(f"step {step}: loss {loss:.4f}")
+
+        log(step, loss.item())      # item() on every rank, the print on rank 0
+    """
+    @functools.wraps(fn)
+    def on_rank_zero(*args, **kwargs):
+        return fn(*args, **kwargs) if get_rank() == 0 else None
+    return on_rank_zero
+
+
+def print0(*values, sep: str = " ", end: str = "\n", file=None, flush: bool = False) -> None:
+    """``print`` on rank 0 only; call it on every rank.
+
+    The values are turned into text on every rank first: a global tensor's text is its whole
+    value, which every rank must take part in gathering (``print(x)`` alone on rank 0 would wait
+    forever for the others). Then rank 0 prints it::
+
+        gt.print0("loss", loss)           # loss a global tensor: fine on every rank
+    """
+    text = sep.join(str(v) for v in values) if sep is not None else " ".join(map(str, values))
+    if get_rank() == 0:
+        print(text, end=end, file=file, flush=flush)

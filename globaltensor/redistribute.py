@@ -15,14 +15,17 @@ from .layout import Layout
 from .plan import plan
 from .runtime.agreement import check
 from .runtime.execute import run
+from .trace import observed, watching
 
 
 def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
     """This rank's piece of ``dst`` from its piece of ``src``: plan, then execute (SPMD)."""
     if src == dst:
         return local
-    if _debug.is_debug():
-        check("redistribute", source=src, target=dst, dtype=local.dtype)
+    if _debug.is_debug():  # named by the user's call (item(), print, aten.mm...): see debug.py
+        check(_debug.user_call(2) or "redistribute", source=src, target=dst, dtype=local.dtype)
+    if watching():  # gt.comm_trace() or torch.profiler: see trace.py
+        return observed(run, plan(src, dst), local, world.get_rank())
     return run(plan(src, dst), local, world.get_rank())
 
 

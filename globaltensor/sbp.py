@@ -121,5 +121,6 @@ def resolve(values: Iterable[SbpValue], ndim: int) -> tuple[SbpValue, ...]:
 
 
 def format_sbp(values) -> str:
-    """Compact form: ``(S(0), B)``."""
-    return "(" + ", ".join(str(v) for v in values) + ")"
+    """Compact form, the tuple a user would write: ``(S(0), B)``, and ``(S(0),)`` for one axis."""
+    values = tuple(values)
+    return "(" + ", ".join(str(v) for v in values) + (",)" if len(values) == 1 else ")")

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import datetime
 import os
+import re
 import weakref
 
 import torch
@@ -52,6 +53,8 @@ def default_backend() -> str:
 
 def init_world(rank: int, world_size: int, backend: str | None, timeout, store=None) -> None:
     backend = backend or default_backend()
+    if timeout is None and store is None:
+        timeout = default_timeout(backend)
     kwargs = {}
     if timeout is not None:
         kwargs["timeout"] = timeout
@@ -68,8 +71,28 @@ def destroy_world() -> None:
         dist.destroy_process_group()
 
 
-def default_timeout() -> datetime.timedelta:
-    return datetime.timedelta(minutes=30)
+# A collective that waits this long is stuck: CPU (gloo) jobs give up after 5 minutes instead of
+# torch's 30, GPU jobs keep torch's own default (NCCL: 10 minutes). GT_TIMEOUT overrides both.
+DEFAULT_CPU_TIMEOUT_S = 300.0
+
+
+def default_timeout(backend: str) -> datetime.timedelta | None:
+    """The timeout ``gt.init`` uses when given none: GT_TIMEOUT (seconds) when set, else
+    DEFAULT_CPU_TIMEOUT_S for a CPU-only backend; None (torch's default) with NCCL."""
+    raw = os.environ.get("GT_TIMEOUT", "").strip()
+    if raw:
+        try:
+            seconds = float(raw)
+        except ValueError:
+            seconds = -1.0
+        if not seconds > 0:
+            raise GlobalTensorError(
+                f"expected GT_TIMEOUT to be a number of seconds > 0, found {raw!r}; e.g. "
+                f"GT_TIMEOUT=60, or unset it for the default ({DEFAULT_CPU_TIMEOUT_S:g}s on CPU)")
+        return datetime.timedelta(seconds=seconds)
+    if "nccl" in backend:
+        return None
+    return datetime.timedelta(seconds=DEFAULT_CPU_TIMEOUT_S)
 
 
 def world_timeout() -> datetime.timedelta:
@@ -111,10 +134,12 @@ def get_world_size() -> int:
 
 
 def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
-    """Join the job started by launch.py / torchrun / gt.spawn; a no-op if already joined.
+    """Join the job started by launch.py / torchrun / gt.spawn / SLURM's srun; a no-op if
+    already joined.
 
     ``backend``: None picks gloo for cpu, plus NCCL for cuda when a GPU is present.
-    ``timeout``: seconds (or a timedelta) after which a stuck collective raises.
+    ``timeout``: seconds (or a timedelta) after which a stuck collective raises; None reads
+    GT_TIMEOUT, else 300 s on CPU (torch's own default with NCCL).
     """
     if is_initialized():
         return
@@ -126,6 +151,8 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
             f"expected timeout in seconds > 0 or a datetime.timedelta, found {timeout!r}; "
             f"e.g. gt.init(timeout=60)"
         )
+    if "RANK" not in os.environ and "WORLD_SIZE" not in os.environ:
+        os.environ.update(slurm_env(os.environ))  # under srun: its variables, as torchrun's
     world = int_env("WORLD_SIZE", 1)
     rank = int_env("RANK", 0)
     if not 0 <= rank < world:
@@ -141,3 +168,38 @@ def init(backend: str | None = None, timeout: float | datetime.timedelta | None 
                 f"`python launch.py --nproc_per_node {world} script.py` or torchrun"
             )
     init_world(rank=rank, world_size=world, backend=backend, timeout=timeout)
+
+
+def slurm_env(environ) -> dict[str, str]:
+    """Under ``srun`` (SLURM_PROCID and SLURM_NTASKS set): RANK, WORLD_SIZE, LOCAL_RANK,
+    NODE_RANK, MASTER_ADDR (the job's first node) and MASTER_PORT (15000 + the job id's last
+    four digits) as Lightning and Ignite derive them; variables already set are kept. Empty
+    outside SLURM."""
+    if not environ.get("SLURM_PROCID") or not environ.get("SLURM_NTASKS"):
+        return {}
+    out = {"RANK": environ["SLURM_PROCID"], "WORLD_SIZE": environ["SLURM_NTASKS"],
+           "LOCAL_RANK": environ.get("SLURM_LOCALID", "0"),
+           "NODE_RANK": environ.get("SLURM_NODEID", "0")}
+    nodes = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST") or "127.0.0.1"
+    out["MASTER_ADDR"] = first_node(nodes)
+    job = "".join(c for c in environ.get("SLURM_JOB_ID", "") if c.isdigit())
+    out["MASTER_PORT"] = str(15000 + int(job[-4:])) if job else "29500"
+    per_node = environ.get("SLURM_NTASKS_PER_NODE", "")
+    if per_node.isdigit():
+        out["LOCAL_WORLD_SIZE"] = per_node
+    for name in ("MASTER_ADDR", "MASTER_PORT"):
+        if environ.get(name):
+            out[name] = environ[name]
+    for name, value in out.items():
+        if not value.isdigit() and name not in ("MASTER_ADDR",):
+            raise GlobalTensorError(
+                f"expected the SLURM variables behind {name} to be integers, found {value!r}; "
+                f"start the job with srun, or set RANK / WORLD_SIZE yourself")
+    return out
+
+
+def first_node(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``node[003-005,9],gpu1`` -> ``node003``."""
+    nodes = re.sub(r"\[(.*?)[,-].*\]", "\\1", nodelist.strip())  # the first of each range
+    nodes = re.sub(r"\[(.*?)\]", "\\1", nodes)  # a range of one number
+    return nodes.split(" ")[0].split(",")[0]

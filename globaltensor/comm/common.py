@@ -11,6 +11,7 @@ import torch.distributed.distributed_c10d as c10d
 from .. import debug, env
 from ..errors import GlobalTensorError
 from ..runtime.agreement import check
+from ..trace import comm_called
 
 ReduceOp = dist.ReduceOp
 Red = dist.ReduceOp.RedOpType
@@ -109,10 +110,12 @@ def kind(op) -> Red:
 
 def agree(name: str, group, **facts) -> None:
     """With GT_DEBUG on: every rank of ``group`` must be making this call with these facts
-    (otherwise every rank raises, naming the ranks that differ, instead of hanging)."""
+    (otherwise every rank raises, naming the ranks that differ, instead of hanging). Every
+    user collective calls this first, so an active ``gt.comm_trace()`` counts it here."""
     if debug.is_debug():
         ranks = None if group is None else dist.get_process_group_ranks(group)
         check("gt.comm." + name, ranks=ranks, **facts)
+    comm_called(name)  # counted by an active gt.comm_trace()
 
 
 def tensor_fact(t: torch.Tensor, shape: bool = True) -> str:

@@ -82,8 +82,9 @@ def timeout_message(op: str, ranks: list[int] | None, error: BaseException) -> s
     return (
         f"{op}: timed out on {_me()}{among} ({_first_line(error)}). "
         f"{_arrivals(ranks)}Expected every rank of the group to reach this collective within the "
-        f"timeout (gt.init(timeout=...)); a rank skipped it, reordered its collectives, is stuck "
-        f"or has died."
+        f"timeout (gt.init(timeout=...) or GT_TIMEOUT=seconds); a rank skipped it, reordered its "
+        f"collectives, is stuck or has died. A read of a global value (x.item(), print(x)) is a "
+        f"collective too: under `if rank == 0:` the other ranks never join it (use gt.print0)."
     )
 
 
@@ -130,7 +131,9 @@ def _step_words(plan, index: int) -> str:
     kind = getattr(step, "kind", type(step).__name__)
     where = step.where() if callable(getattr(step, "where", None)) else ""
     src, dst = plan.src, plan.dst
-    return (f"redistribution {src!r} -> {dst!r}, step {index + 1} of {len(plan.steps)} "
+    call = debug.user_call(2)  # only on failure: item(), print, aten.mm.default...
+    return ((f"{call}: " if call else "")
+            + f"redistribution {src!r} -> {dst!r}, step {index + 1} of {len(plan.steps)} "
             f"({kind} {where})").replace("  ", " ")
 
 

@@ -73,7 +73,7 @@ def test_fact_text_is_compact_and_data_free():
 def test_descriptor_round_trip():
     d = Descriptor.of(7, "to_global", {"sbp": (gt.sbp.partial_sum,), "dtype": torch.int64})
     assert Descriptor.decode(d.encode()) == d
-    assert str(d) == "#7 to_global(dtype=torch.int64, sbp=(P))"
+    assert str(d) == "#7 to_global(dtype=torch.int64, sbp=(P,))"
 
 
 def test_disagreement_names_minority_and_fields():
@@ -81,8 +81,8 @@ def test_disagreement_names_minority_and_fields():
     other = Descriptor.of(3, "to_global", {"sbp": (gt.sbp.split(0),)})
     assert disagreement({0: same, 1: same}) is None
     msg = disagreement({0: same, 1: other, 2: same})
-    assert "ranks [0, 2]: #3 to_global(sbp=(B))" in msg
-    assert "rank 1 differs: sbp: (S(0)) instead of (B)" in msg
+    assert "ranks [0, 2]: #3 to_global(sbp=(B,))" in msg
+    assert "rank 1 differs: sbp: (S(0),) instead of (B,)" in msg
 
 
 def test_disagreement_on_op_and_seq_tie_goes_to_lowest_rank():

@@ -36,7 +36,7 @@ def test_init_timeout_end_to_end():
     run = run_script(_SKIPPER, 2, timeout=90, env=env)
     assert run.returncode == 0, run.stdout + run.stderr
     plain, checked = run.rank_lines(0)
-    assert plain.startswith("plain | CollectiveTimeoutError | redistribution "), plain
+    assert plain.startswith("plain | CollectiveTimeoutError | to_global: redistribution "), plain
     assert "step 1 of 1 (all_gather axis 0 dim 0): timed out on rank 0 among ranks [0, 1]" in plain
     assert checked.startswith("GT_DEBUG=1 | CollectiveTimeoutError | GT_DEBUG: rank 0 waited 2s (the timeout) at "
                               "global operation #1 to_global("), checked

@@ -43,10 +43,10 @@ def test_subgroups_inherit_the_world_timeout():
 
 
 @pytest.mark.parametrize("n,dst,words", [
-    (6, "B", "(B), [6]), step 1 of 1 (all_gather axis 0 dim 0)"),
-    (5, "B", "(B), [5]), step 1 of 1 (all_gatherv axis 0 dim 0)"),
-    (6, "[1]", "(S(0)), [6]), step 1 of 1 (send/recv ranks [0, 1] -> [1])"),
-    (6, "P->B", "(B), [6]), step 1 of 1 (all_reduce axis 0"),
+    (6, "B", "(B,), [6]), step 1 of 1 (all_gather axis 0 dim 0)"),
+    (5, "B", "(B,), [5]), step 1 of 1 (all_gatherv axis 0 dim 0)"),
+    (6, "[1]", "(S(0),), [6]), step 1 of 1 (send/recv ranks [0, 1] -> [1])"),
+    (6, "P->B", "(B,), [6]), step 1 of 1 (all_reduce axis 0"),
 ], ids=["all_gather", "all_gatherv", "exchange", "all_reduce"])
 def test_skipped_redistribution_times_out_naming_the_step(n, dst, words):
     """Debug off: the rank that waits names the operation, its ranks and the way to learn more.
@@ -66,8 +66,8 @@ def test_skipped_redistribution_times_out_naming_the_step(n, dst, words):
     out = run_ranks(body, 2, timeout=30)
     kind, msg = out[0]
     assert kind == "CollectiveTimeoutError"
-    src = "(P)" if dst == "P->B" else "(S(0))"
-    assert msg.startswith(f"redistribution Layout(placement('cpu', ranks=[0, 1]), {src}, [{n}]) -> ")
+    src = "(P,)" if dst == "P->B" else "(S(0),)"
+    assert msg.startswith(f"to_global: redistribution Layout(placement('cpu', ranks=[0, 1]), {src}, [{n}]) -> ")
     assert words in msg
     assert "timed out on rank 0 among ranks [0, 1]" in msg
     assert "Run with GT_DEBUG=1 to learn where each rank was" in msg

@@ -1,0 +1,169 @@
+"""``gt.comm_trace()``: what communication a block of code runs, and why.
+
+    with gt.comm_trace() as t:
+        y = x @ w                 # the operator may move an input first
+        print(y.sum().item())     # item() gathers
+    print(t)                      # one row per redistribution, then counts per collective
+    t.counts()                    # {'all_gather': 2, 'all_reduce': 1}
+
+Every redistribution the block runs is recorded, whether asked for (``to_global``,
+``full_tensor()``, ``item()``, ``print``) or chosen by an operator (``aten.mm.default``): the
+call, source and target layouts, the plan's steps and the bytes each rank sends. ``gt.comm``
+collectives called inside the block are counted too. Inside ``torch.profiler`` every
+redistribution is a ``record_function`` range named ``gt.redistribute: <call>``.
+
+What it costs when neither is on: one ContextVar read and one module attribute read per
+redistribution (redistribute.py), nothing per operator that moves no data. The call's name is read
+from the stack only while a trace or the profiler is on.
+"""
+from __future__ import annotations
+
+import collections
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.autograd.profiler as _profiler
+
+from . import debug
+from .layout import Layout
+from .sbp import format_sbp
+
+# the innermost active trace of this context (a thread-rank has its own), or None
+_TRACE: contextvars.ContextVar = contextvars.ContextVar("globaltensor_comm_trace", default=None)
+
+
+def watching() -> bool:
+    """Whether a redistribution must be observed: a trace is active or the profiler runs."""
+    return _TRACE.get() is not None or _profiler._is_profiler_enabled
+
+
+@dataclass(frozen=True, slots=True)
+class Record:
+    """One redistribution (or one ``gt.comm`` collective, with ``plan`` None)."""
+
+    op: str                        # the call that ran it: item(), print, to_global, aten.mm.default
+    source: Layout | None
+    target: Layout | None
+    steps: tuple[str, ...]         # the plan's steps, one line each
+    collectives: tuple[str, ...]   # the collective of each step that communicates
+    bytes_per_rank: int | None     # what the busiest rank sends; None for gt.comm calls
+    dtype: torch.dtype | None
+
+    def layouts(self) -> str:
+        if self.source is None:
+            return "-"
+        src, dst = self.source, self.target
+        if src.placement == dst.placement:
+            return f"{format_sbp(src.sbp)} -> {format_sbp(dst.sbp)}"
+        return f"{format_sbp(src.sbp)} on {src.placement!r} -> {format_sbp(dst.sbp)} on {dst.placement!r}"
+
+
+class CommTrace:
+    """The records of one ``gt.comm_trace()`` block; ``str()`` is a table."""
+
+    def __init__(self, parent: "CommTrace | None" = None):
+        self.records: list[Record] = []
+        self._parent = parent
+
+    def add(self, record: Record) -> None:
+        trace = self
+        while trace is not None:  # an enclosing trace sees what an inner one saw
+            trace.records.append(record)
+            trace = trace._parent
+
+    def counts(self) -> dict[str, int]:
+        """How many times each collective ran: {'all_gather': 2, 'gt.comm.all_reduce': 1}."""
+        return dict(collections.Counter(c for r in self.records for c in r.collectives))
+
+    @property
+    def bytes_per_rank(self) -> int:
+        """Bytes the busiest rank sent, summed over the redistributions."""
+        return sum(r.bytes_per_rank or 0 for r in self.records)
+
+    def __len__(self):
+        return len(self.records)
+
+    def __iter__(self):
+        return iter(self.records)
+
+    def table(self) -> str:
+        moves = sum(1 for r in self.records if r.source is not None)
+        calls = len(self.records) - moves
+        lines = [f"comm_trace: {moves} redistribution{'s' * (moves != 1)}, {calls} gt.comm "
+                 f"call{'s' * (calls != 1)}, {_fmt_bytes(self.bytes_per_rank)} sent per rank"]
+        if self.records:
+            rows = [("#", "call", "source -> target", "shape", "bytes/rank", "steps")]
+            for i, r in enumerate(self.records, 1):
+                shape = str(list(r.source.shape)) if r.source is not None else "-"
+                sent = _fmt_bytes(r.bytes_per_rank) if r.bytes_per_rank is not None else "-"
+                rows.append((str(i), r.op, r.layouts(), shape, sent, "; ".join(r.steps) or "-"))
+            widths = [max(len(row[k]) for row in rows) for k in range(5)]
+            lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(row, widths)) + "  " + row[5]
+                      for row in rows]
+        counts = self.counts()
+        shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+        lines.append(f"collectives: {shown}")
+        return "\n".join(lines)
+
+    __str__ = table
+
+    def __repr__(self):
+        return f"<CommTrace: {len(self.records)} records, counts {self.counts()}>"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+@contextlib.contextmanager
+def comm_trace():
+    """Record every redistribution and ``gt.comm`` collective run inside the block.
+
+    >>> with gt.comm_trace() as t:
+    ...     loss.item()
+    >>> t.counts()
+    {'all_gather': 1}
+    >>> print(t)        # a table: call, source -> target, shape, bytes per rank, steps
+    """
+    trace = CommTrace(_TRACE.get())
+    token = _TRACE.set(trace)
+    try:
+        yield trace
+    finally:
+        _TRACE.reset(token)
+
+
+def observed(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
+    """``run(plan, local, rank)``, recorded in the active trace and shown to the profiler."""
+    call = debug.user_call(2) or "redistribute"
+    trace = _TRACE.get()
+    if trace is not None:
+        itemsize = local.element_size()
+        trace.add(Record(
+            op=call, source=plan.src, target=plan.dst,
+            steps=tuple(" ".join(f"{s.kind} {s.where()}".split()) for s in plan.steps),
+            collectives=tuple(s.kind for s in plan.steps if s.communicates()),
+            bytes_per_rank=plan.bytes_per_rank(itemsize), dtype=local.dtype))
+    if not _profiler._is_profiler_enabled:
+        return run(plan, local, rank)
+    with torch.profiler.record_function(f"gt.redistribute: {call}",
+                                        f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
+        return run(plan, local, rank)
+
+
+def comm_called(name: str) -> None:
+    """A ``gt.comm`` collective ran (counted in the active trace, if any)."""
+    trace = _TRACE.get()
+    if trace is not None:
+        full = "gt.comm." + name
+        trace.add(Record(op=full, source=None, target=None, steps=(), collectives=(full,),
+                         bytes_per_rank=None, dtype=None))
+
+
+__all__ = ["CommTrace", "Record", "comm_trace"]
