@@ -1,6 +1,8 @@
 """Start one process per rank on this node and watch over them.
 
     python launch.py --nproc_per_node 4 train.py --lr 0.1
+    gtrun --nproc-per-node 4 train.py          # the same: installed with the package
+    python -m globaltensor --nproc_per_node auto train.py
     python -m globaltensor.launch --nnodes 2 --node_rank 0 --nproc_per_node 2 \\
         --master_addr 10.0.0.1 --master_port 29500 train.py
 
@@ -18,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import errno
+import os
+import shutil
 import signal
 import socket
 import sys
 import time
 from dataclasses import dataclass
 
+from ._version import __version__
 from .errors import LaunchError
 from .supervise import Console, RankProcess, Signals, finish, start_ranks, stop, supervise
 
@@ -50,6 +55,7 @@ class LaunchConfig:
     redirect: bool = False
     logdir: str | None = None
     timeout: float | None = None
+    ranks_filter: tuple[int, ...] | None = None  # only these ranks' output is echoed
 
     def __post_init__(self):
         _expect(self.nproc_per_node >= 1, f"--nproc_per_node >= 1, found {self.nproc_per_node}",
@@ -69,6 +75,9 @@ class LaunchConfig:
                 f"--timeout > 0 seconds, found {self.timeout}", "leave it out to wait forever")
         _expect(bool(self.script), "a script (or module / executable) to run, found none",
                 "add the script and its arguments after the options")
+        bad = [r for r in self.ranks_filter or () if not 0 <= r < self.world_size]
+        _expect(not bad, f"--ranks_filter ranks in 0..{self.world_size - 1}, found {bad}",
+                "list ranks of this job, e.g. --ranks_filter 0,2")
 
     @property
     def world_size(self) -> int:
@@ -83,23 +92,56 @@ def _expect(ok: bool, expected: str, fix: str) -> None:
         raise LaunchError(f"expected {expected}; {fix}")
 
 
+EPILOG = """\
+every rank gets these environment variables:
+  RANK, WORLD_SIZE          this rank and the number of ranks in the job
+  LOCAL_RANK, LOCAL_WORLD_SIZE   this rank and the number of ranks on this node
+  NODE_RANK (and GROUP_RANK)     this node, 0 .. nnodes-1
+  MASTER_ADDR, MASTER_PORT  where the ranks meet (gt.init() and torch's env:// read them)
+  OMP_NUM_THREADS=1         when several ranks share a node and it is not set already
+
+exit codes:
+  0        every rank succeeded
+  N        the first rank that failed exited with N (128+S when killed by signal S);
+           its stderr from its last traceback is shown, and the other ranks are stopped
+  2        bad options, a missing script or an unusable --logdir (no rank was started)
+  124      --timeout passed; 130 / 143 Ctrl-C / SIGTERM stopped the job
+
+seeing what goes wrong:
+  GT_DEBUG=1        every global operation checks that all ranks agree on it, and names the
+                    ranks and the operation that differ instead of hanging
+                    (TORCH_DISTRIBUTED_DEBUG=DETAIL turns it on too)
+  GT_TIMEOUT=SECS   how long a collective waits before it fails (default 300 on CPU)
+
+Every option also takes torchrun's spelling (--nproc-per-node, --master-port, ...).
+"""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog="launch.py",
-        description="Start one process per rank of a globaltensor / torch.distributed job.")
+        prog="launch.py", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Start one process per rank of a globaltensor / torch.distributed job "
+                    "(also: gtrun, python -m globaltensor).")
+    p.add_argument("--version", action="version", version=f"globaltensor {__version__}")
     p.add_argument("--nnodes", type=int, default=1, help="number of nodes (default 1)")
-    p.add_argument("--node_rank", type=int, default=0, help="this node's rank, 0 .. nnodes-1")
-    p.add_argument("--nproc_per_node", type=int, required=True, help="processes on this node")
-    p.add_argument("--master_addr", default="127.0.0.1", help="address of node 0")
-    p.add_argument("--master_port", type=int, default=None,
+    p.add_argument("--node_rank", "--node-rank", type=int, default=0,
+                   help="this node's rank, 0 .. nnodes-1")
+    p.add_argument("--nproc_per_node", "--nproc-per-node", required=True, type=_nproc,
+                   help="processes on this node, or 'auto': one per GPU (per CPU core without)")
+    p.add_argument("--master_addr", "--master-addr", default="127.0.0.1",
+                   help="address of node 0")
+    p.add_argument("--master_port", "--master-port", type=int, default=None,
                    help="free port on node 0 (default: a free port when nnodes=1, else "
                         f"{DEFAULT_MULTINODE_PORT})")
     p.add_argument("-m", "--module", action="store_true", help="run the script as `python -m`")
-    p.add_argument("--no_python", action="store_true", help="exec the script, not with python")
-    p.add_argument("--redirect_stdout_and_stderr", action="store_true",
-                   help="write each rank's output only to files in --logdir")
-    p.add_argument("--logdir", default=None,
+    p.add_argument("--no_python", "--no-python", action="store_true",
+                   help="exec the script, not with python")
+    p.add_argument("--redirect_stdout_and_stderr", "--redirect-stdout-and-stderr",
+                   action="store_true", help="write each rank's output only to files in --logdir")
+    p.add_argument("--logdir", "--log_dir", "--log-dir", default=None,
                    help="directory for rank_<R>.stdout / rank_<R>.stderr (created if needed)")
+    p.add_argument("--ranks_filter", "--ranks-filter", type=_ranks, default=None, metavar="RANKS",
+                   help="show only these ranks' output, e.g. 0,2 (all are still logged)")
     p.add_argument("--timeout", type=float, default=None,
                    help="stop the job and fail if it still runs after this many seconds")
     p.add_argument("script", help="the script (module with -m, executable with --no_python)")
@@ -107,14 +149,80 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+def _nproc(text: str):
+    if text == "auto":
+        return "auto"
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of processes or 'auto', found {text!r}") from None
+
+
+def _ranks(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(sorted({int(r) for r in text.split(",") if r.strip()}))
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected ranks separated by commas (e.g. 0,2), found {text!r}") from None
+
+
+def auto_nproc(environ=os.environ) -> tuple[int, str]:
+    """(processes, what was counted) for ``--nproc_per_node auto``: the visible GPUs, else the
+    CPU cores this process may use. Counted without importing torch."""
+    visible = environ.get("CUDA_VISIBLE_DEVICES")
+    if visible is not None:
+        gpus = [d for d in visible.split(",") if d.strip() and d.strip() != "-1"]
+        if gpus and visible.strip() != "-1":
+            return len(gpus), "GPUs in CUDA_VISIBLE_DEVICES"
+    else:
+        try:
+            gpus = os.listdir("/proc/driver/nvidia/gpus")
+        except OSError:
+            gpus = []
+        if gpus:
+            return len(gpus), "GPUs"
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return cores, "CPU cores (no GPU found)"
+
+
 def parse_args(argv: list[str] | None = None) -> LaunchConfig:
     """Command line -> LaunchConfig. argparse exits on malformed options; LaunchError otherwise."""
     ns = _parser().parse_args(argv)
+    nproc = ns.nproc_per_node if ns.nproc_per_node != "auto" else auto_nproc()[0]
     return LaunchConfig(
-        nproc_per_node=ns.nproc_per_node, script=ns.script, script_args=tuple(ns.script_args),
+        nproc_per_node=nproc, script=ns.script, script_args=tuple(ns.script_args),
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, module=ns.module, no_python=ns.no_python,
-        redirect=ns.redirect_stdout_and_stderr, logdir=ns.logdir, timeout=ns.timeout)
+        redirect=ns.redirect_stdout_and_stderr, logdir=ns.logdir, timeout=ns.timeout,
+        ranks_filter=ns.ranks_filter)
+
+
+def check_paths(config: LaunchConfig) -> None:
+    """The script exists and --logdir can hold the logs: checked before any rank starts."""
+    if config.no_python:
+        _expect(shutil.which(config.script) is not None,
+                f"an executable {config.script!r}, found none (not a file, not on PATH)",
+                "check the path, or drop --no_python to run a python script")
+    elif not config.module:
+        _expect(os.path.isfile(config.script),
+                f"the script {config.script!r} to exist, found no such file (from {os.getcwd()})",
+                "check the path, or pass -m to run a module")
+    if config.logdir:
+        _expect(not os.path.exists(config.logdir) or os.path.isdir(config.logdir),
+                f"--logdir {config.logdir!r} to be a directory, found a file",
+                "pass a directory (it is created if missing)")
+        try:
+            os.makedirs(config.logdir, exist_ok=True)
+        except OSError as e:
+            _expect(False, f"--logdir {config.logdir!r} to be creatable, found {e.strerror}",
+                    "pass a directory you can write to")
+        _expect(os.access(config.logdir, os.W_OK | os.X_OK),
+                f"--logdir {config.logdir!r} to be writable, found it is not",
+                "pass a directory you can write to")
 
 
 # --------------------------------------------------------------------------- ports
@@ -155,12 +263,19 @@ def choose_port(config: LaunchConfig) -> int:
 def run(config: LaunchConfig, out=None, err=None) -> int:
     """Run the job described by ``config``; returns the launcher's exit status."""
     console = Console(out or sys.stdout, err or sys.stderr)
+    check_paths(config)
     port = choose_port(config)
     signals = Signals()
     signals.install()
     ranks: list[RankProcess] = []
     try:
         ranks = start_ranks(config, port, console)
+        if config.nnodes > 1:
+            first = config.global_rank(0)
+            console.note(f"node {config.node_rank} of {config.nnodes}: started ranks {first}.."
+                         f"{first + config.nproc_per_node - 1}; waiting for {config.nnodes} nodes "
+                         f"to meet at {config.master_addr}:{port} (the job starts when every "
+                         f"node's launcher has started its ranks)")
         deadline = time.monotonic() + config.timeout if config.timeout else None
         outcome = supervise(ranks, deadline, signals)
         return finish(ranks, outcome, signals, console, config, port)
@@ -172,7 +287,8 @@ def run(config: LaunchConfig, out=None, err=None) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Entry point of ``python launch.py`` and ``python -m globaltensor.launch``."""
+    """Entry point of ``python launch.py``, ``gtrun``, ``python -m globaltensor`` and
+    ``python -m globaltensor.launch``."""
     try:
         return run(parse_args(argv))
     except LaunchError as e:

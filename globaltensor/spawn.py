@@ -35,12 +35,15 @@ class SpawnError(GlobalTensorError):
 
 def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: int = 0,
           master_addr: str = "127.0.0.1", master_port: int | None = None,
-          timeout: float | None = None, start_method: str = "spawn") -> list:
+          timeout: float | None = None, start_method: str = "spawn",
+          backend: str | None = None) -> list:
     """Run ``fn(local_rank, *args)`` in ``nproc_per_node`` processes; return their results.
 
     Each process gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK, MASTER_ADDR
     and MASTER_PORT before ``fn``'s module is imported, so ``gt.init()`` inside ``fn`` joins
-    the world. A process that raises (or dies) stops the others and raises ``SpawnError`` here
+    the world. With ``backend=`` ("gloo", "nccl", "cpu:gloo,cuda:nccl"), each process joins
+    the world with it before ``fn`` runs, as Ignite's ``idist.spawn`` does (``gt.init()`` in
+    ``fn`` is then a no-op). A process that raises (or dies) stops the others and raises ``SpawnError`` here
     with its rank and traceback; so does a job still running after ``timeout`` seconds.
     """
     from . import launch, supervise  # the launcher's config checks, environment and process tree
@@ -51,6 +54,7 @@ def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: i
                                      master_port=master_port, timeout=timeout)
     except launch.LaunchError as e:  # the launcher's checks, told with spawn's argument names
         raise SpawnError(str(e).replace("--", "")) from None
+    _check_backend(backend)
     payload = _pickle_payload(fn, args)
     port = launch.choose_port(config)
     ctx = multiprocessing.get_context(start_method)
@@ -62,7 +66,7 @@ def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: i
                                   world_size=config.world_size, local_world_size=nproc_per_node,
                                   node_rank=node_rank, master_addr=master_addr, master_port=port)
             recv, send = ctx.Pipe(duplex=False)
-            p = ctx.Process(target=_child, args=(payload, local_rank, env, send),
+            p = ctx.Process(target=_child, args=(payload, local_rank, env, send, backend),
                             name=f"gt-spawn-{local_rank}", daemon=False)
             p.start()
             send.close()
@@ -82,7 +86,21 @@ def _pickle_payload(fn, args) -> bytes:
             f"{fn!r}: {type(e).__name__}: {e}; move fn to the top level of a module") from e
 
 
-def _child(payload: bytes, local_rank: int, env: dict, conn) -> None:
+_BACKENDS = ("gloo", "nccl", "mpi", "ucc", "xccl")
+
+
+def _check_backend(backend) -> None:
+    if backend is None:
+        return
+    names = [part.split(":")[-1].strip() for part in str(backend).split(",")] \
+        if isinstance(backend, str) else []
+    if not names or any(n not in _BACKENDS for n in names):
+        raise SpawnError(
+            f"expected backend= one of {list(_BACKENDS)} (or 'cpu:gloo,cuda:nccl'), found "
+            f"{backend!r}; leave it out to choose gloo on CPU (plus NCCL with a GPU)")
+
+
+def _child(payload: bytes, local_rank: int, env: dict, conn, backend=None) -> None:
     """Body of a spawned process: own session, environment, then fn; report through ``conn``."""
     os.setsid()  # a group of its own, so stopping this rank stops everything it started
     os.environ.update(env)
@@ -90,6 +108,10 @@ def _child(payload: bytes, local_rank: int, env: dict, conn) -> None:
     failed = False
     try:
         fn, args = pickle.loads(payload)
+        if backend is not None:
+            from . import world  # the world first, with the backend asked for (Ignite's way)
+
+            world.init(backend=backend)
         message = ("ok", fn(local_rank, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         message = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import collections
 import os
+import re
+import select
 import signal
 import subprocess
 import sys
@@ -16,7 +18,10 @@ from dataclasses import dataclass
 
 from .errors import LaunchError
 
-STDERR_TAIL_LINES = 20  # how much of a failed rank's stderr the report shows
+STDERR_TAIL_LINES = 20  # how much of a failed rank's stderr the report shows (no traceback)
+STDERR_KEPT_LINES = 400  # how much is kept to find the last traceback in
+TRACEBACK_LINES = 80  # the most of a traceback the report shows (its end)
+PARTIAL_LINE_S = 0.2  # a line with no newline yet (a progress bar) is shown after this long
 STOP_GRACE_S = 5.0  # after the first signal, how long ranks get to exit before SIGKILL
 POLL_S = 0.05
 EXIT_TIMEOUT = 124  # like coreutils `timeout`
@@ -102,7 +107,7 @@ class RankProcess:
 
     def __init__(self, rank: int, local_rank: int, proc: subprocess.Popen):
         self.rank, self.local_rank, self.proc = rank, local_rank, proc
-        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_TAIL_LINES)
+        self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_KEPT_LINES)
         self.readers: list[threading.Thread] = []
 
     @property
@@ -123,22 +128,70 @@ class RankProcess:
 
 
 def _pump(pipe, prefix, stream, console, log_path, tail) -> None:
+    """Echo a rank's pipe line by line with its prefix, as soon as a line ends (``\\n``, or
+    ``\\r`` for a progress bar, echoed with its ``\\r``) or has waited PARTIAL_LINE_S without
+    ending; the log file gets the bytes as written."""
     log = open(log_path, "wb") if log_path else None
+    fd = pipe.fileno()
+    pending = b""
+
+    def show(raw: bytes, end: str) -> None:
+        line = _strip_torch_prefix(raw.decode("utf-8", "replace"))
+        if tail is not None:
+            tail.append(line + "\n")
+        if console:
+            console.write(stream, prefix + line + end)
+
     try:
-        for raw in iter(pipe.readline, b""):
+        while True:
+            if pending and not select.select([fd], [], [], PARTIAL_LINE_S)[0]:
+                # a partial line: show it now rather than at its newline
+                show(*((pending[:-1], "\r") if pending.endswith(b"\r") else (pending, "\n")))
+                pending = b""
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                break
             if log:
-                log.write(raw)
+                log.write(chunk)
                 log.flush()
-            line = raw.decode("utf-8", "replace")
-            line = line if line.endswith("\n") else line + "\n"
-            if tail is not None:
-                tail.append(line)
-            if console:
-                console.write(stream, prefix + line)
+            pending += chunk
+            for raw, end in _complete_lines(pending):
+                show(raw, end)
+            pending = _unfinished(pending)
+        if pending:
+            show(pending, "\n")
     finally:
         pipe.close()
         if log:
             log.close()
+
+
+_LINE_END = re.compile(rb"\r\n|\n|\r(?!$)")
+
+
+def _complete_lines(data: bytes):
+    """(line, ending) for every complete line of ``data``; a ``\\r`` at the very end waits for
+    the next read (it may be the first half of ``\\r\\n``)."""
+    start = 0
+    for m in _LINE_END.finditer(data):
+        yield data[start:m.start()], "\r" if m.group() == b"\r" else "\n"
+        start = m.end()
+
+
+def _unfinished(data: bytes) -> bytes:
+    last = None
+    for last in _LINE_END.finditer(data):
+        pass
+    return data[last.end():] if last is not None else data
+
+
+_TORCH_RANK_PREFIX = re.compile(r"^\[rank\d+\]:\s?")
+
+
+def _strip_torch_prefix(line: str) -> str:
+    """torch prefixes each line of an uncaught error with ``[rank0]:``; ours names the rank."""
+    return _TORCH_RANK_PREFIX.sub("", line, count=1)
 
 
 def start_ranks(config, port: int, console: Console) -> list[RankProcess]:
@@ -163,7 +216,9 @@ def start_ranks(config, port: int, console: Console) -> list[RankProcess]:
         rp = RankProcess(rank, local_rank, proc)
         for stream in ("stdout", "stderr"):
             log = os.path.join(config.logdir, f"rank_{rank}.{stream}") if config.logdir else None
-            rp.pump(stream, None if config.redirect else console, log)
+            shown = not config.redirect and (config.ranks_filter is None
+                                              or rank in config.ranks_filter)
+            rp.pump(stream, console if shown else None, log)
         ranks.append(rp)
     return ranks
 
@@ -257,12 +312,21 @@ def finish(ranks: list[RankProcess], outcome: Outcome, signals: Signals, console
         done = sorted({r.rank for r in ranks} - set(outcome.running))
         console.note(f"timed out after {config.timeout:g}s: ranks {list(outcome.running)} were "
                      f"still running (ranks {done} had finished); stopped them. Raise --timeout "
-                     f"if the job needs longer, or look for a rank stuck in a collective")
+                     f"if the job needs longer, or look for a rank stuck in a collective\n"
+                     f"{DIFFERENT_COLLECTIVES_HINT}")
         return EXIT_TIMEOUT
     failed = next(r for r in ranks if r.rank == outcome.rank)
     stopped = [x for x in running if x != failed.rank]
     console.note(failure_report(failed, config, port, stopped))
     return exit_status(failed.proc.returncode) or 1
+
+
+DIFFERENT_COLLECTIVES_HINT = (
+    "hint: ranks may have run different collectives (x.item() or print(x) under `if rank == 0:` "
+    "is the usual one: use gt.print0): rerun with GT_DEBUG=1 to name the operation and rank")
+# words in a rank's stderr that say its peers ran something else, or left
+_MISMATCH_WORDS = ("mismatch", "connection closed by peer", "connection reset by peer",
+                   "timed out", "timeout")
 
 
 def failure_report(failed: RankProcess, config, port: int,
@@ -271,14 +335,30 @@ def failure_report(failed: RankProcess, config, port: int,
     how = describe_exit(failed.proc.returncode)
     lines = [f"rank {failed.rank} (local rank {failed.local_rank} on node {config.node_rank}, "
              f"pid {failed.pid}) {how}; stopped the other ranks still running: {stopped}"]
-    tail = list(failed.stderr_tail)
+    tail, what = stderr_tail(list(failed.stderr_tail))
     if tail:
-        lines.append(f"last {len(tail)} line{'s' * (len(tail) > 1)} of rank {failed.rank}'s "
-                     f"stderr:")
+        lines.append(f"{what} of rank {failed.rank}'s stderr:")
         lines += ["  | " + line.rstrip("\n") for line in tail]
     else:
         lines.append(f"rank {failed.rank} wrote nothing to stderr")
-    if any("address already in use" in line.lower() for line in tail):
+    text = "".join(tail).lower()
+    if "address already in use" in text:
         lines.append(f"hint: master port {port} looks taken; pass "
                      f"another --master_port (or leave it out on a single node)")
+    elif "gt_debug:" not in text and (failed.proc.returncode == -signal.SIGABRT
+                                      or any(w in text for w in _MISMATCH_WORDS)):
+        lines.append(DIFFERENT_COLLECTIVES_HINT)  # (GT_DEBUG's own message names them already)
     return "\n".join(lines)
+
+
+def stderr_tail(kept: list[str]) -> tuple[list[str], str]:
+    """What the report shows of a rank's stderr: from its last ``Traceback`` on (at most
+    TRACEBACK_LINES, the end), else its last STDERR_TAIL_LINES lines; and how to title it."""
+    starts = [i for i, line in enumerate(kept) if line.startswith("Traceback (most recent call")]
+    if not starts:
+        tail = kept[-STDERR_TAIL_LINES:]
+        return tail, f"last {len(tail)} line{'s' * (len(tail) > 1)}"
+    tail = kept[starts[-1]:]
+    if len(tail) > TRACEBACK_LINES:
+        return tail[-TRACEBACK_LINES:], f"the last {TRACEBACK_LINES} lines of the last traceback"
+    return tail, "the last traceback"

@@ -125,7 +125,10 @@ def test_module_mode_and_no_python(tmp_path, capsys, monkeypatch):
 
 def test_missing_executable_is_a_clear_error(capsys):
     code = launch.main(["--nproc_per_node", "2", "--no_python", "/nonexistent/tool"])
-    assert code == 2 and "expected to start '/nonexistent/tool' for rank 0" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert code == 2 and err == ("launch.py: error: expected an executable '/nonexistent/tool', "
+                                 "found none (not a file, not on PATH); check the path, or drop "
+                                 "--no_python to run a python script\n")
 
 
 # --------------------------------------------------------------------------- real launchers
@@ -161,6 +164,9 @@ def test_two_launchers_form_one_world_of_four():
         for p in procs:
             p.kill()
     assert [p.returncode for p in procs] == [0, 0], outs
+    for node, (_, err) in enumerate(outs):
+        assert (f"[launch] node {node} of 2: started ranks {2 * node}..{2 * node + 1}; waiting "
+                f"for 2 nodes to meet at 127.0.0.1:{port}") in err
     reports = {}
     for node, (out, _) in enumerate(outs):
         for rank in (2 * node, 2 * node + 1):

@@ -70,3 +70,18 @@ def test_unpicklable_fn_is_refused_before_starting():
         gt.spawn(_hang, nproc_per_node=0)
     with pytest.raises(SpawnError, match="found node_rank 3 with nnodes 2"):
         gt.spawn(_hang, nproc_per_node=1, nnodes=2, node_rank=3)
+
+
+def _joined_by_spawn(local_rank):
+    joined_before_fn = dist.is_initialized()
+    t = torch.tensor([float(local_rank + 1)])
+    gt.comm.all_reduce(t)
+    return joined_before_fn, dist.get_backend(), t.item()
+
+
+def test_spawn_takes_ignites_backend_argument():
+    """Ignite's idist.spawn(backend, fn, ...): with backend= each process joins the world first."""
+    assert gt.spawn(_joined_by_spawn, nproc_per_node=2, backend="gloo", timeout=60) == \
+        [(True, "gloo", 3.0), (True, "gloo", 3.0)]
+    with pytest.raises(SpawnError, match=r"expected backend= one of \['gloo', 'nccl'.*found 'glue'"):
+        gt.spawn(_joined_by_spawn, nproc_per_node=2, backend="glue")

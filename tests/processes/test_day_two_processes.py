@@ -1,0 +1,179 @@
+"""Everyday use of the launcher and of gt.init / gt.spawn, in real processes: the .item() trap
+and its hint, torchrun's spellings, gtrun and python -m globaltensor, --ranks_filter, partial
+lines, the failure report's traceback, errors before any rank starts, --help / --version, SLURM.
+
+Torch-free rank scripts (tests/scripts/chatty.py) keep most runs to milliseconds; every run has a
+--timeout and a subprocess timeout."""
+import os
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+
+from globaltensor import launch
+from globaltensor.testing import run_script
+
+from helpers import ROOT, SCRIPTS
+
+CHATTY = str(SCRIPTS / "chatty.py")
+ENV = dict(os.environ, OMP_NUM_THREADS="1")
+
+
+def _cli(*args, timeout=60, env=ENV):
+    return subprocess.run(list(args), cwd=ROOT, capture_output=True, text=True, timeout=timeout,
+                          stdin=subprocess.DEVNULL, env=env)
+
+
+def test_item_under_rank_zero_gets_a_hint_and_gt_debug_names_it():
+    trap = SCRIPTS / "item_trap.py"
+    plain = run_script(trap, 2, timeout=60, env=dict(ENV, GT_TIMEOUT="10"))
+    assert plain.returncode == 1
+    assert "GlobalTensorError: item(): redistribution Layout(placement('cpu', ranks=[0, 1]), " \
+           "(P,), []) -> " in plain.stderr
+    assert "[launch] hint: ranks may have run different collectives" in plain.stderr
+    assert "rerun with GT_DEBUG=1 to name the operation and rank" in plain.stderr
+    checked = run_script(trap, 2, timeout=60, env=dict(ENV, GT_TIMEOUT="10", GT_DEBUG="1"))
+    assert checked.returncode == 1
+    assert "rank 0: #5 item()(dtype=torch.float32, source=Layout(placement('cpu', ranks=[0, 1]), " \
+           "(P,), [])" in checked.stderr
+    assert "rank 1 differs: op: gt.ones instead of item()" in checked.stderr
+    assert "[launch] hint" not in checked.stderr  # GT_DEBUG already named them
+
+
+def test_gtrun_and_python_m_globaltensor_with_torchrun_spellings():
+    run = _cli("gtrun", "--nproc-per-node", "2", "--master-port", str(launch.free_port()),
+               "--ranks-filter", "1", "--timeout", "30", CHATTY, "hello")
+    assert run.returncode == 0, run.stderr
+    assert run.stdout == "[rank 1] rank 1 of 2 says hello\n"  # rank 0 filtered out
+    run = _cli(sys.executable, "-m", "globaltensor", "--nproc_per_node", "2", "--log-dir",
+               str(ROOT / "README.md"), CHATTY, "x")
+    assert run.returncode == 2 and run.stdout == ""
+    assert run.stderr == (f"launch.py: error: expected --logdir '{ROOT / 'README.md'}' to be a "
+                          f"directory, found a file; pass a directory (it is created if missing)\n")
+
+
+def test_help_epilog_and_version():
+    run = _cli(sys.executable, "launch.py", "--help")
+    assert run.returncode == 0
+    for words in ("every rank gets these environment variables:", "LOCAL_WORLD_SIZE",
+                  "MASTER_ADDR, MASTER_PORT", "exit codes:", "124      --timeout passed",
+                  "GT_DEBUG=1", "GT_TIMEOUT=SECS", "--nproc-per-node"):
+        assert words in run.stdout, words
+    run = _cli(sys.executable, "launch.py", "--version")
+    assert run.returncode == 0 and run.stdout == "globaltensor 0.1.0\n"
+
+
+def test_missing_script_is_one_line_before_any_rank(tmp_path, capsys):
+    code = launch.main(["--nproc_per_node", "2", str(tmp_path / "nope.py")])
+    out, err = capsys.readouterr()
+    assert code == 2 and out == ""
+    assert err == (f"launch.py: error: expected the script '{tmp_path / 'nope.py'}' to exist, "
+                   f"found no such file (from {os.getcwd()}); check the path, or pass -m to run "
+                   f"a module\n")
+
+
+def test_auto_counts_gpus_else_cpu_cores(monkeypatch):
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "0,3")
+    assert launch.auto_nproc() == (2, "GPUs in CUDA_VISIBLE_DEVICES")
+    assert launch.parse_args(["--nproc_per_node", "auto", "s.py"]).nproc_per_node == 2
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    assert launch.auto_nproc() == (len(os.sched_getaffinity(0)), "CPU cores (no GPU found)")
+    with pytest.raises(SystemExit):
+        launch.parse_args(["--nproc_per_node", "many", "s.py"])
+
+
+def test_torchrun_spellings_parse_the_same():
+    ours = launch.parse_args(["--nproc_per_node", "2", "--nnodes", "2", "--node_rank", "1",
+                              "--master_addr", "h", "--master_port", "5", "--no_python",
+                              "--logdir", "d", "--redirect_stdout_and_stderr",
+                              "--ranks_filter", "2,0", "s"])
+    torchrun = launch.parse_args(["--nproc-per-node", "2", "--nnodes", "2", "--node-rank", "1",
+                                  "--master-addr", "h", "--master-port", "5", "--no-python",
+                                  "--log-dir", "d", "--redirect-stdout-and-stderr",
+                                  "--ranks-filter", "0,2", "s"])
+    assert ours == torchrun and ours.ranks_filter == (0, 2)
+    with pytest.raises(launch.LaunchError, match=r"--ranks_filter ranks in 0\.\.1, found \[5\]"):
+        launch.parse_args(["--nproc_per_node", "2", "--ranks_filter", "5", "s"])
+
+
+def test_partial_line_is_shown_within_a_fraction_of_a_second():
+    proc = subprocess.Popen([sys.executable, "launch.py", "--nproc_per_node", "1", "--timeout",
+                             "30", CHATTY, "progress"], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, env=ENV)
+    seen = {}
+
+    def read():
+        data = b""
+        while b"tick " not in data or not data.endswith(b"\r"):
+            chunk = os.read(proc.stdout.fileno(), 1024)
+            if not chunk:
+                return
+            data += chunk
+        seen["at"], seen["text"] = time.time(), data.decode()
+
+    reader = threading.Thread(target=read, daemon=True)
+    reader.start()
+    try:
+        reader.join(30)
+        rest, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert seen["text"].startswith("[rank 0] tick ") and seen["text"].endswith("\r")
+    written = float(seen["text"].split()[-1])
+    assert seen["at"] - written < 1.0  # the rank holds the line for 3 s: shown long before
+    assert rest.decode() == "[rank 0] done\n" and proc.returncode == 0
+
+
+def test_failure_report_starts_at_the_last_traceback_without_torch_prefixes(capsys):
+    code = launch.main(["--nproc_per_node", "1", "--timeout", "30", CHATTY, "traceback"])
+    _, err = capsys.readouterr()
+    assert code == 1
+    report = err[err.index("[launch]"):].splitlines()
+    assert report[1:] == ["[launch] the last traceback of rank 0's stderr:",
+                          "[launch]   | Traceback (most recent call last):",
+                          '[launch]   |   File "train.py", line 3, in <module>',
+                          "[launch]   | RuntimeError: boom"]
+    assert "[rank 0] RuntimeError: boom\n" in err and "[rank0]:" not in err
+
+
+def test_sigabrt_gets_the_different_collectives_hint(capsys):
+    code = launch.main(["--nproc_per_node", "2", "--timeout", "30", CHATTY, "abort"])
+    _, err = capsys.readouterr()
+    assert code == 128 + 6 and "was killed by SIGABRT" in err
+    assert ("[launch] hint: ranks may have run different collectives (x.item() or print(x) under "
+            "`if rank == 0:` is the usual one: use gt.print0): rerun with GT_DEBUG=1 to name the "
+            "operation and rank") in err
+
+
+_SLURM_RANK = """
+import os, torch, globaltensor as gt
+gt.init()
+t = torch.tensor([float(gt.env.get_rank() + 1)])
+gt.comm.all_reduce(t)
+print(gt.env.get_rank(), gt.env.get_world_size(), gt.env.get_local_rank(), os.environ["MASTER_ADDR"],
+      t.item(), flush=True)
+"""
+
+
+def test_gt_init_under_srun_variables(tmp_path):
+    """Two processes started as srun starts them: only SLURM_* variables, no RANK/WORLD_SIZE."""
+    script = tmp_path / "slurm_rank.py"
+    script.write_text(_SLURM_RANK)
+    base = {k: v for k, v in ENV.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK",
+                                                       "MASTER_ADDR", "MASTER_PORT")}
+    base.update(SLURM_NTASKS="2", SLURM_JOB_NODELIST="localhost", SLURM_JOB_ID="77",
+                MASTER_PORT=str(launch.free_port()), GT_TIMEOUT="30")
+    procs = [subprocess.Popen([sys.executable, str(script)], stdout=subprocess.PIPE,
+                              stderr=subprocess.PIPE, text=True,
+                              env=dict(base, SLURM_PROCID=str(r), SLURM_LOCALID=str(r)))
+             for r in (0, 1)]
+    try:
+        outs = [p.communicate(timeout=60) for p in procs]
+    finally:
+        for p in procs:
+            p.kill()
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert [o.split() for o, _ in outs] == [["0", "2", "0", "localhost", "3.0"],
+                                            ["1", "2", "1", "localhost", "3.0"]]
