@@ -113,3 +113,41 @@ def test_gt_debug_names_print_and_item_not_an_internal_redistribution():
         "(P,), [1])" in out[0][1]
     assert "rank 1 differs: op: item() instead of print" in out[0][1]
     assert "redistribute" not in out[0][1]
+
+
+def test_models_section_of_the_user_guide():
+    """docs/user_guide.md "Models": sbp_fn by name, buffers, the optimizer built after converting,
+    gradients in each parameter's layout, equal to one process's."""
+    def make():
+        torch.manual_seed(0)
+        return torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.BatchNorm1d(6),
+                                   torch.nn.Linear(6, 2))
+
+    batch = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
+    ref = make()
+    ref(batch).pow(2).mean().backward()
+    expected = {n: p.grad for n, p in ref.named_parameters()}
+
+    def body(rank):
+        model = make()
+        p = gt.placement("cpu", [0, 1])
+
+        def sbp_fn(name, tensor):
+            return gt.sbp.split(0) if name == "0.weight" else None
+
+        model.to_global(p, sbp_fn)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        x = batch[4 * rank:4 * rank + 4].to_global(placement=p, sbp=gt.sbp.split(0))
+        model(x).pow(2).mean().backward()
+        fmt = gt.sbp.format_sbp
+        sbps = {n: (fmt(q.sbp), fmt(q.grad.sbp)) for n, q in model.named_parameters()}
+        grads = {n: q.grad.full_tensor() for n, q in model.named_parameters()}
+        buffer = fmt(model[1].running_mean.sbp)
+        optimizer.step()
+        return sbps, grads, buffer
+
+    for sbps, grads, buffer in run_ranks(body, 2, timeout=60):
+        assert sbps["0.weight"] == ("(S(0),)", "(S(0),)") and sbps["2.bias"] == ("(B,)", "(B,)")
+        assert buffer == "(B,)"
+        for name, grad in grads.items():
+            torch.testing.assert_close(grad, expected[name], msg=name)
