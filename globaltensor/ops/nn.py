@@ -12,6 +12,7 @@ import math
 
 import torch
 
+from ..layout import Layout
 from .signature import B, P, S, Call, Row, fit, register, repeat, sig, with_arg
 
 aten = torch.ops.aten
@@ -197,65 +198,95 @@ def batch_norm(call: Call):
     present = _bn_present(call, _BN_IN)
     nd = len(call.shapes[0])
     training = call.get("training")
-    rows = [sig("B B B B B -> B B B")]
+    rows = [sig("B B B B B -> B B B", "bn_local")]
     if nd >= 2:
-        rows.append(Row((S(1), S(0), S(0), S(0), S(0)), (S(1), S(0), S(0))))
+        rows.append(Row((S(1), S(0), S(0), S(0), S(0)), (S(1), S(0), S(0)), "bn_local"))
     for d in (0, *range(2, nd)):
         if training:
             rows.append(Row((S(d), B, B, B, B), (S(d), B, B), "sync_bn"))
         else:
-            rows.append(Row((S(d), B, B, B, B), (S(d), B, B)))
+            rows.append(Row((S(d), B, B, B, B), (S(d), B, B), "bn_local"))
     return fit(rows, present)
 
 
-def _split_axes_partial(layout):
-    """The sbp of a per-channel sum over ``layout``'s pieces: P where the input is split."""
-    return tuple(P if isinstance(v, S) else v for v in layout.sbp)
-
-
-def _channel_sums(ctx, local, dims, dst):
-    """The per-channel sum of ``local`` over ``dims``, summed over every rank of the split
-    axes (an all-reduce of C numbers; outside ranks take part with zeros)."""
+def _k_bn_local(ctx, largs, lkwargs):
+    """Batch norm (or its backward) on pieces that need no communication; a piece with no
+    element (an uneven split gave this rank no channel or no row) gets empty results without
+    running torch's kernel, which divides by the element count and traps on an empty input."""
     if ctx.coord is None:
-        part = torch.zeros(dst.shape, dtype=local.dtype, device=local.device)
+        return ctx.empties()
+    shapes = [None if o is None else o.layout.local_shape(ctx.coord) for o in ctx.outs]
+    if ctx.pieces[0].numel() == 0:  # x (forward) or grad_out (backward), the shape of x
+        return tuple(None if o is None else
+                     torch.zeros(shape, dtype=o.dtype, device=largs[0].device)
+                     for o, shape in zip(ctx.outs, shapes))
+    result = ctx.func(*largs, **lkwargs)
+    # in eval, torch's CPU kernel gives empty save_mean / save_invstd where its meta kernel
+    # (which sets the output layouts) gives (C,): unused in eval's backward, zeros keep them
+    # consistent with their layouts
+    return tuple(r if r is None or tuple(r.shape) == tuple(shape) else
+                 r.new_zeros(shape) for r, shape in zip(result, shapes))
+
+
+def _channel_sums(ctx, parts, dims, index):
+    """The per-channel sums of each tensor of ``parts`` over ``dims``, summed over the ranks
+    of every axis that splits the batch (or a spatial dim) of input ``index``: one all-reduce
+    of a (len(parts), C) buffer, which stays split by channels along the axes that split
+    them (outside ranks take part with zeros). Returns one tensor of this rank's channels per
+    part."""
+    layout = ctx.targets[index]
+    channel = tuple(S(1) if isinstance(v, S) and v.dim == 1 else B for v in layout.sbp)
+    summed = tuple(P if isinstance(v, S) and v.dim != 1 else c for v, c in zip(layout.sbp, channel))
+    whole = Layout(layout.placement, channel, (len(parts), layout.shape[1]))
+    if ctx.coord is None:
+        stacked = torch.zeros((0, 0), dtype=parts[0].dtype, device=parts[0].device)
     else:
-        part = local.sum(dim=dims)
-    return ctx.redistribute(part, dst.with_sbp(_split_axes_partial(ctx.targets[0])), dst)
+        stacked = torch.stack([p.sum(dim=dims) for p in parts])
+    stacked = ctx.redistribute(stacked, whole.with_sbp(summed), whole)
+    return stacked.unbind(0)
+
+
+def _bn_shape(ctx, index):
+    shape = ctx.targets[index].shape
+    count = math.prod(shape) // max(shape[1], 1)
+    dims = [d for d in range(len(shape)) if d != 1]
+    view = [1, -1] + [1] * (len(shape) - 2)
+    return count, dims, view
 
 
 def _k_sync_bn(ctx, largs, lkwargs):
-    """Training batch norm on a non-channel split: two all-reduces of per-channel sums give
-    the batch mean and the biased variance exactly as one process computes them (mean first,
-    then the mean squared deviation)."""
+    """Training batch norm on a non-channel split: one all-reduce of the per-channel sums of
+    (x - K) and (x - K)^2 gives the batch mean and biased variance (the shifted-data formula;
+    K, the same on every rank, is the running mean where there is one, so the difference of
+    squares does not cancel), the sync-BN statistics of one process on the whole batch."""
     x = largs[0]
     weight, bias = ctx.arg(largs, lkwargs, "weight"), ctx.arg(largs, lkwargs, "bias")
     running_mean = ctx.arg(largs, lkwargs, "running_mean")
     running_var = ctx.arg(largs, lkwargs, "running_var")
     momentum, eps = ctx.arg(largs, lkwargs, "momentum"), ctx.arg(largs, lkwargs, "eps")
-    shape = ctx.targets[0].shape
-    channels = shape[1]
-    count = math.prod(shape) // max(channels, 1)
-    dims = [d for d in range(len(shape)) if d != 1]
-    view = [1, channels] + [1] * (len(shape) - 2)
-    dst = ctx.outs[1].layout
+    count, dims, view = _bn_shape(ctx, 0)
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     xs = x.to(acc)
-    mean = _channel_sums(ctx, xs, dims, dst) / count
-    centred = xs - mean.reshape(view) if ctx.coord is not None else xs
-    var = _channel_sums(ctx, centred * centred, dims, dst) / count
+    if running_mean is not None and ctx.coord is not None:
+        shifted = xs - running_mean.to(acc).reshape(view)
+    else:
+        shifted = xs
+    total, squares = _channel_sums(ctx, [shifted, shifted * shifted], dims, 0)
     if ctx.coord is None:
         return ctx.empties()
+    offset = total / count
+    var = (squares / count - offset * offset).clamp_(min=0)
+    mean = offset + (running_mean.to(acc) if running_mean is not None else 0)
     invstd = torch.rsqrt(var + eps)
-    out = centred * invstd.reshape(view)
+    out = (xs - mean.reshape(view)) * invstd.reshape(view)
     if weight is not None:
         out = out * weight.reshape(view)
     if bias is not None:
         out = out + bias.reshape(view)
-    if running_mean is not None:
-        with torch.no_grad():
+    with torch.no_grad():
+        if running_mean is not None:
             running_mean.mul_(1 - momentum).add_(mean.to(running_mean.dtype), alpha=momentum)
-    if running_var is not None:
-        with torch.no_grad():
+        if running_var is not None:
             unbiased = var * count / max(count - 1, 1)
             running_var.mul_(1 - momentum).add_(unbiased.to(running_var.dtype), alpha=momentum)
     return out.to(x.dtype), mean.to(x.dtype), invstd.to(x.dtype)
@@ -276,34 +307,26 @@ def batch_norm_backward(call: Call):
     train = call.get("train")
     rows = [sig("B B B B B B B -> B B B"), sig("P B B B B B B -> P P P")]
     if nd >= 2:
-        rows.append(Row((S(1), S(1)) + repeat(5, S(0)), (S(1), S(0), S(0))))
+        rows.append(Row((S(1), S(1)) + repeat(5, S(0)), (S(1), S(0), S(0)), "bn_local"))
     for d in (0, *range(2, nd)):
         if train:
             rows.append(Row((S(d), S(d)) + repeat(5, B), (S(d), B, B), "sync_bn_backward"))
         else:
-            rows.append(Row((S(d), S(d)) + repeat(5, B), (S(d), P, P)))
+            rows.append(Row((S(d), S(d)) + repeat(5, B), (S(d), P, P), "bn_local"))
     return fit(rows, present)
 
 
 def _k_sync_bn_backward(ctx, largs, lkwargs):
+    """One all-reduce of the per-channel sums of grad and grad * x_hat over the whole batch;
+    they are the bias and weight gradients (whole), and give the input gradient locally."""
     grad, x = largs[0], largs[1]
     weight = ctx.arg(largs, lkwargs, "weight")
     mean, invstd = ctx.arg(largs, lkwargs, "save_mean"), ctx.arg(largs, lkwargs, "save_invstd")
     mask = ctx.arg(largs, lkwargs, "output_mask")
-    shape = ctx.targets[1].shape
-    channels = shape[1]
-    count = math.prod(shape) // max(channels, 1)
-    dims = [d for d in range(len(shape)) if d != 1]
-    view = [1, channels] + [1] * (len(shape) - 2)
-    dst = next(o.layout for o in ctx.outs if o is not None and len(o.layout.shape) == 1) \
-        if any(o is not None and len(o.layout.shape) == 1 for o in ctx.outs) else None
-    if dst is None:  # neither weight nor bias gradient asked for: build the (C,) layout
-        from ..layout import Layout
-        dst = Layout(ctx.targets[1].placement, tuple(B for _ in ctx.targets[1].sbp), (channels,))
+    count, dims, view = _bn_shape(ctx, 1)
     inside = ctx.coord is not None
     xhat = (x - mean.reshape(view)) * invstd.reshape(view) if inside else x
-    sum_g = _channel_sums(ctx, grad, dims, dst)
-    sum_gx = _channel_sums(ctx, grad * xhat, dims, dst)
+    sum_g, sum_gx = _channel_sums(ctx, [grad, grad * xhat], dims, 1)
     if not inside:
         return ctx.empties()
     gx = None
@@ -361,10 +384,11 @@ register("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward",
 register("nll_loss_forward", rule=nll_loss, kernels={"nll_mean": _k_nll_mean})
 register("nll_loss_backward", rule=nll_loss_backward)
 # updates running_mean / running_var in training, though its schema marks neither (a!)
-register("native_batch_norm", rule=batch_norm, kernels={"sync_bn": _k_sync_bn},
+register("native_batch_norm", rule=batch_norm,
+         kernels={"sync_bn": _k_sync_bn, "bn_local": _k_bn_local},
          mutates=("running_mean", "running_var"))
 register("native_batch_norm_backward", rule=batch_norm_backward,
-         kernels={"sync_bn_backward": _k_sync_bn_backward})
+         kernels={"sync_bn_backward": _k_sync_bn_backward, "bn_local": _k_bn_local})
 for _k in (1, 2, 3):
     register(f"max_pool{_k}d_with_indices", rule=pooling_with_indices(_k))
     register(f"max_pool{_k}d_with_indices_backward", rule=pooling_backward(_k, False))

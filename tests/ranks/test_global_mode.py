@@ -10,7 +10,7 @@ import torch.nn.functional as F
 import globaltensor as gt
 from globaltensor.testing import RankFailed, run_ranks
 
-S, B = gt.sbp.split, gt.sbp.broadcast
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 X = torch.tensor([[1., -2, 0, 4], [0, 5, -6, 0], [7, 0, 9, -1]])
 ALL = gt.placement("cpu", [0, 1])
 # a 3-rank world where rank 2 is outside the placement: it still learns shapes and values
@@ -248,3 +248,21 @@ def test_constant_pad_keeps_unpadded_dims_split(pad, value):
     from helpers import check, gen
 
     check(lambda x: F.pad(x, pad, value=value), [gen(5, 4, 3, seed=11)])
+
+
+@pytest.mark.parametrize("training", [True, False])
+def test_batch_norm_over_every_layout(training):
+    # sync-BN semantics: the statistics of the whole batch whatever the split (a rule with a
+    # kernel for batch and spatial splits in training, local for a channel split)
+    from helpers import check, gen
+
+    x, w, b = gen(5, 3, 4, seed=23) * 3 + 7, gen(3, seed=24), gen(3, seed=25)
+    if training:  # batch statistics (running statistics: see the ResNet test)
+        check(lambda x, w, b: F.batch_norm(x, None, None, w, b, training=True),
+              [x, w, b], only=lambda sbps: P not in sbps[0])
+    else:  # the running statistics as inputs, laid out like the weight
+        mean, var = gen(3, seed=21), gen(3, seed=22).abs() + 0.5
+        check(lambda x, w, b, m, v: F.batch_norm(x, m.detach(), v.detach(), w, b, training=False),
+              [x, w, b, mean, var], only=lambda sbps: P not in sbps[0] + sbps[3] + sbps[4])
+    check(lambda x: F.max_pool2d(x, 2), [gen(3, 2, 4, 4, seed=26)])
+    check(lambda x: F.adaptive_avg_pool2d(x, (2, 1)), [gen(3, 2, 5, 4, seed=27)])
