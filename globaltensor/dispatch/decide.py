@@ -2,6 +2,7 @@
 rule's cheapest signature, or the broadcast fallback for ops without a rule."""
 from __future__ import annotations
 
+import collections
 import warnings
 
 import torch
@@ -18,6 +19,10 @@ from .special import SPECIAL, foreach, mixed_placements
 from .views import is_view, write_into
 
 _WARNED = Bounded(10_000)  # ops already warned about (no rule: broadcast fallback)
+# op name -> how many decisions took the broadcast fallback (read by benchmarks/op_coverage.py;
+# counted on cache misses only, so never on the warm path)
+FALLBACKS: collections.Counter = collections.Counter()
+LEARNT: collections.Counter = collections.Counter()  # op name -> data-dependent runs on B inputs
 
 
 def op_name(func) -> str:
@@ -77,6 +82,7 @@ def _plain(func, args, kwargs, tensors, choice, inplace, call, key):
     except DataDependent:
         if inplace:
             raise
+        LEARNT[call.op] += 1
         full = (B,) * tensors[0]._layout.placement.ndim
         return RunToLearn(tuple(t._layout if t._layout.sbp == full else t._layout.with_sbp(full)
                                 for t in tensors))
@@ -185,6 +191,7 @@ def _broadcast_choice(func, name, layouts, has_rule):
             f"{name}: random op without an SBP rule; running it on each rank would give "
             f"broadcast replicas different values. Use gt.rand/gt.randn or ops with rules "
             f"(dropout, rand_like, bernoulli_, uniform_, normal_)")
+    FALLBACKS[name] += 1
     if not has_rule and name not in _WARNED:
         _WARNED.put(name, True)
         warnings.warn(

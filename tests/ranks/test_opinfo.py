@@ -155,14 +155,19 @@ def sweep(opinfo, samples: int = 2) -> list[tuple[str, str, str]]:
 def _one(opinfo, leaves, spec, ref, how, rank, make_global) -> str:
     tensor_ks = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     glob = list(leaves)
-    inputs = []
     for n, k in enumerate(tensor_ks):
         t = leaves[k].detach()
         g = make_global(t, Layout(GRID, _sbp(t, n, how), t.shape), rank)
         if leaves[k].requires_grad:
             g.requires_grad_()
-            inputs.append(g)
         glob[k] = g
+    return _one_global(opinfo, glob, spec, ref)
+
+
+def _one_global(opinfo, glob, spec, ref) -> str:
+    """Run ``opinfo.op`` on the leaves ``glob`` (global tensors laid out) and compare with
+    ``ref`` (outputs and gradients on the full tensors): "ok", "error ...", "raise ..." or
+    "WRONG ..."."""
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
