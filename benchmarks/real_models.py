@@ -18,7 +18,7 @@ Each comparison is repeated ``--runs`` times; the median ratio and the spread ar
 - cnn:  the CNN data parallel (sync-BN semantics) vs torch DDP with plain BatchNorm (torch's
         SyncBatchNorm needs a GPU; DDP's BatchNorm uses per-rank statistics, less work).
 
-Collectives per step are counted on torch.distributed calls (rank 0) for each contender.
+Collectives per step are counted from torch.profiler's gloo events (rank 0), for each contender.
 """
 from __future__ import annotations
 
@@ -36,9 +36,6 @@ import globaltensor as gt
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 BATCH, SEQ, VOCAB = 8, 32, 256
-COLLECTIVES = ("all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "broadcast", "send",
-               "recv", "isend", "irecv", "batch_isend_irecv")
 
 
 def llama():
@@ -99,30 +96,21 @@ def data_for(kind, gen):
     return torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
 
 
-class Counter:
-    """torch.distributed calls made by this process while ``on``."""
+def collectives_of(step) -> dict:
+    """The gloo collectives one ``step()`` runs on this rank, by kind, as torch.profiler records
+    them ("gloo:all_reduce", "gloo:send", ...): the same count for gt, torch DDP (whose reducer
+    calls the process group from C++) and DTensor (functional collectives)."""
+    from collections import Counter
 
-    def __init__(self):
-        self.on, self.counts = False, {}
-        for name in COLLECTIVES:
-            original = getattr(dist, name, None)
-            if original is not None:
-                setattr(dist, name, self._wrap(name, original))
-
-    def _wrap(self, name, original):
-        def call(*args, **kwargs):
-            if self.on:
-                self.counts[name] = self.counts.get(name, 0) + 1
-            return original(*args, **kwargs)
-        return call
-
-    def measure(self, fn):
-        self.counts, self.on = {}, True
-        try:
-            fn()
-        finally:
-            self.on = False
-        return dict(self.counts)
+    with gt.comm_trace() as trace:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            step()
+    messages = dict(Counter(e.name[len("gloo:"):] for e in prof.events()
+                            if e.name.startswith("gloo:")))
+    # gt's plans run gathers and reductions on CPU as pairwise messages (GT_CPU_COLLECTIVES):
+    # the collectives its plans asked for, from gt.comm_trace, plus the gradient buckets
+    planned = trace.counts()
+    return {"messages": messages, "planned": planned}
 
 
 def step_fn(model, opt, loss_fn, batch, after_backward=None):
@@ -205,7 +193,6 @@ def worker(local_rank, what, steps, threads):
     warnings.simplefilter("ignore")
     gt.init()
     rank, world = dist.get_rank(), dist.get_world_size()
-    counter = Counter()
     gen = torch.Generator().manual_seed(100 + rank)
     out = {}
     if what == "dp":
@@ -259,7 +246,7 @@ def worker(local_rank, what, steps, threads):
             "torch DDP": step_fn(t, torch.optim.SGD(t.parameters(), lr=0.01), cnn_loss, (x, y)),
         }
     out["median"] = race(steps_, steps)
-    out["collectives"] = {k: counter.measure(s) for k, s in steps_.items()}
+    out["collectives"] = {k: collectives_of(s) for k, s in steps_.items()}
     return out
 
 
@@ -352,8 +339,11 @@ def main() -> None:
             counts = out["collectives"]
         print(f"{titles[what]} (target <= {targets[what]}):")
         for n in names:
+            c = counts[n]
+            planned = f"; redistributions' collectives {c['planned']}" if c["planned"] else ""
             print(f"  {n:10s} {statistics.median([m[n] for m in medians]) * 1e3:8.1f} ms/step   "
-                  f"collectives/step (rank 0): {sum(counts[n].values())} {counts[n]}")
+                  f"gloo calls/step (rank 0): {sum(c['messages'].values())} {c['messages']}"
+                  f"{planned}")
         print(f"  ratio {spread(ratios)}")
 
 

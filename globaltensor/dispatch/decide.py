@@ -10,6 +10,7 @@ import torch
 from .._cache import Bounded
 from ..errors import GlobalTensorError
 from ..ops import DECOMPOSE, MUTATES, REWRITES, B, Choice, arg_value, choose, rule_for
+from ..sbp import PartialSum
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
 from .decisions import (AdoptIndexScalars, Contextual, Decomposed, InplaceView, Plain, RunToLearn,
@@ -63,6 +64,10 @@ def decide(func, args, kwargs, tensors, key, context=None):
         choice = choose(call, layouts, itemsizes, fixed=fixed)
         if choice is not None and any(t is not l and t != l for t, l in zip(choice.ins, layouts)):
             return Contextual(decide, key)  # it moves inputs: the context may change the winner
+        if choice is not None and _leaves_partial(choice, layouts):
+            # a partial-sum input kept partial: where its sum is already at hand (moved for an
+            # earlier op, e.g. an RMSNorm's variance), resolving it is free and wins the tie
+            return Contextual(decide, key)
     else:
         grads, free = context
         choice = choose(call, layouts, itemsizes, fixed=fixed, grads=grads or (), free=free or ())
@@ -74,6 +79,11 @@ def decide(func, args, kwargs, tensors, key, context=None):
     if choice is None:
         choice = _broadcast_choice(func, name, layouts, has_rule)
     return _plain(func, args, kwargs, tensors, choice, inplace, call, key)
+
+
+def _leaves_partial(choice, layouts) -> bool:
+    return any(isinstance(v, PartialSum) for out in choice.outs for v in out) and any(
+        isinstance(v, PartialSum) for layout in layouts for v in layout.sbp)
 
 
 def _plain(func, args, kwargs, tensors, choice, inplace, call, key):

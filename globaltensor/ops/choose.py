@@ -73,8 +73,8 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     bound on its cost worked out per axis in microseconds (:class:`_Cheap`), and candidates are
     costed in the order of their bounds: first a finer bound (``plan.lower_bound``), then the
     plans themselves, until the next bound cannot beat the best found. The result is the
-    candidate the exhaustive loop (:func:`reference_choose`) picks: the least (cost, inputs
-    changed, rows in product order)."""
+    candidate the exhaustive loop (:func:`reference_choose`) picks: the least (cost, partial-sum
+    results, inputs changed, rows in product order)."""
     for r in rule.rows:
         if len(r.ins) != len(layouts):
             raise GlobalTensorError(
@@ -83,8 +83,8 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     mesh = layouts[0].placement.shape
     options = [_axis_options(rule, layouts, axis, fixed, free) for axis in range(len(mesh))]
     stay = _stay(rule, call, layouts, options)
-    if stay is not None:
-        return stay
+    if stay is not None and not _partials(stay.outs):
+        return stay  # (one leaving partial sums may tie with one that resolves them: search)
     cheap = [_Cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
              enumerate(zip(layouts, itemsizes))]
     heap = []
@@ -97,12 +97,13 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
         changed = sum(1 for layout, sbp in zip(layouts, resolved) if sbp != layout.sbp)
         bound = sum(c.bound(sbp) for c, sbp in zip(cheap, resolved))
         order = tuple(index for index, _, _, _ in combo)
-        heap.append((bound, changed, order, 0, combo, ins))  # 0: no term worked out yet
+        partials = _partials(outs_of(tuple(r for _, r, _, _ in combo)))
+        heap.append((bound, partials, changed, order, 0, combo, ins))  # 0: no term worked out yet
     heapq.heapify(heap)
     best, best_key = None, None
     while heap:
-        bound, changed, order, terms, combo, ins = heapq.heappop(heap)
-        if best_key is not None and (bound, changed, order) >= best_key:
+        bound, partials, changed, order, terms, combo, ins = heapq.heappop(heap)
+        if best_key is not None and (bound, partials, changed, order) >= best_key:
             break
         rows = tuple(r for _, r, _, _ in combo)
         outs = outs_of(rows)
@@ -117,14 +118,22 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
             continue  # a move that would invent a partial sum
         if any(not exact for _, exact, _, _ in terms):
             total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
-            heapq.heappush(heap, (max(bound, total), changed, order, terms, combo, ins))
+            heapq.heappush(heap, (max(bound, total), partials, changed, order, terms, combo, ins))
             continue
         cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
-        key = (cost, changed, order)
+        key = (cost, partials, changed, order)
         if best_key is None or key < best_key:
             kernels = {r.kernel for r in rows if r.kernel}
             best, best_key = Choice(targets, outs, kernels.pop() if kernels else None, cost), key
     return best
+
+
+def _partials(outs) -> int:
+    """How many (output, axis) entries of a candidate's results are partial sums: between
+    candidates of equal cost, the one leaving fewer partial sums wins (a partial sum is a
+    reduction still owed; with an input's resolved form already at hand, e.g. an RMSNorm's
+    input gathered for its variance, paying it now costs nothing)."""
+    return sum(1 for out in outs for v in out if isinstance(v, PartialSum))
 
 
 def _stay(rule: Rule, call: Call, layouts, options) -> Choice | None:
@@ -288,7 +297,7 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
         cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
         if math.isinf(cost):
             continue
-        key = (cost, sum(1 for s, t in zip(layouts, targets) if s != t), order)
+        key = (cost, _partials(outs), sum(1 for s, t in zip(layouts, targets) if s != t), order)
         if best_key is None or key < best_key:
             best, best_key = Choice(targets, outs, kernel, cost), key
     return best

@@ -193,3 +193,35 @@ def test_async_gradient_all_reduce_with_a_rank_outside_the_placement():
         assert sbp == (B,)
         assert local_shape == ((6, 3) if rank < 2 else (0, 0))
         torch.testing.assert_close(full, wr.grad)
+
+
+def test_a_partial_sum_whose_sum_is_at_hand_is_resolved_not_carried():
+    """An RMSNorm on a partial-sum residual stream (a vocabulary-split embedding's output, a
+    row-parallel projection's): its variance needs the sum, so x is all-reduced once; the
+    normalised x * rsqrt(var) then uses that sum too (free, and it leaves no partial sum)
+    instead of staying partial, so the column-parallel projection after it moves nothing
+    (before: its weight was gathered, in forward and again in backward)."""
+    import globaltensor as gt
+
+    x_full, w_full = gen(8, 6, seed=5), gen(6, 4, seed=6)
+    P = gt.sbp.partial_sum
+
+    def body(rank):
+        x0 = make_global(x_full, Layout(G2, (P,), x_full.shape), rank).requires_grad_()
+        w = make_global(w_full, Layout(G2, (S(1),), w_full.shape), rank).requires_grad_()
+        with gt.comm_trace() as trace:
+            x = x0 * 1  # an activation, as in a model (a leaf keeps no moved pieces)
+            var = x.pow(2).mean(-1, keepdim=True)
+            y = x * torch.rsqrt(var + 1e-6)
+            out = y @ w
+        out.sum().backward()
+        return trace.counts(), y.sbp, out.sbp, out.detach().full_tensor(), w.grad.full_tensor()
+
+    xr, wr = x_full.clone().requires_grad_(), w_full.clone().requires_grad_()
+    ref = (xr * torch.rsqrt(xr.pow(2).mean(-1, keepdim=True) + 1e-6)) @ wr
+    ref.sum().backward()
+    for counts, y_sbp, out_sbp, value, grad in run_ranks(body, 2, timeout=30):
+        assert counts == {"all_reduce": 1}, counts
+        assert y_sbp == (B,) and out_sbp == (S(1),)
+        torch.testing.assert_close(value, ref.detach())
+        torch.testing.assert_close(grad, wr.grad)
