@@ -59,3 +59,65 @@ def test_fft_keeps_other_dims_split():
 def test_complex_views():
     check(lambda x: torch.view_as_real(torch.view_as_complex(x) * 2), [gen(3, 5, 2)])
     check(lambda x, y: torch.view_as_real(torch.complex(x, y)), [gen(3, 5), gen(3, 5, seed=1)])
+
+
+# ----------------------------------------------------------------------------- shape ops
+
+def test_flip_roll_repeat_keep_other_dims_split():
+    check(lambda x: torch.flip(x, [1]) * 1, [gen(3, 5)])
+    check(lambda x: torch.roll(x, 2, 0) * 1, [gen(5, 3)])
+    check(lambda x: x.repeat(2, 1, 3), [gen(3, 5)])
+    assert (S(0),) in _splits("flip.default", [(3, 5)], ([1],))
+    assert (S(1),) in _splits("repeat.default", [(3, 5)], ([2, 1],))
+
+
+def test_diag_embed_and_its_backward():
+    check(lambda x: torch.diag_embed(x, offset=1), [gen(3, 4)])
+    check(lambda x: torch.diagonal(x, 0, 1, 2) * 1, [gen(3, 4, 5)])
+
+
+def test_unfold_and_copies():
+    check(lambda x: x.unfold(1, 2, 1) * 1, [gen(3, 5)])
+    check(lambda x: torch.ops.aten.permute_copy(x, [1, 0]), [gen(3, 5)])
+    check(lambda x: torch.ops.aten.view_copy(x, [3, 2, 2]), [gen(3, 4)])
+
+
+# ----------------------------------------------------------------------------- element-wise
+
+def test_activations_without_the_pointwise_tag():
+    check(torch.nn.functional.hardswish, [gen(3, 5)])
+    check(torch.nn.functional.logsigmoid, [gen(3, 5)])
+    check(lambda x: torch.nn.functional.elu(x) + torch.nn.functional.softplus(x), [gen(3, 5)])
+    check(lambda x: torch.nn.functional.glu(x, 1), [gen(3, 4)])
+    check(lambda x, y: torch.rsub(x, y), [gen(3, 5), gen(3, 5, seed=1)])
+
+
+def test_bucketize_and_searchsorted_split_the_values():
+    bounds = torch.tensor([-1.0, 0.0, 0.5], dtype=torch.float64)
+    check(lambda x, b: torch.bucketize(x, b).to(x.dtype) * x, [gen(3, 5), bounds])
+    check(lambda s, x: torch.searchsorted(s, x).to(x.dtype) * x, [bounds, gen(3, 5)])
+
+
+# ----------------------------------------------------------------------------- scans, indices
+
+def test_scans_and_order_statistics_along_one_dim():
+    check(lambda x: torch.cummax(x, 1)[0], [gen(3, 5)])
+    check(lambda x: torch.logcumsumexp(x, 0), [gen(5, 3)])
+    check(lambda x: torch.kthvalue(x, 2, 1)[0], [gen(3, 5)])
+    check(lambda x: torch.median(x, 0, keepdim=True)[0], [gen(5, 3)])
+    assert (S(0),) in _splits("kthvalue.default", [(3, 5)], (2, 1))
+
+
+def test_nansum_and_count_nonzero_give_partial_sums():
+    x = gen(5, 3)
+    x[1, 2] = float("nan")
+    check(lambda x: torch.nansum(x, 0), [x])
+    check(lambda x: torch.count_nonzero(x > 0, 1).to(x.dtype), [gen(5, 3)])
+
+
+def test_index_fill_and_copy_along_a_whole_dim():
+    idx = torch.tensor([0, 2])
+    check(lambda x, i: x.index_fill(1, i, -1.0), [gen(3, 5), idx])
+    check(lambda x, s, i: x.index_copy(1, i, s), [gen(3, 5), gen(3, 2, seed=1), idx])
+    assert (S(0), B, S(0)) in [r.ins for r in rows_for(Call(
+        "index_copy.default", ((3, 5), (2,), (3, 2)), (Ref(0), 1, Ref(1), Ref(2)))).rows]

@@ -1,0 +1,142 @@
+"""More shape ops: flips, rolls, repeats, diagonals, windows, channel shuffles, and the ``*_copy``
+forms of the view ops (which take their view's rule).
+
+    B    -> B, P -> P      these ops move values, never mix them (all linear)
+    S(d) -> S(d')          a dim the op does not reorder keeps its split, at its new place:
+        flip / roll / rot90        the flipped, rolled, rotated dims whole
+        repeat                     a dim repeated once; new leading dims shift the others
+        diag_embed                 every dim but the last (which becomes the diagonal)
+        diagonal_backward          the grad's dims but the diagonal (local sizes rewritten)
+        unfold                     every dim but the unfolded one (unfold_backward alike)
+        channel_shuffle            every dim but the channels
+"""
+from __future__ import annotations
+
+import torch
+
+from . import views
+from .signature import Call, Row, S, dim_of, dims_of, keep_whole, register, sig
+
+aten = torch.ops.aten
+
+
+def flip(call: Call):
+    return keep_whole(call, dims_of(call.get("dims"), len(call.shapes[0])))
+
+
+def roll(call: Call):
+    """``roll(x, shifts, dims)``: the rolled dims whole (no dims: the flattened tensor rolls,
+    every dim whole)."""
+    nd = len(call.shapes[0])
+    dims = call.get("dims") or ()
+    return keep_whole(call, dims_of(dims, nd) if len(dims) else tuple(range(nd)))
+
+
+def rot90(call: Call):
+    nd = len(call.shapes[0])
+    return keep_whole(call, dims_of(call.get("dims", [0, 1]), nd))
+
+
+def repeat(call: Call):
+    """``repeat(x, repeats)``: a dim repeated once keeps its split (shifted by the new leading
+    dims)."""
+    src, reps = call.shapes[0], list(call.get("repeats"))
+    lead = len(reps) - len(src)
+    rows = [sig("B -> B"), sig("P -> P")]
+    return tuple(rows + [Row((S(d),), (S(d + lead),)) for d in range(len(src))
+                         if reps[d + lead] == 1])
+
+
+def _diag_rest(nd_out: int, dim1: int, dim2: int) -> list[int]:
+    pair = {dim_of(dim1, nd_out), dim_of(dim2, nd_out)}
+    return [k for k in range(nd_out) if k not in pair]
+
+
+def diag_embed(call: Call):
+    """``diag_embed(x, offset, dim1, dim2)``: x's last dim becomes the diagonal of (dim1, dim2);
+    its other dims keep their order in the output's remaining dims."""
+    nd = len(call.shapes[0])
+    rest = _diag_rest(nd + 1, call.get("dim1", -2), call.get("dim2", -1))
+    rows = [sig("B -> B"), sig("P -> P")]
+    return tuple(rows + [Row((S(d),), (S(rest[d]),)) for d in range(nd - 1)])
+
+
+def diagonal_backward(call: Call):
+    """``diagonal_backward(grad, input_sizes, offset, dim1, dim2)``: grad holds the input's
+    other dims then the diagonal; those dims keep their split."""
+    nd = len(call.get("input_sizes"))
+    rest = _diag_rest(nd, call.get("dim1"), call.get("dim2"))
+    rows = [sig("B -> B"), sig("P -> P")]
+    return tuple(rows + [Row((S(i),), (S(k),)) for i, k in enumerate(rest)])
+
+
+def _rewrite_diagonal_backward(decision, largs, pieces):
+    sizes = list(largs[1])
+    rest = _diag_rest(len(sizes), largs[3], largs[4])
+    for i, k in enumerate(rest):
+        sizes[k] = pieces[0].shape[i]
+    largs[1] = sizes
+
+
+def unfold(call: Call):
+    """``unfold(x, dimension, size, step)``: windows along ``dimension`` (whole); the other dims
+    keep their split, the window dim is new and last."""
+    nd = len(call.shapes[0])
+    dim = dim_of(call.get("dimension"), nd)
+    return tuple([sig("B -> B"), sig("P -> P")] +
+                 [Row((S(d),), (S(d),)) for d in range(nd) if d != dim])
+
+
+def unfold_backward(call: Call):
+    """``unfold_backward(grad, input_sizes, dim, size, step)``: the other dims keep their split
+    (local input sizes rewritten)."""
+    nd = len(call.get("input_sizes"))
+    dim = dim_of(call.get("dim"), max(nd, 1))
+    return tuple([sig("B -> B"), sig("P -> P")] +
+                 [Row((S(d),), (S(d),)) for d in range(nd) if d != dim])
+
+
+def _rewrite_unfold_backward(decision, largs, pieces):
+    sizes = list(largs[1])
+    dim = largs[2] % max(len(sizes), 1)
+    for d in range(len(sizes)):
+        if d != dim:
+            sizes[d] = pieces[0].shape[d]
+    largs[1] = sizes
+
+
+def channel_shuffle(call: Call):
+    nd = len(call.shapes[0])
+    return keep_whole(call, (1,) if nd > 1 else (0,))
+
+
+def narrow_copy(call: Call):
+    shape = call.shapes[0]
+    dim = dim_of(call.get("dim"), len(shape))
+    whole = call.get("start") == 0 and call.get("length") == shape[dim]
+    return keep_whole(call, () if whole else (dim,))
+
+
+register("flip", rule=flip)
+register("roll", rule=roll)
+register("rot90", rule=rot90)
+register("repeat", rule=repeat)
+register("diag_embed", rule=diag_embed)
+register("diagonal_backward", rule=diagonal_backward, rewrite=_rewrite_diagonal_backward)
+register("unfold", "unfold_copy", rule=unfold)
+register("unfold_backward", rule=unfold_backward, rewrite=_rewrite_unfold_backward)
+register("channel_shuffle", "native_channel_shuffle", rule=channel_shuffle)
+register("narrow_copy", rule=narrow_copy)
+# the copy forms of view ops: their view's rows (and size rewrites); the result is a copy
+register("view_copy", rule=views.view, rewrite=views._rewrite_view)
+register("expand_copy", rule=views.expand, rewrite=views._rewrite_expand)
+register("permute_copy", rule=views.permute)
+register("transpose_copy", "t_copy", rule=views.transpose)
+register("squeeze_copy", rule=views.squeeze)
+register("unsqueeze_copy", rule=views.unsqueeze)
+register("alias_copy", rule=lambda call: keep_whole(call, ()))
+register("diagonal_copy", rule=views.diagonal)
+register("unbind_copy", rule=views.unbind)
+register("split_with_sizes_copy", "split_copy", rule=views.split)
+register("select_copy", rule=views.select)
+register("slice_copy", rule=views.slice_)
