@@ -121,3 +121,19 @@ def test_index_fill_and_copy_along_a_whole_dim():
     check(lambda x, s, i: x.index_copy(1, i, s), [gen(3, 5), gen(3, 2, seed=1), idx])
     assert (S(0), B, S(0)) in [r.ins for r in rows_for(Call(
         "index_copy.default", ((3, 5), (2,), (3, 2)), (Ref(0), 1, Ref(1), Ref(2)))).rows]
+
+
+# ----------------------------------------------------------------------------- padding, interpolation
+
+def test_reflect_and_replicate_padding_keep_leading_dims_split():
+    F = torch.nn.functional
+    check(lambda x: F.pad(x, (1, 2), mode="reflect"), [gen(3, 2, 5)])
+    check(lambda x: F.pad(x, (1, 0, 2, 1), mode="replicate"), [gen(3, 1, 3, 4)])
+    assert (S(1),) in _splits("reflection_pad1d.default", [(3, 2, 5)], ([1, 2],))
+
+
+def test_interpolation_keeps_batch_and_channels_split():
+    F = torch.nn.functional
+    check(lambda x: F.interpolate(x, scale_factor=2, mode="nearest"), [gen(3, 2, 3)])
+    check(lambda x: F.interpolate(x, size=(3, 5), mode="bilinear", align_corners=False),
+          [gen(3, 1, 2, 3)])
