@@ -82,8 +82,11 @@ def decide(func, args, kwargs, tensors, key, context=None):
 
 
 def _leaves_partial(choice, layouts) -> bool:
-    return any(isinstance(v, PartialSum) for out in choice.outs for v in out) and any(
-        isinstance(v, PartialSum) for layout in layouts for v in layout.sbp)
+    mesh = layouts[0].placement.shape
+    return any(isinstance(v, PartialSum) and mesh[a] > 1
+               for out in choice.outs for a, v in enumerate(out)) and any(
+        isinstance(v, PartialSum) and mesh[a] > 1
+        for layout in layouts for a, v in enumerate(layout.sbp))
 
 
 def _plain(func, args, kwargs, tensors, choice, inplace, call, key):

@@ -83,7 +83,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     mesh = layouts[0].placement.shape
     options = [_axis_options(rule, layouts, axis, fixed, free) for axis in range(len(mesh))]
     stay = _stay(rule, call, layouts, options)
-    if stay is not None and not _partials(stay.outs):
+    if stay is not None and not _partials(stay.outs, mesh):
         return stay  # (one leaving partial sums may tie with one that resolves them: search)
     cheap = [_Cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
              enumerate(zip(layouts, itemsizes))]
@@ -97,7 +97,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
         changed = sum(1 for layout, sbp in zip(layouts, resolved) if sbp != layout.sbp)
         bound = sum(c.bound(sbp) for c, sbp in zip(cheap, resolved))
         order = tuple(index for index, _, _, _ in combo)
-        partials = _partials(outs_of(tuple(r for _, r, _, _ in combo)))
+        partials = _partials(outs_of(tuple(r for _, r, _, _ in combo)), mesh)
         heap.append((bound, partials, changed, order, 0, combo, ins))  # 0: no term worked out yet
     heapq.heapify(heap)
     best, best_key = None, None
@@ -128,12 +128,13 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     return best
 
 
-def _partials(outs) -> int:
+def _partials(outs, mesh) -> int:
     """How many (output, axis) entries of a candidate's results are partial sums: between
     candidates of equal cost, the one leaving fewer partial sums wins (a partial sum is a
     reduction still owed; with an input's resolved form already at hand, e.g. an RMSNorm's
     input gathered for its variance, paying it now costs nothing)."""
-    return sum(1 for out in outs for v in out if isinstance(v, PartialSum))
+    return sum(1 for out in outs for a, v in enumerate(out)
+               if isinstance(v, PartialSum) and mesh[a] > 1)  # P on one rank is its value
 
 
 def _stay(rule: Rule, call: Call, layouts, options) -> Choice | None:
@@ -297,7 +298,8 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
         cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
         if math.isinf(cost):
             continue
-        key = (cost, _partials(outs), sum(1 for s, t in zip(layouts, targets) if s != t), order)
+        key = (cost, _partials(outs, mesh), sum(1 for s, t in zip(layouts, targets) if s != t),
+               order)
         if best_key is None or key < best_key:
             best, best_key = Choice(targets, outs, kernel, cost), key
     return best

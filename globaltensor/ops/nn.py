@@ -220,12 +220,7 @@ def _k_bn_local(ctx, largs, lkwargs):
         return tuple(None if o is None else
                      torch.zeros(shape, dtype=o.dtype, device=largs[0].device)
                      for o, shape in zip(ctx.outs, shapes))
-    result = ctx.func(*largs, **lkwargs)
-    # in eval, torch's CPU kernel gives empty save_mean / save_invstd where its meta kernel
-    # (which sets the output layouts) gives (C,): unused in eval's backward, zeros keep them
-    # consistent with their layouts
-    return tuple(r if r is None or tuple(r.shape) == tuple(shape) else
-                 r.new_zeros(shape) for r, shape in zip(result, shapes))
+    return ctx.func(*largs, **lkwargs)
 
 
 def _channel_sums(ctx, parts, dims, index):
