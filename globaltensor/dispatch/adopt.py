@@ -55,7 +55,7 @@ def adopt_locals(func, args, kwargs, found):
     with GT_DEBUG the ranks' values are compared). Elsewhere it is a clear error."""
     in_mode = active() is not None
     if not in_mode and torch._C._current_graph_task_id() < 0:
-        raise local_tensor_error(found)
+        raise local_tensor_error(found, op_name(func))
     tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, GlobalTensor)]
     if not tensors:
         raise GlobalTensorError("internal: no global tensor among the arguments; please report this")

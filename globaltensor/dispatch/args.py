@@ -145,8 +145,10 @@ def local_args(args, kwargs, pieces):
     return largs, lkwargs
 
 
-def local_tensor_error(value: torch.Tensor) -> GlobalTensorError:
+def local_tensor_error(value: torch.Tensor, op: str | None = None) -> GlobalTensorError:
+    """``op``: the aten op's name ("quantile.default"), named first when known."""
     return GlobalTensorError(
+        (f"aten.{op}: " if op else "") +
         f"an operator got a global tensor and a local tensor of shape {list(value.shape)}; "
         f"expected global tensors (or 0-dim local scalars) only. Make the local tensor "
         f"global first, e.g. t.to_global(placement=x.placement, sbp=gt.sbp.broadcast) for "
