@@ -46,9 +46,13 @@ def index_add(call: Call):
 
 
 def index_select(call: Call):
-    x = call.shapes[0]
+    """``index_select(x, dim, index)``: a dim other than ``dim`` splits x; or x whole and the
+    (1-D) index split, giving ``dim`` split. A 0-dim x or index has no dim to split."""
+    x, idx = call.shapes[0], call.shapes[1]
     dim = dim_of(call.get("dim"), len(x))
-    rows = [sig("B B -> B"), sig("P B -> P"), Row((B, S(0)), (S(dim),))]
+    rows = [sig("B B -> B"), sig("P B -> P")]
+    if len(x) and len(idx):
+        rows.append(Row((B, S(0)), (S(dim),)))
     rows += [Row((S(d), B), (S(d),)) for d in range(len(x)) if d != dim]
     return tuple(rows)
 
