@@ -1,11 +1,13 @@
 """Matrix products: split the free dims, or split the contracted dim into partial sums.
 
-``mm``, ``bmm``, ``dot`` and ``mv`` have rules; ``addmm``, ``linear``, ``matmul``, ``einsum`` & co
-run as their decomposition into ops with rules (``addmm`` = ``mm``, then ``add``).
+``mm``, ``bmm``, ``dot``, ``mv`` and ``addmm`` have rules; ``linear``, ``matmul``, ``einsum``
+& co run as their decomposition into ops with rules.
 """
 from __future__ import annotations
 
-from .signature import register, table
+import torch
+
+from .signature import B, P, S, Call, Row, register, table
 
 MM = table(
     "S(0) B    -> S(0)",   # rows of the left operand split: each rank computes its rows
@@ -38,9 +40,61 @@ MV = table(
     "B    B    -> B",
 )
 
+def addmm(call: Call):
+    """``addmm(bias, m1, m2, beta, alpha) = beta * bias + alpha * (m1 @ m2)`` (nn.Linear with a
+    bias, GPT-2's Conv1D): mm's rows with the bias laid out as the output where it has that
+    dim (a (n,) or (1, n) bias stays whole for a row split), and for the partial-sum rows the
+    bias added on one rank only (kernel "addmm_partial") or given as a partial sum itself.
+
+        bias         m1    m2    -> out
+        B/S(0)/S(1)  S(0)  B     -> S(0)    bias split where it has the rows
+        B/S(0)/S(1)  B     S(1)  -> S(1)    bias split where it has the columns
+        B            S(1)  S(0)  -> P       kernel: the bias on the first rank of the axis
+        B            P     B     -> P       kernel, likewise
+        B            B     P     -> P       kernel, likewise
+        P            S(1)  S(0)  -> P       a partial bias plus partial products
+        P            P     B     -> P
+        P            B     P     -> P
+        B            B     B     -> B
+    """
+    bias = call.shapes[0]
+
+    def along(out_dim):  # the bias's sbp for an output split along out_dim (0 rows, 1 cols)
+        k = out_dim - (2 - len(bias))  # the bias dim that lines up with it, if any
+        return S(k) if 0 <= k < len(bias) and bias[k] != 1 else B
+    return (
+        Row((along(0), S(0), B), (S(0),)),
+        Row((along(1), B, S(1)), (S(1),)),
+        Row((B, S(1), S(0)), (P,), "addmm_partial"),
+        Row((B, P, B), (P,), "addmm_partial"),
+        Row((B, B, P), (P,), "addmm_partial"),
+        Row((P, S(1), S(0)), (P,)),
+        Row((P, P, B), (P,)),
+        Row((P, B, P), (P,)),
+        Row((B, B, B), (B,)),
+    )
+
+
+def _k_addmm_partial(ctx, largs, lkwargs):
+    """A partial-sum addmm: every rank adds its product, the bias only once along each axis
+    where the result is a partial sum of products (on that axis' first rank)."""
+    if ctx.coord is None:
+        return ctx.empties()
+    bias, m1, m2 = largs[0], largs[1], largs[2]
+    beta, alpha = ctx.arg(largs, lkwargs, "beta", 1), ctx.arg(largs, lkwargs, "alpha", 1)
+    out_sbp = ctx.outs.layout.sbp
+    kernel_axes = [a for a, v in enumerate(out_sbp)
+                   if v == P and ctx.targets[0].sbp[a] != P]  # the bias is whole there
+    if all(ctx.coord[a] == 0 for a in kernel_axes):
+        return torch.addmm(bias, m1, m2, beta=beta, alpha=alpha)
+    product = torch.mm(m1, m2)
+    return product if alpha == 1 else product * alpha
+
+
 register("mm", rule=lambda call: MM)
+register("addmm", rule=addmm, kernels={"addmm_partial": _k_addmm_partial})
 register("bmm", rule=lambda call: BMM)
 register("dot", rule=lambda call: DOT)
 register("mv", rule=lambda call: MV)
-register("addmm", "addmv", "baddbmm", "addbmm", "addmm_", "baddbmm_", "linear", "matmul",
-         "einsum", decompose=True)
+register("addmv", "baddbmm", "addbmm", "addmm_", "baddbmm_", "linear", "matmul", "einsum",
+         decompose=True)

@@ -266,3 +266,13 @@ def test_batch_norm_over_every_layout(training):
               [x, w, b, mean, var], only=lambda sbps: P not in sbps[0] + sbps[3] + sbps[4])
     check(lambda x: F.max_pool2d(x, 2), [gen(3, 2, 4, 4, seed=26)])
     check(lambda x: F.adaptive_avg_pool2d(x, (2, 1)), [gen(3, 2, 5, 4, seed=27)])
+
+
+@pytest.mark.parametrize("bias_shape", [(6,), (1, 6), (5, 6), ()])
+def test_addmm_over_every_layout(bias_shape):
+    # nn.Linear with a bias and GPT-2's Conv1D run addmm: a rule of its own (the bias added once
+    # where the product is a partial sum), no decomposition
+    from helpers import check, gen
+
+    check(lambda b, x, w: torch.addmm(b, x, w, beta=0.5, alpha=2.0),
+          [gen(*bias_shape, seed=31), gen(5, 4, seed=32), gen(4, 6, seed=33)])
