@@ -13,7 +13,7 @@ import math
 import torch
 
 from ..layout import Layout
-from .signature import B, P, S, Call, Row, fit, register, repeat, sig, with_arg
+from .signature import B, P, S, Call, Row, arg_names, fit, register, repeat, sig, with_arg
 
 aten = torch.ops.aten
 
@@ -141,23 +141,168 @@ def pointwise_loss_backward(call: Call):
     return tuple(rows)
 
 
+# losses whose mean is over the samples (dim 0 of a (N, C) input), not over every element
+_PER_SAMPLE = ("multi_margin_loss", "multilabel_margin_loss")
+
+
+def loss_count(call: Call) -> int:
+    """The count a loss with reduction='mean' divides by: the element count of its
+    reduction='none' result (global shapes). Element-wise losses: every element of the input;
+    multi_margin / multilabel_margin: the samples (N of an (N, C) input, 1 of a (C,) one)."""
+    x = call.shapes[1 if call.packet.endswith("_backward") else 0]  # backward: grad first
+    if call.packet.startswith(_PER_SAMPLE):
+        return x[0] if len(x) == 2 else 1
+    return math.prod(x)
+
+
 def _k_loss_mean(ctx, largs, lkwargs):
-    """mse_loss & co (and their backward) with reduction='mean' on split inputs: the local
-    result with reduction='sum', over the global element count."""
+    """A loss (or its backward) with reduction='mean' on split inputs: the local result with
+    reduction='sum', over the global count (:func:`loss_count`)."""
     if ctx.coord is None:
         return ctx.empties()
+    if ctx.call.packet.startswith(_PER_SAMPLE):
+        empty = _empty_sample_loss(ctx, largs)
+        if empty is not None:
+            return empty
     largs = list(largs)
     lkwargs = with_arg(ctx.call.op, largs, lkwargs, "reduction", 2)  # sum
-    x = 1 if ctx.call.packet.endswith("_backward") else 0  # backward: grad comes first
-    return ctx.func(*largs, **lkwargs) / math.prod(ctx.targets[x].shape)
+    out = ctx.func(*largs, **lkwargs)
+    count = loss_count(ctx.call)
+    if isinstance(out, tuple):  # multilabel_margin_loss_forward: (loss, is_target)
+        return (out[0] / count,) + tuple(out[1:])
+    return out / count
+
+
+def _empty_sample_loss(ctx, largs):
+    """Zeros of the output shapes when this rank's piece of x has no sample: torch's CPU
+    multi_margin / multilabel_margin kernels return uninitialised memory for a sum over an
+    empty batch (seen on torch 2.13); None otherwise."""
+    x = largs[1 if ctx.call.packet.endswith("_backward") else 0]
+    if x.numel() != 0:
+        return None
+    outs = ctx.outs if isinstance(ctx.outs, (tuple, list)) else (ctx.outs,)
+    out = tuple(torch.zeros(o.layout.local_shape(ctx.coord), dtype=o.dtype, device=x.device)
+                for o in outs)
+    return out if isinstance(ctx.outs, (tuple, list)) else out[0]
+
+
+def _k_sample_loss(ctx, largs, lkwargs):
+    """multi_margin / multilabel_margin (and backward) on a batch split with reduction 'none'
+    or 'sum': the op on the piece, zeros for a piece with no sample."""
+    if ctx.coord is None:
+        return ctx.empties()
+    empty = _empty_sample_loss(ctx, largs)
+    return ctx.func(*largs, **lkwargs) if empty is None else empty
+
+
+def _aligned(shape, x, d):
+    """The sbp of a tensor of ``shape`` broadcast against x (right-aligned) when x is split on
+    dim ``d``: S of its matching dim, B where it lacks the dim or has size 1 there, else None."""
+    k = d - (len(x) - len(shape))
+    if k < 0 or (shape[k] == 1 and x[d] != 1):
+        return B
+    return S(k) if shape[k] == x[d] else None
+
+
+def elementwise_loss(call: Call):
+    """``binary_cross_entropy(x, target, weight, reduction)``, ``binary_cross_entropy_with_logits
+    (x, target, weight, pos_weight, reduction)``, ``soft_margin_loss(x, target, reduction)``:
+    x and target alike, weight / pos_weight broadcast against x. Any dim splits: none -> S(d),
+    sum -> P, mean -> P with kernel "loss_mean" (local sum / global element count)."""
+    reduction = call.get("reduction", 1)
+    x = call.shapes[0]
+    n = len(call.shapes)
+    rows = [Row(repeat(n, B), (B,))]
+    for d in range(len(x)):
+        ins = (S(d), S(d)) + tuple(_aligned(s, x, d) for s in call.shapes[2:])
+        if None not in ins:
+            out = S(d) if reduction == 0 else P
+            rows.append(Row(ins, (out,), "loss_mean" if reduction == 1 else None))
+    return tuple(rows)
+
+
+def elementwise_loss_backward(call: Call):
+    """``binary_cross_entropy_backward(grad, x, target, weight, reduction)``,
+    ``soft_margin_loss_backward(grad, x, target, reduction)``: linear in grad; a split of x
+    splits the gradient (grad S(d) for none, B for sum and mean; mean over the global count)."""
+    reduction = call.get("reduction", 1)
+    x = call.shapes[1]
+    n = len(call.shapes)
+    rows = [Row(repeat(n, B), (B,)), Row((P,) + repeat(n - 1, B), (P,))]
+    for d in range(len(x)):
+        ins = (S(d) if reduction == 0 else B, S(d), S(d))
+        ins += tuple(_aligned(s, x, d) for s in call.shapes[3:])
+        if None not in ins:
+            rows.append(Row(ins, (S(d),), "loss_mean" if reduction == 1 else None))
+    return tuple(rows)
+
+
+def sample_loss(nouts: int):
+    """``multi_margin_loss(x, target, p, margin, weight, reduction)`` (x (N, C), target (N,),
+    weight (C,)) and ``multilabel_margin_loss_forward(x, target, reduction) -> (loss,
+    is_target)`` (target (N, C)): a batch split S(0) on x and target, weight B; none -> S(0),
+    sum -> P, mean -> P with kernel "loss_mean" (local sum / global N). is_target: S(0)."""
+    def rule(call: Call):
+        reduction = call.get("reduction", 1)
+        n = len(call.shapes)
+        rows = [Row(repeat(n, B), repeat(nouts, B))]
+        if len(call.shapes[0]) == 2:
+            out = S(0) if reduction == 0 else P
+            rows.append(Row((S(0), S(0)) + repeat(n - 2, B), (out,) + repeat(nouts - 1, S(0)),
+                            "loss_mean" if reduction == 1 else "sample_loss"))
+        return tuple(rows)
+    return rule
+
+
+def sample_loss_backward(call: Call):
+    """``multi_margin_loss_backward(grad, x, target, p, margin, weight, reduction)``,
+    ``multilabel_margin_loss_backward(grad, x, target, reduction, is_target)``: linear in grad;
+    a batch split gives S(0) (grad S(0) for none, B otherwise; mean over the global N)."""
+    reduction = call.get("reduction", 1)
+    n = len(call.shapes)
+    rows = [Row(repeat(n, B), (B,)), Row((P,) + repeat(n - 1, B), (P,))]
+    if len(call.shapes[1]) == 2:
+        # the 4th tensor: multi_margin's weight (C,) whole, multilabel's is_target (N, C) split
+        extra = S(0) if call.packet.startswith("multilabel") else B
+        ins = (S(0) if reduction == 0 else B, S(0), S(0)) + repeat(n - 3, extra)
+        rows.append(Row(ins, (S(0),), "loss_mean" if reduction == 1 else "sample_loss"))
+    return tuple(rows)
+
+
+def group_norm(call: Call):
+    """``native_group_norm(x, weight, bias, N, C, HxW, group, eps) -> (out, mean, rstd)``:
+    a batch split keeps each sample's groups local (mean, rstd (N, group) split alike); the
+    op's N argument becomes the local batch size (rewrite)."""
+    present = (True, call.is_global("weight"), call.is_global("bias"))
+    return fit((sig("B B B -> B B B"), sig("S(0) B B -> S(0) S(0) S(0)")), present)
+
+
+def group_norm_backward(call: Call):
+    """``native_group_norm_backward(grad, x, mean, rstd, weight, N, C, HxW, group, mask) ->
+    (gx, gw, gb)``: a batch split gives gx split and partial weight / bias grads; linear in
+    grad (with x, mean, rstd whole)."""
+    present = (True, True, True, True, call.is_global("weight"))
+    return fit((sig("B B B B B -> B B B"), sig("P B B B B -> P P P"),
+                sig("S(0) S(0) S(0) S(0) B -> S(0) P P")), present)
+
+
+def _rewrite_group_norm(decision, largs, pieces):
+    """N: this piece's batch size."""
+    n = arg_names(decision.call.op).index("N")
+    x = pieces[1] if decision.call.packet.endswith("_backward") else pieces[0]
+    if n < len(largs) and x.dim() > 0:
+        largs[n] = x.shape[0]
 
 
 def convolution(call: Call):
-    """``convolution(x, w, b, ...)``: batch split, or output channels split (groups == 1)."""
+    """``convolution(x, w, b, ..., transposed, ..., groups)``: batch split, or output channels
+    split (groups == 1): w is (C_out, C_in, k..) and splits on dim 0, or transposed (C_in,
+    C_out, k..) and splits on dim 1; the bias (C_out,) alike."""
     present = (True, True, call.is_global("bias"))
     rows = [sig("B B B -> B"), sig("S(0) B B -> S(0)")]
-    if not call.get("transposed", False) and call.get("groups", 1) == 1:
-        rows.append(sig("B S(0) S(0) -> S(1)"))
+    if call.get("groups", 1) == 1:
+        rows.append(sig("B S(1) S(0) -> S(1)" if call.get("transposed", False)
+                        else "B S(0) S(0) -> S(1)"))
     if not present[2]:
         rows.append(sig("P B - -> P"))
     return fit(rows, present)
@@ -166,8 +311,9 @@ def convolution(call: Call):
 def convolution_backward(call: Call):
     """``convolution_backward(grad, x, w, bias_sizes, ...) -> (gx, gw, gb)``."""
     rows = [sig("B B B -> B B B"), sig("S(0) S(0) B -> S(0) P P"), sig("P B B -> P P P")]
-    if not call.get("transposed", False) and call.get("groups", 1) == 1:
-        rows.append(sig("S(1) B S(0) -> P S(0) S(0)"))
+    if call.get("groups", 1) == 1:
+        rows.append(sig("S(1) B S(1) -> P S(1) S(0)" if call.get("transposed", False)
+                        else "S(1) B S(0) -> P S(0) S(0)"))
     return tuple(rows)
 
 
@@ -376,6 +522,16 @@ register("mse_loss", "smooth_l1_loss", "huber_loss", rule=pointwise_loss,
          kernels={"loss_mean": _k_loss_mean})
 register("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward",
          rule=pointwise_loss_backward)
+register("binary_cross_entropy", "binary_cross_entropy_with_logits", "soft_margin_loss",
+         rule=elementwise_loss)
+register("binary_cross_entropy_backward", "soft_margin_loss_backward",
+         rule=elementwise_loss_backward)
+register("multi_margin_loss", rule=sample_loss(1), kernels={"sample_loss": _k_sample_loss})
+register("multilabel_margin_loss_forward", rule=sample_loss(2))
+register("multi_margin_loss_backward", "multilabel_margin_loss_backward",
+         rule=sample_loss_backward)
+register("native_group_norm", rule=group_norm, rewrite=_rewrite_group_norm)
+register("native_group_norm_backward", rule=group_norm_backward, rewrite=_rewrite_group_norm)
 register("nll_loss_forward", rule=nll_loss, kernels={"nll_mean": _k_nll_mean})
 register("nll_loss_backward", rule=nll_loss_backward)
 # updates running_mean / running_var in training, though its schema marks neither (a!)

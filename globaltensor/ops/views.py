@@ -131,6 +131,8 @@ def _squeeze_dims(call: Call) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """(the dims ``squeeze`` names, those of them it removes: the ones of *global* size 1)."""
     shape = call.shapes[0]
     dims = call.get("dim")
+    if not shape:  # a 0-dim tensor: squeeze(dim=0 or -1) is the tensor itself
+        return (), ()
     named = tuple(range(len(shape))) if dims is None else dims_of(dims, len(shape))
     return named, tuple(d for d in named if shape[d] == 1)
 
