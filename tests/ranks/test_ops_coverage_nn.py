@@ -94,3 +94,21 @@ def test_zero_dim_index_select_and_squeeze():
     check(lambda x: torch.squeeze(x * 2, 0), [gen()])
     rows = rows_for(Call("index_select.default", ((), (1,)), (Ref(0), 0, Ref(1)))).rows
     assert all(not any(isinstance(v, Split) for v in r.ins) for r in rows)
+
+
+def test_one_hot_keeps_a_split_in_global_mode():
+    # torch's one_hot compares with a local arange: global mode (outside it, the error names
+    # aten.eq.Tensor); the result keeps the indices' split, no op gathers
+    grid = gt.placement("cpu", [0, 1])
+    idx = torch.tensor([0, 3, 1, 2, 2])
+
+    def body(rank):
+        i = gt.tensor(idx, placement=grid, sbp=[S(0)])
+        with pytest.raises(gt.GlobalTensorError, match="aten.eq.Tensor: "):
+            F.one_hot(i, 4)
+        with gt.global_mode(grid):
+            a, b = F.one_hot(i, 4), F.one_hot(i)
+        return a.sbp, a.full_tensor(), b.full_tensor()
+    for sbp, a, b in run_ranks(body, 2, timeout=60):
+        assert sbp == (S(0),)
+        assert torch.equal(a, F.one_hot(idx, 4)) and torch.equal(b, F.one_hot(idx))
