@@ -208,7 +208,7 @@ def _broadcast_choice(func, name, layouts, has_rule):
     if not has_rule and name not in _WARNED:
         _WARNED.put(name, True)
         warnings.warn(
-            f"globaltensor: no SBP rule for aten.{name}; running it on broadcast inputs "
+            f"globaltensor: no SBP rule for {func}; running it on broadcast inputs "
             f"(correct, but every rank gathers the whole inputs). See docs/ops.md to add a rule.",
             stacklevel=4)
     full = (B,) * layouts[0].placement.ndim

@@ -208,6 +208,17 @@ def test_op_without_rule_runs_on_broadcast():
         assert sbp == (B,) and torch.equal(a, full.flip(0))
 
 
+@torch.library.custom_op("gt_tests::twice", mutates_args=())
+def _twice(x: torch.Tensor) -> torch.Tensor:
+    """An op no rule will ever cover (ops of torch's own get rules over time)."""
+    return x * 2
+
+
+@_twice.register_fake
+def _(x):
+    return torch.empty_like(x)
+
+
 def test_op_without_rule_warns_once_naming_the_op():
     one = gt.placement("cpu", [0])
 
@@ -215,14 +226,16 @@ def test_op_without_rule_warns_once_naming_the_op():
         x = on(one, (B,), torch.arange(4.0), rank)
         with warnings.catch_warnings(record=True) as caught:
             warnings.simplefilter("always")
-            torch.flip(x, [0])
-            torch.flip(x * 2, [0])
-        return [str(w.message) for w in caught]
+            first = _twice(x)
+            _twice(x * 2)
+        return [str(w.message) for w in caught], first.full_tensor()
 
     _cache.clear_all()
-    msgs = [m for m in run_ranks(body, 1, timeout=30)[0] if "flip" in m]
-    assert len(msgs) == 1 and "no SBP rule for aten.flip.default" in msgs[0]
+    caught, value = run_ranks(body, 1, timeout=30)[0]
+    msgs = [m for m in caught if "twice" in m]
+    assert len(msgs) == 1 and "no SBP rule for gt_tests.twice.default" in msgs[0]
     assert "broadcast" in msgs[0]
+    torch.testing.assert_close(value, torch.arange(4.0) * 2)
 
 
 def test_no_communication_for_matching_layouts():
