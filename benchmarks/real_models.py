@@ -26,13 +26,13 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 
 import globaltensor as gt
+from _common import timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 BATCH, SEQ, VOCAB = 8, 32, 256
@@ -121,15 +121,6 @@ def step_fn(model, opt, loss_fn, batch, after_backward=None):
             after_backward()
         opt.step()
     return step
-
-
-def timed(step) -> float:
-    dist.barrier()
-    start = time.perf_counter()
-    step()
-    took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
-    dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    return took.item()
 
 
 def race(steps: dict, n: int) -> dict:
