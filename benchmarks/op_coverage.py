@@ -47,7 +47,8 @@ import types
 import warnings
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
-sys.path[:0] = [str(ROOT / "tests"), str(ROOT / "tests" / "ranks")]
+# this checkout's package first: an editable install may point at another tree
+sys.path[:0] = [str(ROOT), str(ROOT / "tests"), str(ROOT / "tests" / "ranks")]
 
 import torch  # noqa: E402
 from torch.utils._pytree import tree_flatten  # noqa: E402
