@@ -57,7 +57,6 @@ import globaltensor as gt  # noqa: E402
 import globaltensor.dispatch as _dispatch  # noqa: E402
 import globaltensor.dispatch.decide  # noqa: E402,F401
 _decide = sys.modules["globaltensor.dispatch.decide"]
-from globaltensor.layout import Layout  # noqa: E402
 from globaltensor.testing import RankFailed, RanksHung, run_ranks  # noqa: E402
 
 import test_opinfo as oi  # noqa: E402  (the oracle: samples, reference, comparison)
@@ -85,26 +84,14 @@ def sbp_of(t: torch.Tensor, k: int, how: str):
 
 
 def _run_case(leaves, spec, ref, how, grid, rank, make_global, opinfo):
-    tensor_ks = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
-    glob = list(leaves)
-    for n, k in enumerate(tensor_ks):
-        t = leaves[k].detach()
-        g = make_global(t, Layout(grid, sbp_of(t, n, how), t.shape), rank)
-        if leaves[k].requires_grad:
-            g.requires_grad_()
-        glob[k] = g
+    layout = lambda t, n: sbp_of(t, n, how)  # noqa: E731
+    glob = oi.globals_of(leaves, layout, grid, rank, make_global)
     status = oi._one_global(opinfo, glob, spec, ref)
     if status.startswith("error") and LOCAL_ERROR in status:
         # torch's own code for the op builds a local tensor (quantile's q as a tensor, a
         # composite's arange): the contract asks for global mode there, so run it as a user
         # would and classify that run (noted "global mode")
-        glob = list(leaves)
-        for n, k in enumerate(tensor_ks):
-            t = leaves[k].detach()
-            g = make_global(t, Layout(grid, sbp_of(t, n, how), t.shape), rank)
-            if leaves[k].requires_grad:
-                g.requires_grad_()
-            glob[k] = g
+        glob = oi.globals_of(leaves, layout, grid, rank, make_global)  # fresh leaves
         def in_mode(*args, **kwargs):
             with gt.global_mode(grid):  # the forward only: the oracle's cotangents are local
                 return opinfo.op(*args, **kwargs)

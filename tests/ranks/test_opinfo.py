@@ -152,15 +152,22 @@ def sweep(opinfo, samples: int = 2) -> list[tuple[str, str, str]]:
         return [("*", "*", f"raise {str(e).splitlines()[0][:120]}")]
 
 
-def _one(opinfo, leaves, spec, ref, how, rank, make_global) -> str:
-    tensor_ks = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
+def globals_of(leaves, sbp_of, grid, rank, make_global) -> list:
+    """``leaves`` with their n-th tensor as a global tensor laid out ``sbp_of(t, n)`` on
+    ``grid`` (requiring grad where the sample's does)."""
     glob = list(leaves)
+    tensor_ks = [k for k, x in enumerate(leaves) if isinstance(x, torch.Tensor)]
     for n, k in enumerate(tensor_ks):
         t = leaves[k].detach()
-        g = make_global(t, Layout(GRID, _sbp(t, n, how), t.shape), rank)
+        g = make_global(t, Layout(grid, sbp_of(t, n), t.shape), rank)
         if leaves[k].requires_grad:
             g.requires_grad_()
         glob[k] = g
+    return glob
+
+
+def _one(opinfo, leaves, spec, ref, how, rank, make_global) -> str:
+    glob = globals_of(leaves, lambda t, n: _sbp(t, n, how), GRID, rank, make_global)
     return _one_global(opinfo, glob, spec, ref)
 
 
