@@ -2,6 +2,7 @@
 or chosen by an operator) and gt.comm call, torch.profiler shows each under its call's name,
 gt.print0 prints once while reading values stays collective, and GT_DEBUG names the user's call
 (item(), print, full_tensor()) rather than an internal redistribution."""
+import copy
 import io
 
 import torch
@@ -124,12 +125,13 @@ def test_models_section_of_the_user_guide():
                                    torch.nn.Linear(6, 2))
 
     batch = torch.randn(8, 4, generator=torch.Generator().manual_seed(1))
-    ref = make()
+    base = make()  # once: thread-ranks share torch's global generator, so no seeding in body
+    ref = copy.deepcopy(base)
     ref(batch).pow(2).mean().backward()
     expected = {n: p.grad for n, p in ref.named_parameters()}
 
     def body(rank):
-        model = make()
+        model = copy.deepcopy(base)
         p = gt.placement("cpu", [0, 1])
 
         def sbp_fn(name, tensor):
