@@ -375,3 +375,20 @@ BAD_INPUT_CASES = [
     ("init timeout negative", lambda: gt.init(timeout=datetime.timedelta(seconds=-1)),
      GlobalTensorError, "seconds > 0"),
 ]
+
+
+# ----------------------------------------------------------------------------- training
+
+
+def train_mse(model, opt, x, y, steps: int) -> list:
+    """``steps`` optimizer steps on the MSE loss of ``model(x)`` against ``y``; the losses
+    (``.item()``: collective on global tensors)."""
+    losses = []
+    for _ in range(steps):
+        loss = torch.nn.functional.mse_loss(model(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses
+

@@ -8,7 +8,6 @@ import threading
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-import torch.nn.functional as F
 from torch.distributed.checkpoint.format_utils import dcp_to_torch_save, torch_save_to_dcp
 
 import globaltensor as gt
@@ -16,7 +15,7 @@ from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.testing import run_ranks
 
-from helpers import error_or_none, full_of, make_global, random_cases
+from helpers import error_or_none, full_of, make_global, random_cases, train_mse
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 G22 = gt.placement("cpu", [[0, 1], [2, 3]])
@@ -232,22 +231,11 @@ def tp_dp(name, t):
     return {"w1": (B, S(1)), "w2": (B, S(0))}[name]
 
 
-def train(model, opt, x, y, steps):
-    losses = []
-    for _ in range(steps):
-        loss = F.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
-
-
 def run_2x2(rank, steps, path=None):
     model = MLP().to_global(G22, tp_dp)
     opt = torch.optim.AdamW(model.parameters(), lr=0.02, weight_decay=0.1)
     x, y = (gt.tensor(t, placement=G22, sbp=(S(0), B)) for t in (X, Y))
-    losses = train(model, opt, x, y, steps)
+    losses = train_mse(model, opt, x, y, steps)
     if path is not None:
         gt.checkpoint.save(path, model=model, optimizer=opt, extra={"step": steps, "note": "tp x dp"})
     return losses
@@ -261,7 +249,7 @@ def resume(rank, path, placement, sbp_fn, steps):
     x, y = (gt.tensor(t, placement=placement, sbp=sbp) for t in (X, Y))
     state = opt.state[model.w1]
     layouts = (model.w1.sbp, state["exp_avg"].sbp, state["exp_avg_sq"].sbp, opt.param_groups[0]["lr"])
-    return extra, layouts, train(model, opt, x, y, steps)
+    return extra, layouts, train_mse(model, opt, x, y, steps)
 
 
 def test_training_saved_after_5_steps_resumes_on_another_layout_with_the_same_losses(tmp_path):
@@ -279,7 +267,7 @@ def test_training_saved_after_5_steps_resumes_on_another_layout_with_the_same_lo
     model = MLP(seed=9)
     opt = torch.optim.AdamW(model.parameters(), lr=0.5, weight_decay=0.1)
     assert gt.checkpoint.load(path, model=model, optimizer=opt)["step"] == 5
-    assert train(model, opt, X, Y, 5) == pytest.approx(whole[5:], rel=1e-5, abs=1e-6)
+    assert train_mse(model, opt, X, Y, 5) == pytest.approx(whole[5:], rel=1e-5, abs=1e-6)
 
 
 def test_one_plain_file_for_inference_with_dcp_to_torch_save(tmp_path):
@@ -292,7 +280,7 @@ def test_one_plain_file_for_inference_with_dcp_to_torch_save(tmp_path):
     model.load_state_dict(saved["model"])  # the trained weights, whole
     ref = MLP()
     opt = torch.optim.AdamW(ref.parameters(), lr=0.02, weight_decay=0.1)
-    train(ref, opt, X, Y, 2)
+    train_mse(ref, opt, X, Y, 2)
     assert torch.allclose(model.w1, ref.w1, atol=1e-6) and torch.allclose(model.w2, ref.w2, atol=1e-6)
     assert saved["extra"]["step"] == 2 and "exp_avg" in saved["optimizer"]["state"]["w1"]
 

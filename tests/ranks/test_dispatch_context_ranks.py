@@ -16,7 +16,7 @@ from globaltensor.layout import Layout
 from globaltensor.ops import B, S
 from globaltensor.testing import run_ranks
 
-from helpers import G2, G22, gen, make_global
+from helpers import G2, G22, gen, make_global, train_mse
 
 
 # ----------------------------------------------------------------------------- on ranks
@@ -112,15 +112,7 @@ def _steps(model, x, y, counted, rank, steps=3):
 
 
 def _reference(model, x, y, steps=3):
-    opt = torch.optim.AdamW(model.parameters(), lr=0.05)
-    losses = []
-    for _ in range(steps):
-        loss = F.mse_loss(model(x), y)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses
+    return train_mse(model, torch.optim.AdamW(model.parameters(), lr=0.05), x, y, steps)
 
 
 def test_tp_dp_mlp_step_runs_two_all_reduces_like_megatron_with_ddp(collectives):
