@@ -8,9 +8,17 @@ Without this, torch would turn the data into a *local* tensor mid-op (``x[[1, 2]
 would compute a plain local result from the full value (``x + np.ones(4)``).
 
 A local *tensor* stays what SPEC says: an error outside global mode, a broadcast value inside.
+
+The other way round, a global tensor read as Python data: ``torch.tensor_split(x, indices)``
+with ``indices`` a tensor is a C++ composite that reads the indices' memory directly, above
+the dispatcher, where a global tensor has none. ``torch.tensor_split`` and
+``Tensor.tensor_split`` take a global ``indices`` as its whole value (a local tensor, the same
+on every rank: the collective ``full_tensor``, free for a broadcast one), so torch's own checks
+and messages apply and the split itself runs on global tensors as usual.
 """
 from __future__ import annotations
 
+import functools
 import numbers
 
 import numpy as np
@@ -24,6 +32,8 @@ from .tensor import GlobalTensor
 
 _getitem = torch.Tensor.__getitem__
 _setitem = torch.Tensor.__setitem__
+_tensor_split = torch.tensor_split
+_tensor_split_method = torch.Tensor.tensor_split
 
 
 def _broadcast(x: GlobalTensor, data, dtype=None) -> GlobalTensor:
@@ -97,6 +107,29 @@ def array_ufunc(self, ufunc, method, *inputs, **kwargs):
     return fn(*args)
 
 
+def _whole(args, kwargs):
+    """tensor_split's arguments after ``input`` with a global tensor of indices or sections as
+    its whole value (the keyword form is ``tensor_indices_or_sections``)."""
+    if args and isinstance(args[0], GlobalTensor):
+        args = (args[0].full_tensor(),) + tuple(args[1:])
+    value = kwargs.get("tensor_indices_or_sections")
+    if isinstance(value, GlobalTensor):
+        kwargs = dict(kwargs, tensor_indices_or_sections=value.full_tensor())
+    return args, kwargs
+
+
+@functools.wraps(_tensor_split)  # torch's doc; a global tensor of indices: the module's doc
+def tensor_split(input, *args, **kwargs):
+    args, kwargs = _whole(args, kwargs)
+    return _tensor_split(input, *args, **kwargs)
+
+
+@functools.wraps(_tensor_split_method)
+def tensor_split_method(self, *args, **kwargs):
+    args, kwargs = _whole(args, kwargs)
+    return _tensor_split_method(self, *args, **kwargs)
+
+
 def install() -> None:
     """The methods above on GlobalTensor (called once by globaltensor/__init__.py)."""
     GlobalTensor.__getitem__ = getitem
@@ -104,3 +137,6 @@ def install() -> None:
     GlobalTensor.new_tensor = new_tensor
     GlobalTensor.new = new
     GlobalTensor.__array_ufunc__ = array_ufunc
+    # tensor_split reads a tensor of indices above dispatch, for local inputs too
+    torch.tensor_split = tensor_split
+    torch.Tensor.tensor_split = tensor_split_method
