@@ -43,10 +43,21 @@ def meta_result(func, args, kwargs, name):
         return result if fix is None else fix(result, args, kwargs)
     except (NotImplementedError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "meta" not in str(e).lower():
-            raise GlobalTensorError(f"{name} on global tensors: {e}") from e
+            raise GlobalTensorError(f"{name} on global tensors: {e}{_hint(e)}") from e
         raise DataDependent(
             f"{name}: cannot work out the output shape without running the op (no meta "
             f"kernel: {e}); gather the inputs with x.full_tensor() and run it locally") from e
+
+
+def _hint(error) -> str:
+    """How to fix a call torch's own check rejected on tensors of the global shapes."""
+    text = str(error).lower()
+    if any(w in text for w in ("stride", "major", "contiguous")):
+        return ("; a global tensor is laid out contiguously in its global shape whatever view "
+                "made it, so an op that asks for other strides cannot take it: run the op on "
+                "local tensors (x.full_tensor() or x.to_local())")
+    return ("; torch's own check of the op on the global shapes and dtypes: the same call on "
+            "the full tensors fails alike, so fix the arguments")
 
 
 class DataDependent(GlobalTensorError):

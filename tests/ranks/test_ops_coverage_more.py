@@ -29,3 +29,40 @@ def test_tensor_split_of_a_local_tensor_by_global_indices():
         return [p.tolist() for p in torch.tensor_split(x, tensor_indices_or_sections=i)]
     for parts in run_ranks(body, 2, timeout=60):
         assert parts == [[0.0, 1.0], [2.0], [3.0, 4.0, 5.0]]
+
+
+# ----------------------------------------------------------------------------- clear errors
+
+def _errors_on_ranks(fn, size=2):
+    """The GlobalTensorError message ``fn(rank)`` raises on each rank."""
+    def body(rank):
+        with pytest.raises(gt.GlobalTensorError) as info:
+            fn(rank)
+        return str(info.value)
+    return run_ranks(body, size, timeout=60)
+
+
+def test_to_sparse_names_the_op_and_the_way_out():
+    def fn(rank):
+        x = gt.tensor(gen(5, 5), placement=G2, sbp=S(0))
+        x.to_sparse()
+    for message in _errors_on_ranks(fn):
+        assert message.startswith("_to_sparse.default: expected an op whose result is dense")
+        assert "x.full_tensor()" in message
+
+
+def test_a_stride_check_says_global_tensors_are_contiguous():
+    # torch's _scaled_mm wants a column-major mat2; a global b.t() is laid out contiguously
+    from helpers import make_global
+    from globaltensor.layout import Layout
+
+    a = torch.randn(16, 16).to(torch.float8_e4m3fn)
+    b = torch.randn(32, 16).to(torch.float8_e4m3fn)
+    one = torch.tensor(1.0)
+
+    def fn(rank):
+        ga, gb, s = (make_global(t, Layout(G2, (B,), t.shape), rank) for t in (a, b, one))
+        torch._scaled_mm(ga, gb.t(), s, s)
+    for message in _errors_on_ranks(fn):
+        assert message.startswith("_scaled_mm.default on global tensors: mat2 must be col_major")
+        assert "laid out contiguously" in message and "x.to_local()" in message
