@@ -9,7 +9,9 @@ zero_grad + forward + backward + optimizer step, its time the slowest rank's aft
 Each comparison is repeated ``--runs`` times; the median ratio and the spread are printed.
 
 - overhead: one process, placement [0], everything broadcast (no communication): added time
-  per aten op = (global step - plain step) / aten ops per step (counted on the plain step).
+  per aten op = (global step - plain step) / aten ops per step (counted on the plain step);
+  beside it the same for the floor of any Python wrapper subclass (``Bare``: unwrap, run, wrap,
+  nothing else) and for DTensor (Replicate on a mesh of one, dispatch in C++).
 - dp:   GPT-2 1-D data parallel on 4 ranks (parameters B, batch S(0)) vs torch DDP.
 - tp:   Llama tensor parallel on a placement of 4 (Megatron layout) vs DTensor's
         parallelize_module with ColwiseParallel / RowwiseParallel.
@@ -38,23 +40,23 @@ S, B = gt.sbp.split, gt.sbp.broadcast
 BATCH, SEQ, VOCAB = 8, 32, 256
 
 
-def llama():
+def llama(attn="sdpa"):
     import transformers
 
     config = transformers.LlamaConfig(
         vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=4, max_position_embeddings=64,
-        attn_implementation="sdpa")
+        attn_implementation=attn)
     torch.manual_seed(0)
     return transformers.LlamaForCausalLM(config)
 
 
-def gpt2():
+def gpt2(attn="sdpa"):
     import transformers
 
     config = transformers.GPT2Config(vocab_size=VOCAB, n_embd=128, n_layer=2, n_head=4,
                                      n_positions=64, resid_pdrop=0.0, embd_pdrop=0.0,
-                                     attn_pdrop=0.0)
+                                     attn_pdrop=0.0, attn_implementation=attn)
     torch.manual_seed(0)
     return transformers.GPT2LMHeadModel(config)
 
@@ -244,11 +246,60 @@ def worker(local_rank, what, steps, threads):
 # ----------------------------------------------------------------------------- overhead
 
 
-def overhead(steps: int) -> dict:
-    """Per-op dispatch overhead in a world of one (thread-rank, placement [0], everything B)."""
-    from torch.utils._python_dispatch import TorchDispatchMode
+class Bare(torch.Tensor):
+    """The floor of any Python wrapper subclass: a tensor that holds a plain tensor and whose
+    ``__torch_dispatch__`` only unwraps the arguments, runs the op and wraps the results (no
+    layouts, no cache, no rules). Its added time per op on a real step is what every Python
+    tensor subclass pays before doing anything of its own."""
 
-    from globaltensor.testing import run_ranks
+    __torch_function__ = torch._C._disabled_torch_function_impl
+
+    @staticmethod
+    def __new__(cls, local):
+        out = torch.Tensor._make_wrapper_subclass(cls, local.shape, strides=local.stride(),
+                                                  dtype=local.dtype, device=local.device)
+        out._local = local
+        return out
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        largs = [a._local if type(a) is Bare else
+                 [v._local if type(v) is Bare else v for v in a] if type(a) is list else a
+                 for a in args]
+        result = func._op(*largs, **(kwargs or {}))
+        returns = func._schema.returns
+        if returns and returns[0].alias_info is not None and returns[0].alias_info.is_write:
+            return args[0]  # in-place: the same wrapper
+        if type(result) is torch.Tensor:
+            return Bare(result)
+        if type(result) in (tuple, list):
+            return type(result)(Bare(r) if type(r) is torch.Tensor else r for r in result)
+        return result
+
+
+def bare_module(model):
+    for m in model.modules():
+        for k, p in list(m._parameters.items()):
+            if p is not None:
+                m._parameters[k] = torch.nn.Parameter(Bare(p.detach().clone()))
+        for k, b in list(m._buffers.items()):
+            if b is not None:
+                m._buffers[k] = Bare(b.clone())
+    return model
+
+
+def overhead(steps: int) -> dict:
+    """Per-op dispatch overhead in a world of one (one process, placement [0], everything B),
+    with two references on the same step: the Python wrapper-subclass floor (``Bare``) and
+    DTensor (Replicate on a mesh of one; its dispatch runs in C++)."""
+    return gt.spawn(overhead_worker, args=(steps,), nproc_per_node=1, timeout=1800)[0]
+
+
+def overhead_worker(local_rank, steps):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
+    from torch.distributed.tensor.experimental import implicit_replication
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     class Count(TorchDispatchMode):
         def __init__(self):
@@ -259,29 +310,40 @@ def overhead(steps: int) -> dict:
             self.n += 1
             return func(*args, **(kwargs or {}))
 
-    def body(rank):
-        torch.set_num_threads(1)
-        warnings.simplefilter("ignore")
-        p = gt.placement("cpu", [0])
-        res = {}
-        for name, make, loss_fn in (("llama", llama, lm_loss), ("gpt2", gpt2, lm_loss),
-                                    ("cnn", cnn, cnn_loss)):
-            base = make()
-            batch = data_for("cnn" if name == "cnn" else "lm", torch.Generator().manual_seed(1))
-            plain = copy.deepcopy(base)
-            g = copy.deepcopy(base).to_global(p, B)
-            gbatch = tuple(gt.tensor(v, placement=p, sbp=B) for v in batch) if name == "cnn" \
-                else gt.tensor(batch, placement=p, sbp=B)
-            opt_cls = torch.optim.SGD if name == "cnn" else torch.optim.AdamW
-            sp = step_fn(plain, opt_cls(plain.parameters(), lr=1e-4), loss_fn, batch)
-            sg = step_fn(g, opt_cls(g.parameters(), lr=1e-4), loss_fn, gbatch)
-            counting = Count()
-            with counting:
-                sp()
-            times = race({"plain": sp, "global": sg}, steps)
-            res[name] = (counting.n, times["plain"], times["global"])
-        return res
-    return run_ranks(body, 1, timeout=1800)[0]
+    torch.set_num_threads(1)
+    warnings.simplefilter("ignore")
+    p = gt.placement("cpu", [0])
+    mesh = init_device_mesh("cpu", (1,))
+    res = {}
+    # eager attention: DTensor has no rule for CPU flash attention (sdpa's kernel here)
+    for name, make, loss_fn in (("llama", lambda: llama("eager"), lm_loss),
+                                ("gpt2", lambda: gpt2("eager"), lm_loss), ("cnn", cnn, cnn_loss)):
+        base = make()
+        batch = data_for("cnn" if name == "cnn" else "lm", torch.Generator().manual_seed(1))
+        plain = copy.deepcopy(base)
+        g = copy.deepcopy(base).to_global(p, B)
+        bare = bare_module(copy.deepcopy(base))
+        dt = distribute_module(copy.deepcopy(base), mesh)
+        gbatch = tuple(gt.tensor(v, placement=p, sbp=B) for v in batch) if name == "cnn" \
+            else gt.tensor(batch, placement=p, sbp=B)
+        bbatch = tuple(Bare(v) for v in batch) if name == "cnn" else Bare(batch)
+        dbatch = tuple(distribute_tensor(v, mesh, [Replicate()]) for v in batch) \
+            if name == "cnn" else distribute_tensor(batch, mesh, [Replicate()])
+        opt_cls = torch.optim.SGD if name == "cnn" else torch.optim.AdamW
+        sp = step_fn(plain, opt_cls(plain.parameters(), lr=1e-4), loss_fn, batch)
+        sg = step_fn(g, opt_cls(g.parameters(), lr=1e-4), loss_fn, gbatch)
+        sb = step_fn(bare, opt_cls(bare.parameters(), lr=1e-4), loss_fn, bbatch)
+        sd_inner = step_fn(dt, opt_cls(dt.parameters(), lr=1e-4), loss_fn, dbatch)
+
+        def sd():  # HF's own tensors (positions, masks) are plain: taken as replicated
+            with implicit_replication():
+                sd_inner()
+        counting = Count()
+        with counting:
+            sp()
+        times = race({"plain": sp, "global": sg, "bare": sb, "dtensor": sd}, steps)
+        res[name] = (counting.n, times)
+    return res
 
 
 def spread(values):
@@ -303,15 +365,19 @@ def main() -> None:
     if "overhead" in only:
         per_model: dict = {}
         for _ in range(a.runs):
-            for name, (ops, plain, glob) in overhead(a.steps).items():
-                per_model.setdefault(name, []).append((ops, plain, glob))
-        print("Added dispatch overhead per aten op, world of 1, everything B (target <= 8 us):")
+            for name, (ops, times) in overhead(a.steps).items():
+                per_model.setdefault(name, []).append((ops, times))
+        print("Added time per aten op over the plain step, world of 1, everything replicated "
+              "(target for gt <= 8 us):")
         for name, rows in per_model.items():
             ops = rows[0][0]
-            added = [(g - p) / ops * 1e6 for _, p, g in rows]
-            print(f"  {name:6s} {ops:4d} aten ops/step   plain {statistics.median([p for _, p, _ in rows]) * 1e3:7.2f} ms"
-                  f"   global {statistics.median([g for _, _, g in rows]) * 1e3:7.2f} ms"
-                  f"   added {spread(added)} us/op")
+            line = f"  {name:6s} {ops:4d} aten ops/step   plain " \
+                f"{statistics.median([t['plain'] for _, t in rows]) * 1e3:6.2f} ms"
+            for who in ("global", "bare", "dtensor"):
+                added = [(t[who] - t["plain"]) / ops * 1e6 for _, t in rows]
+                line += f"   {who} {statistics.median([t[who] for _, t in rows]) * 1e3:6.2f} ms " \
+                    f"+{spread(added)} us/op"
+            print(line)
     targets = {"dp": 1.25, "tp": 1.2, "grid": 1.3, "cnn": 1.3}
     titles = {"dp": "GPT-2 1-D data parallel, 4 ranks: gt / torch DDP",
               "tp": "Llama tensor parallel on 4 ranks: gt / DTensor parallelize_module",

@@ -47,12 +47,23 @@ def flatten(func, args, kwargs):
     return tuple(parts), tensors
 
 
+# argument types that enter the key as they are: checked first, by exact type (an isinstance
+# test against torch.Generator runs a Python metaclass hook in torch >= 2.13)
+_AS_IS = frozenset({int, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                    torch.memory_format})
+
+
 def _part(value, tensors: list):
     cls = type(value)
+    if cls in _AS_IS:
+        return value
     if cls is float or cls is complex:
         return NUMBER
     if cls is list or cls is tuple:
-        return tuple(_part(v, tensors) for v in value)
+        for v in value:  # sizes and dims: a tuple of the ints, without a walk per element
+            if type(v) is not int:
+                return tuple([_part(v, tensors) for v in value])
+        return tuple(value)
     if isinstance(value, GlobalTensor):
         tensors.append(value)
         return id(value._layout), value.dtype

@@ -46,7 +46,7 @@ class Plain:
     """Redistribute inputs to ``targets``, run the op (or a kernel) locally, wrap the outputs."""
 
     __slots__ = ("targets", "outs", "kernel", "rewrite", "inplace", "call", "placement", "slots",
-                 "op", "view", "mutated")
+                 "positional", "op", "view", "mutated")
 
     def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op, view=None,
                  mutated=()):
@@ -57,7 +57,9 @@ class Plain:
         self.view = view
         # the inputs (by index) the op writes besides an in-place op's self
         self.mutated = mutated
-        # positions of the global tensors when they are all plain positional args (fast path)
+        # positions of the global tensors when they are all plain positional args: the local
+        # args are then built by position, not by a walk; with nothing else to do, the fast path
+        self.positional = slots
         self.slots = slots if not (kernel or rewrite or view or mutated) else None
         self.op = op  # the C++ op behind the OpOverload: one Python frame less per call
 
@@ -68,12 +70,20 @@ class Plain:
             out.append(t._local if layout is target or layout == target else moved(t, target))
         return out
 
+    def local_args(self, args, kwargs, pieces):
+        if self.positional is None:
+            return local_args(args, kwargs, pieces)
+        largs = list(args)
+        for slot, piece in zip(self.positional, pieces):
+            largs[slot] = piece
+        return largs, kwargs
+
     def run(self, func, args, kwargs, tensors):
         if self.slots is not None:
             return self._run_simple(args, kwargs, tensors)
         pieces = self.pieces(tensors)
         if self.kernel is not None:
-            largs, lkwargs = local_args(args, kwargs, pieces)
+            largs, lkwargs = self.local_args(args, kwargs, pieces)
             ctx = KernelContext(func, self.call, self.targets, self.outs, my_coord(self.placement),
                                 pieces, redistribute_local, lambda: empties(self.outs, pieces))
             try:
@@ -83,11 +93,11 @@ class Plain:
         elif _maybe_outside(pieces[0]) and my_coord(self.placement) is None:
             result = empties(self.outs, pieces)
         else:
-            largs, lkwargs = local_args(args, kwargs, pieces)
+            largs, lkwargs = self.local_args(args, kwargs, pieces)
             if self.rewrite is not None:
                 self.rewrite(self, largs, pieces)
             try:
-                result = func(*largs, **lkwargs)
+                result = self.op(*largs, **lkwargs)
             except Exception as error:  # noqa: BLE001 - _failed re-raises what is not local
                 result = self._failed(error, pieces)
         for i in self.mutated:  # an input the op wrote: if it was moved, the write reached a copy
