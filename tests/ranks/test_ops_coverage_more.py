@@ -66,3 +66,35 @@ def test_a_stride_check_says_global_tensors_are_contiguous():
     for message in _errors_on_ranks(fn):
         assert message.startswith("_scaled_mm.default on global tensors: mat2 must be col_major")
         assert "laid out contiguously" in message and "x.to_local()" in message
+
+
+# ----------------------------------------------------------------------------- embedding_bag
+
+_IDX = torch.tensor([1, 2, 4, 5, 4, 3, 2, 9, 0, 7, 7])
+_OFF = torch.tensor([0, 2, 2, 5, 9])  # an empty bag, uneven bags
+
+
+@pytest.mark.parametrize("mode", ["sum", "mean", "max"])
+def test_embedding_bag_splits_bags_and_the_embedding_dim(mode):
+    check(lambda w, i, o: F.embedding_bag(i, w, o, mode=mode, padding_idx=2),
+          [gen(10, 3), _IDX, _OFF])
+
+
+def test_embedding_bag_per_sample_weights_and_last_offset():
+    check(lambda w, i, o, s: F.embedding_bag(i, w, o, mode="sum", per_sample_weights=s),
+          [gen(10, 3), _IDX, _OFF, gen(11, seed=1)])
+    check(lambda w, i, o: F.embedding_bag(i, w, o, mode="mean", include_last_offset=True),
+          [gen(10, 5), _IDX, torch.tensor([0, 3, 3, 8, 11])])
+
+
+def test_embedding_bag_of_a_batch_split_input_keeps_the_split():
+    # an (N, L) input split by rows: its bags are the rows, each rank runs its own
+    def body(rank):
+        x = gt.tensor(torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]]), placement=G2, sbp=S(0))
+        w = gt.tensor(gen(10, 3), placement=G2, sbp=B)
+        with gt.global_mode(G2):
+            out = F.embedding_bag(x, w, mode="sum")
+        return out.sbp, out.full_tensor()
+    want = F.embedding_bag(torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]]), gen(10, 3), mode="sum")
+    for sbp, out in run_ranks(body, 2, timeout=60):
+        assert sbp == (S(0),) and torch.allclose(out, want)
