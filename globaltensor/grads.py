@@ -21,10 +21,10 @@ import torch
 import torch.distributed as dist
 
 from . import debug as _debug
-from . import world
+from . import trace, world
 from .errors import GlobalTensorError
 from .plan import plan
-from .runtime.groups import group_along, groups_along
+from .runtime.groups import group_across, groups_across
 from .steps import AllReduce
 from .tensor import GlobalTensor, redistribute
 
@@ -69,8 +69,14 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
         return
     if not _debug.is_debug() and torch._C._current_graph_task_id() >= 0:
         steps = plan(grad._layout, param._layout).steps
-        if len(steps) == 1 and isinstance(steps[0], AllReduce):
-            _launch_all_reduce(param, grad, steps[0])
+        k = len(steps)
+        while k > 0 and isinstance(steps[k - 1], AllReduce):
+            k -= 1
+        if k < len(steps):  # the plan ends in all-reduces: they go in a bucket
+            if k > 0:  # what comes before (a reduce-scatter on a tensor axis) runs now
+                with torch.no_grad():
+                    grad = redistribute(grad, steps[k].before)
+            _launch_all_reduce(param, grad, steps[k:])
             return
     with torch.no_grad():
         param.grad = redistribute(grad, param._layout)
@@ -110,6 +116,8 @@ class _Bucket:
         if pieces and self.group is not None:
             self.flat = torch.cat([p.reshape(-1) for p in pieces])
             self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+            n = dist.get_world_size(self.group)
+            trace.bucket_reduced(len(pieces), -(-2 * (n - 1) * self.nbytes // n))  # a ring's
 
     def finish(self) -> None:
         if self.work is not None:
@@ -155,25 +163,27 @@ class _Reductions:
                 bucket.finish()
 
 
-def _launch_all_reduce(param, grad: GlobalTensor, step: AllReduce) -> None:
-    """Add ``grad``'s piece to the bucket of its all-reduce group (along ``step.axis``); a full
-    bucket is all-reduced at once, asynchronously, the rest at the end of this backward, which
-    waits for them all and sets each ``param.grad``. Every rank takes this path (the plan is
-    the same everywhere); ranks outside the placement only take part in creating the groups,
-    as the executor does."""
-    placement = step.after.placement
-    groups_along(placement, step.axis)  # created by every rank of the world together
-    coord = placement.coord_of(world.get_rank())
+def _launch_all_reduce(param, grad: GlobalTensor, steps) -> None:
+    """Add ``grad``'s piece to the bucket of its all-reduce group (the ranks that differ along
+    the axes of ``steps``, all-reduces on distinct axes: one all-reduce over that group sums
+    over all of them); a full bucket is all-reduced at once, asynchronously, the rest at the
+    end of this backward, which waits for them all and sets each ``param.grad``. Every rank
+    takes this path (the plan is the same everywhere); ranks outside the placement only take
+    part in creating the groups, as the executor does."""
+    placement = steps[-1].after.placement
+    axes = tuple(sorted(s.axis for s in steps))
+    groups_across(placement, axes)  # created by every rank of the world together
+    rank = world.get_rank()
     group, piece = None, None
-    if coord is not None:
-        group, _ = group_along(placement, step.axis, coord)
+    if placement.coord_of(rank) is not None:
+        group = group_across(placement, axes, rank)
         piece = grad._local
     task = torch._C._current_graph_task_id()
     pending = _PENDING.get(task)
     if pending is None:
         pending = _PENDING[task] = _Reductions()
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(task, pending))
-    pending.add((placement, step.axis, grad.dtype), group, param, piece)
+    pending.add((placement, axes, grad.dtype), group, param, piece)
 
 
 def _finish(task: int, pending: _Reductions) -> None:

@@ -90,9 +90,12 @@ class CommTrace:
 
     def table(self) -> str:
         moves = sum(1 for r in self.records if r.source is not None)
-        calls = len(self.records) - moves
+        buckets = sum(1 for r in self.records if r.op.startswith("gradient bucket"))
+        calls = len(self.records) - moves - buckets
         lines = [f"comm_trace: {moves} redistribution{'s' * (moves != 1)}, {calls} gt.comm "
-                 f"call{'s' * (calls != 1)}, {_fmt_bytes(self.bytes_per_rank)} sent per rank"]
+                 f"call{'s' * (calls != 1)}, "
+                 + (f"{buckets} gradient bucket{'s' * (buckets != 1)}, " if buckets else "")
+                 + f"{_fmt_bytes(self.bytes_per_rank)} sent per rank"]
         if self.records:
             rows = [("#", "call", "source -> target", "shape", "bytes/rank", "steps")]
             for i, r in enumerate(self.records, 1):
@@ -155,6 +158,15 @@ def observed(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     with torch.profiler.record_function(f"gt.redistribute: {call}",
                                         f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
         return run(plan, local, rank)
+
+
+def bucket_reduced(count: int, nbytes: int) -> None:
+    """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (grads.py)."""
+    trace = _TRACE.get()
+    if trace is not None:
+        trace.add(Record(op=f"gradient bucket ({count} gradients)", source=None, target=None,
+                         steps=("all_reduce",), collectives=("all_reduce",),
+                         bytes_per_rank=nbytes, dtype=None))
 
 
 def comm_called(name: str) -> None:

@@ -6,6 +6,7 @@ and we create all groups along that axis together.
 """
 from __future__ import annotations
 
+import math
 import weakref
 
 import torch.distributed as dist
@@ -71,6 +72,35 @@ def groups_along(placement: Placement, axis: int) -> dict[tuple[int, ...], objec
         groups = {ranks: _cached_group(tuple(sorted(ranks))) for ranks in placement.groups_along(axis)}
         cache[key] = groups
     return groups
+
+
+def groups_across(placement: Placement, axes: tuple[int, ...]) -> dict[tuple[int, ...], object]:
+    """Every group of ranks that differ only along ``axes`` (one all-reduce over them sums
+    over all those axes at once), created together, on every rank, once: {ranks: the cache's
+    entry}. One axis: :func:`groups_along`."""
+    if len(axes) == 1:
+        return groups_along(placement, axes[0])
+    cache = _world_cache()
+    key = ("axes", placement, axes)
+    groups = cache.get(key)
+    if groups is None:
+        others = [a for a in range(placement.ndim) if a not in axes]
+        rows = placement.ranks.transpose(others + list(axes)).reshape(
+            -1, math.prod(placement.shape[a] for a in axes))
+        groups = {}
+        for row in rows:
+            ranks = tuple(int(r) for r in row)
+            groups[ranks] = _cached_group(tuple(sorted(ranks)))
+        cache[key] = groups
+    return groups
+
+
+def group_across(placement: Placement, axes: tuple[int, ...], rank: int):
+    """``rank``'s group of :func:`groups_across` (it must be in the placement)."""
+    for ranks, pg in groups_across(placement, axes).items():
+        if rank in ranks:
+            return _resolve(pg)
+    raise ValueError(f"rank {rank} is not in {placement!r}")
 
 
 def group_along(placement: Placement, axis: int, coord) -> tuple[object, tuple[int, ...]]:

@@ -120,6 +120,36 @@ def test_buckets_on_the_data_axis_of_a_2x2_grid():
             torch.testing.assert_close(full, ref[n])
 
 
+def test_partial_sums_over_both_axes_of_a_grid_go_in_buckets():
+    """A gradient that is P on both axes of a 2x2 grid (B, B parameter) is summed by one
+    all-reduce over the four ranks in a bucket; a (B, S(1)) parameter's is reduce-scattered on
+    the tensor axis in the hook, then all-reduced over the data axis in a bucket."""
+    grid = gt.placement("cpu", [[0, 1], [2, 3]])
+    g = torch.Generator().manual_seed(3)
+    X, W, V = (torch.randn(4, 6, generator=g, dtype=torch.float64) for _ in range(3))
+    P = gt.sbp.partial_sum
+
+    def body(rank):
+        x = gt.tensor(X, placement=grid, sbp=(B, B)).to_global(sbp=(P, P))
+        w = gt.tensor(W, placement=grid, sbp=(B, B)).requires_grad_()
+        v = gt.tensor(V, placement=grid, sbp=(B, S(1))).requires_grad_()
+        with gt.comm_trace() as trace:
+            ((w * x).sum() + (v * x).sum()).backward()
+        return (w.grad.sbp, w.grad.full_tensor(), v.grad.sbp, v.grad.full_tensor(),
+                [(r.op, r.collectives) for r in trace])
+
+    with Counted() as counted:
+        results = run_ranks(body, 4, timeout=60)
+    for w_sbp, w_grad, v_sbp, v_grad, records in results:
+        assert (w_sbp, v_sbp) == ((B, B), (B, S(1)))
+        assert torch.equal(w_grad, X) and torch.equal(v_grad, X)  # one term per rank: exact
+        syncs = [c for op, c in records if op == "gradient sync"]
+        buckets = [c for op, c in records if op.startswith("gradient bucket")]
+        assert syncs == [("reduce_scatter",)], records  # v's, on the tensor axis, in its hook
+        assert buckets == [("all_reduce",)] * 2, records
+    assert len(counted.calls) == 2  # rank 0: the two buckets, one all-reduce each
+
+
 def test_bucket_cap_must_be_a_size():
     with pytest.raises(gt.GlobalTensorError, match="megabytes"):
         gt.nn.set_bucket_cap_mb(-1)
