@@ -4,10 +4,27 @@
     S(d) S(d) -> S(d)     a dim other than the indexed one, where the tensors agree in size
     B    S(k) -> S(k)     x whole, the index split: each rank picks its own part
     P    B    -> P        reading with B indices is linear in x
+
+masked_scatter(x, mask, source) fills the positions where mask (broadcast against x) holds,
+in row-major order, with source's elements in order: which element lands where depends on
+the mask before a position, so each split of the output runs kernel "mask_positions" with
+mask and source whole (each rank numbers the mask's positions, then takes its own):
+
+    S(k) B    B    -> S(d)   x split on the output's dim d (k: x's own dim), or B where x is
+                             broadcast; the other dims' positions follow from the whole mask
+    P    B    P    -> P      linear in (x, source) together
+masked_scatter_backward(grad, mask, sizes) (source's gradient: grad at the mask's positions):
+    S(d) B    -> P           [mask_positions] each rank puts its positions' values, zeros elsewhere
+    P    B    -> P
 """
 from __future__ import annotations
 
-from .signature import B, P, S, Call, Ref, Row, dim_of, register, repeat, sig
+import math
+
+import torch
+
+from .signature import (B, P, S, Call, Ref, Row, broadcast_shapes, dim_of, fit, register, repeat,
+                        sig)
 
 
 def gather(call: Call):
@@ -80,9 +97,59 @@ def index_put(call: Call):
     return tuple(rows)
 
 
+def masked_scatter(call: Call):
+    """``masked_scatter(x, mask, source)``: see the module's docstring."""
+    present = tuple(call.is_global(n) for n in ("self", "mask", "source"))
+    shapes = [call.shape_of(n) or () for n in ("self", "mask")]
+    out = broadcast_shapes(shapes)
+    rows = [sig("B B B -> B"), sig("P B P -> P")]
+    x = shapes[0]
+    for d in range(len(out) if present[0] else 0):
+        k = d - (len(out) - len(x))
+        if k >= 0 and x[k] == out[d]:
+            rows.append(Row((S(k), B, B), (S(d),), "mask_positions"))
+    return fit(rows, present)
+
+
+def masked_scatter_backward(call: Call):
+    """``masked_scatter_backward(grad, mask, sizes)``: see the module's docstring."""
+    rows = [sig("B B -> B"), sig("P B -> P")]
+    rows += [Row((S(d), B), (P,), "mask_positions") for d in range(len(call.shapes[0]))]
+    return fit(rows, (True, call.is_global("mask")))
+
+
+def _k_mask_positions(ctx, largs, lkwargs):
+    """masked_scatter (or its backward) on a split of the output (grad): the whole mask,
+    broadcast to the output's shape, numbers its positions (a cumulative sum); this rank's
+    positions take the source elements of their numbers (backward: put their grad values
+    there, in a zero tensor of the source's shape: a partial sum)."""
+    if ctx.coord is None:
+        return ctx.empties()
+    backward = ctx.call.packet == "masked_scatter_backward"
+    layout = ctx.targets[0] if backward else ctx.outs.layout  # the output's (one OutSpec)
+    mask = ctx.arg(largs, lkwargs, "mask").expand(layout.shape)
+    number = (mask.reshape(-1).cumsum(0) - 1).reshape(layout.shape)
+    box = layout.slices(ctx.coord)
+    mine = mask[box]
+    if backward:
+        grad, sizes = largs[0], ctx.arg(largs, lkwargs, "sizes")
+        out = grad.new_zeros(math.prod(sizes))
+        out[number[box][mine]] = grad[mine]
+        return out.view(sizes)
+    x, source = ctx.arg(largs, lkwargs, "self"), ctx.arg(largs, lkwargs, "source")
+    count = int(number.reshape(-1)[-1]) + 1 if number.numel() else 0
+    if count > source.numel():
+        raise RuntimeError(f"masked_scatter: expected source to have at least {count} elements "
+                           f"(the mask's true positions), found {source.numel()}")
+    x = torch.broadcast_to(x, mine.shape)
+    return x.masked_scatter(mine, source.reshape(-1)[number[box][mine]])
+
+
 register("gather", rule=gather)
 register("scatter", "scatter_", "scatter_add", "scatter_add_", "scatter_reduce", rule=scatter)
 register("index_add", "index_add_", rule=index_add)
 register("index_select", rule=index_select)
 register("index", rule=index)
 register("index_put", "index_put_", "_index_put_impl_", "_unsafe_index_put", rule=index_put)
+register("masked_scatter", rule=masked_scatter, kernels={"mask_positions": _k_mask_positions})
+register("masked_scatter_backward", rule=masked_scatter_backward)

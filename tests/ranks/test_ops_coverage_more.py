@@ -98,3 +98,21 @@ def test_embedding_bag_of_a_batch_split_input_keeps_the_split():
     want = F.embedding_bag(torch.tensor([[1, 2], [3, 4], [5, 6], [7, 8]]), gen(10, 3), mode="sum")
     for sbp, out in run_ranks(body, 2, timeout=60):
         assert sbp == (S(0),) and torch.allclose(out, want)
+
+
+# ----------------------------------------------------------------------------- masked_scatter
+
+def _mask(*shape, seed=0):
+    return gen(*shape, seed=seed) > 0
+
+
+def test_masked_scatter_numbers_the_whole_mask():
+    # source is consumed in order over the masked positions: a split of x, either dim, takes
+    # the elements its positions' numbers name (mask and source whole)
+    check(lambda x, m, s: torch.masked_scatter(x, m, s), [gen(5, 3), _mask(5, 3), gen(4, 5, seed=1)])
+    check(lambda x, m, s: x.masked_scatter(m, s), [gen(3, 5), _mask(5, seed=2), gen(16, seed=3)])
+
+
+def test_masked_scatter_broadcasts_x_against_the_mask():
+    check(lambda x, m, s: torch.masked_scatter(x, m, s), [gen(4), _mask(3, 4, seed=4), gen(3, 4, seed=5)])
+    check(lambda x, m, s: (x * 1).masked_scatter_(m, s), [gen(5, 3), _mask(5, 3), gen(15, seed=6)])
