@@ -11,8 +11,10 @@ values of the dims it transforms only.
     B    S(k) -> S(k)         triangular/LU solves with left=True: the columns of the right-hand
                               side are independent (k its last dim); left=False: its rows
     fft:  S(d) -> S(d)        a dim the FFT does not transform; P -> P (an FFT is linear)
-    view_as_real / view_as_complex / conj_physical / complex:  S(d) -> S(d) (not the (re, im) dim),
-                              P -> P (linear over the reals)
+    view_as_real / view_as_complex / conj_physical / _conj / complex:  S(d) -> S(d) (not the
+                              (re, im) dim), P -> P (linear over the reals); _conj's piece is a
+                              conjugate view, its bit on the wrapper too (outputs.lazy_bits), and
+                              a move resolves it (runtime.execute: no collective sends the bit)
 """
 from __future__ import annotations
 
@@ -118,7 +120,7 @@ def fft(call: Call):
 
 
 def complex_view(drop_last: bool):
-    """view_as_real (adds a last dim of 2), view_as_complex (removes it), _conj: splits pass."""
+    """view_as_real (adds a last dim of 2), view_as_complex (removes it), conj: splits pass."""
     def rule(call: Call):
         nd = len(call.shapes[0])
         keep = nd - 1 if drop_last else nd
@@ -162,8 +164,7 @@ for _op in BATCHED:
 register("linalg_cross", rule=cross)
 register("_fft_r2c", "_fft_c2c", "_fft_c2r", rule=fft)
 register("view_as_real", rule=view_as_real, kernels={"real_view": _k_real_view})
-# not _conj: its piece would carry the conjugate bit, which the collectives cannot send
-register("_conj_physical", "conj_physical", rule=complex_view(False))
+register("_conj_physical", "conj_physical", "_conj", rule=complex_view(False))
 register("view_as_complex", rule=complex_view(True))
 register("complex", rule=complex_)
 register("polar", rule=polar)

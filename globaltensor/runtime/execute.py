@@ -36,6 +36,8 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     """This rank's piece of ``plan.dst`` from its piece ``local`` of ``plan.src``."""
     if not plan.steps:
         return local
+    if local.is_conj() or local.is_neg():  # a lazy view's bits (a _conj piece): no collective
+        local = local.resolve_conj().resolve_neg()  # sends them, so move the values they mean
     cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:

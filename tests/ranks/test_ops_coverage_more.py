@@ -116,3 +116,25 @@ def test_masked_scatter_numbers_the_whole_mask():
 def test_masked_scatter_broadcasts_x_against_the_mask():
     check(lambda x, m, s: torch.masked_scatter(x, m, s), [gen(4), _mask(3, 4, seed=4), gen(3, 4, seed=5)])
     check(lambda x, m, s: (x * 1).masked_scatter_(m, s), [gen(5, 3), _mask(5, 3), gen(15, seed=6)])
+
+
+# ----------------------------------------------------------------------------- _conj
+
+def test_conj_keeps_the_split_and_the_conjugate_bit():
+    # the piece is a conjugate view (its bit kept on the wrapper); moves resolve the bit, since
+    # no collective sends it
+    def conj(a, b):
+        y = torch.complex(a, b).conj()
+        assert y.is_conj()
+        return torch.view_as_real((y @ y.mT) * 2 + y.sum(0))
+    check(conj, [gen(3, 3), gen(3, 3, seed=1)])
+
+
+def test_a_write_through_a_conjugate_view_reaches_its_base():
+    def write(a, b):
+        z = torch.complex(a, b) * 1
+        y = z.conj()
+        y.mul_(torch.tensor(2j))
+        y[0] = 1 + 1j
+        return torch.view_as_real(z)
+    check(write, [gen(3, 4), gen(3, 4, seed=1)])
