@@ -17,8 +17,10 @@ Each comparison is repeated ``--runs`` times; the median ratio and the spread ar
         parallelize_module with ColwiseParallel / RowwiseParallel.
 - grid: Llama on a 2x2 grid (data x tensor parallel) vs DTensor TP on the tensor axis plus a
         hand-written bucketed all-reduce of the gradients over the data axis.
-- cnn:  the CNN data parallel (sync-BN semantics) vs torch DDP with plain BatchNorm (torch's
-        SyncBatchNorm needs a GPU; DDP's BatchNorm uses per-rank statistics, less work).
+- cnn:  the CNN data parallel (sync-BN semantics) vs torch DDP with a synchronized BatchNorm
+        of the same semantics (torch's SyncBatchNorm needs a GPU: benchmarks/_sync_bn.py is a
+        CPU one, an all-reduce of the statistics forward and one backward per layer), and, for
+        reference, DDP with plain BatchNorm (per-rank statistics, less work).
 
 Collectives per step are counted from torch.profiler's gloo events (rank 0), for each contender.
 """
@@ -35,6 +37,7 @@ import torch.distributed as dist
 
 import globaltensor as gt
 from _common import timed  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _sync_bn import sync_batch_norm
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 BATCH, SEQ, VOCAB = 8, 32, 256
@@ -231,12 +234,15 @@ def worker(local_rank, what, steps, threads):
         xs = [data_for("cnn", torch.Generator().manual_seed(100 + r)) for r in range(world)]
         fx, fy = torch.cat([a for a, _ in xs]), torch.cat([b for _, b in xs])
         g = copy.deepcopy(base).to_global(everyone, B)
+        synced = torch.nn.parallel.DistributedDataParallel(sync_batch_norm(copy.deepcopy(base)))
         t = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
         steps_ = {
             "gt": step_fn(g, torch.optim.SGD(g.parameters(), lr=0.01), cnn_loss,
                           (gt.tensor(fx, placement=everyone, sbp=S(0)),
                            gt.tensor(fy, placement=everyone, sbp=S(0)))),
-            "torch DDP": step_fn(t, torch.optim.SGD(t.parameters(), lr=0.01), cnn_loss, (x, y)),
+            "DDP sync-BN": step_fn(synced, torch.optim.SGD(synced.parameters(), lr=0.01),
+                                   cnn_loss, (x, y)),
+            "DDP local BN": step_fn(t, torch.optim.SGD(t.parameters(), lr=0.01), cnn_loss, (x, y)),
         }
     out["median"] = race(steps_, steps)
     out["collectives"] = {k: collectives_of(s) for k, s in steps_.items()}
@@ -382,7 +388,7 @@ def main() -> None:
     titles = {"dp": "GPT-2 1-D data parallel, 4 ranks: gt / torch DDP",
               "tp": "Llama tensor parallel on 4 ranks: gt / DTensor parallelize_module",
               "grid": "Llama 2x2 (DP x TP): gt / DTensor TP + bucketed DP all-reduce",
-              "cnn": "CNN data parallel with BatchNorm, 4 ranks: gt (sync-BN) / torch DDP (local BN)"}
+              "cnn": "CNN data parallel with BatchNorm, 4 ranks: gt (sync-BN) / torch DDP with sync-BN"}
     for what in ("dp", "tp", "grid", "cnn"):
         if what not in only:
             continue
