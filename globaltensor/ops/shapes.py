@@ -9,13 +9,26 @@ forms of the view ops (which take their view's rule).
         diagonal_backward          the grad's dims but the diagonal (local sizes rewritten)
         unfold                     every dim but the unfolded one (unfold_backward alike)
         channel_shuffle            every dim but the channels
+        pixel_shuffle / unshuffle  a leading (batch) dim; the channel, height or width dim only
+                                   where every piece maps to whole blocks of r x r (the
+                                   dim's size in blocks, C or H or W of the smaller side,
+                                   divisible by the ranks splitting it: an uneven split of
+                                   H into [2, 1] gives pieces of [2r, r], not the output's
+                                   own uneven split of H*r); kernel "blocks": torch gives an
+                                   empty input's shape back unchanged (a piece of no rows,
+                                   (0, 1, 6, 6) -> (0, 1, 6, 6) for r = 3), so an empty piece
+                                   gets its empty output shape here (the wrong shape left the
+                                   ranks waiting on pieces of other sizes: the sweep hung)
 """
 from __future__ import annotations
 
 import torch
 
 from . import views
-from .signature import Call, Row, S, dim_of, dims_of, keep_whole, register, sig
+import math
+
+from ..sbp import Split
+from .signature import Call, Row, Rule, S, dim_of, dims_of, keep_whole, register, sig
 
 aten = torch.ops.aten
 
@@ -110,6 +123,41 @@ def channel_shuffle(call: Call):
     return keep_whole(call, (1,) if nd > 1 else (0,))
 
 
+def pixel_shuffle(call: Call):
+    """``pixel_shuffle(x, r)``: (*, C r^2, H, W) -> (*, C, H r, W r); ``pixel_unshuffle`` the
+    inverse. Any dim may split; the last three only in whole blocks (:func:`_whole_blocks`)."""
+    nd = len(call.shapes[0])
+    rows = [sig("B -> B", "blocks"), sig("P -> P", "blocks")]
+    rows += [Row((S(d),), (S(d),), "blocks") for d in range(nd)]
+    return Rule(tuple(rows), check=_whole_blocks)
+
+
+def _whole_blocks(call: Call, mesh, ins, outs) -> bool:
+    """Each of the last three dims is cut into pieces of whole blocks: its size counted on the
+    smaller side (C, H, W) divisible by the ranks that split it."""
+    x = call.shapes[0]
+    nd = len(x)
+    shuffle = call.packet == "pixel_shuffle"
+    r = call.get("upscale_factor" if shuffle else "downscale_factor")
+    blocks = {nd - 3: x[nd - 3] // (r * r) if shuffle else x[nd - 3],
+              nd - 2: x[nd - 2] if shuffle else x[nd - 2] // r,
+              nd - 1: x[nd - 1] if shuffle else x[nd - 1] // r}
+    for d, n in blocks.items():
+        ranks = math.prod(m for m, v in zip(mesh, ins[0]) if isinstance(v, Split) and v.dim == d)
+        if n % ranks:
+            return False
+    return True
+
+
+def _k_blocks(ctx, largs, lkwargs):
+    """pixel_(un)shuffle on a piece; an empty piece gets the empty output of its shape."""
+    if ctx.coord is None:
+        return ctx.empties()
+    if largs[0].numel() == 0:
+        return largs[0].new_empty(ctx.outs.layout.local_shape(ctx.coord))
+    return ctx.func(*largs, **lkwargs)
+
+
 def narrow_copy(call: Call):
     shape = call.shapes[0]
     dim = dim_of(call.get("dim"), len(shape))
@@ -127,6 +175,7 @@ register("unfold", "unfold_copy", rule=unfold)
 register("unfold_backward", rule=unfold_backward, rewrite=_rewrite_unfold_backward)
 register("channel_shuffle", "native_channel_shuffle", rule=channel_shuffle)
 register("narrow_copy", rule=narrow_copy)
+register("pixel_shuffle", "pixel_unshuffle", rule=pixel_shuffle, kernels={"blocks": _k_blocks})
 # the copy forms of view ops: their view's rows (and size rewrites); the result is a copy
 register("view_copy", rule=views.view, rewrite=views._rewrite_view)
 register("expand_copy", rule=views.expand, rewrite=views._rewrite_expand)

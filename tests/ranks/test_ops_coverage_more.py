@@ -138,3 +138,28 @@ def test_a_write_through_a_conjugate_view_reaches_its_base():
         y[0] = 1 + 1j
         return torch.view_as_real(z)
     check(write, [gen(3, 4), gen(3, 4, seed=1)])
+
+
+# ----------------------------------------------------------------------------- pixel_shuffle
+
+@pytest.mark.parametrize("shuffle", [True, False])
+def test_pixel_shuffle_splits_whole_blocks(shuffle):
+    # batch 3 on a 2x2 grid leaves a piece with no sample (torch would give it back unshaped);
+    # channels, height, width split only in whole r x r blocks (else moved first)
+    if shuffle:
+        check(lambda x: F.pixel_shuffle(x, 2), [gen(3, 8, 2, 3)])
+    else:
+        check(lambda x: F.pixel_unshuffle(x, 2), [gen(3, 2, 4, 6)])
+
+
+def test_pixel_shuffle_rows_need_whole_blocks():
+    from globaltensor.ops import Call, Ref, choose
+    from globaltensor.layout import Layout
+
+    def chosen(shape, sbp, grid=G2):
+        call = Call("pixel_shuffle.default", (shape,), (Ref(0), 2))
+        return choose(call, (Layout(grid, sbp, shape),), (8,)).ins[0].sbp
+    assert chosen((3, 8, 2, 3), (S(1),)) == (S(1),)      # 2 output channels over 2 ranks
+    assert chosen((3, 12, 2, 3), (S(1),)) != (S(1),)     # 3 over 2: pieces of 8 and 4 inputs
+    assert chosen((3, 8, 3, 2), (S(2),)) != (S(2),)      # height 3 over 2
+    assert chosen((3, 8, 2, 3), (S(1), S(1)), G22) != (S(1), S(1))
