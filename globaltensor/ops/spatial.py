@@ -6,6 +6,10 @@
     P    -> P        linear in the input (the backward ops: linear in grad)
 Backward ops take (grad, input or sizes): grad and input split alike on a leading dim; an
 ``input_size`` argument (upsample backward) names global sizes, rewritten to this piece's.
+
+max_unpool{2,3}d(x, indices, output_size, ...) writes each value at its index within its own
+(batch, channel) plane: x and indices split alike on a leading dim, ``P B -> P`` (kernel
+"unpool": torch refuses a piece with no channel, which an uneven split can leave a rank).
 """
 from __future__ import annotations
 
@@ -24,6 +28,22 @@ def leading(spatial: int, sized: bool = False):
         rows.append(Row((P,) + repeat(n - 1, B), (P,), kernel))
         return tuple(rows)
     return rule
+
+
+def unpool(spatial: int):
+    """max_unpool: :func:`leading`'s rows, run by kernel "unpool"."""
+    def rule(call: Call):
+        return tuple(Row(r.ins, r.outs, "unpool") for r in leading(spatial)(call))
+    return rule
+
+
+def _k_unpool(ctx, largs, lkwargs):
+    """max_unpool on a piece; a piece with no element gets the zeros of its output's shape."""
+    if ctx.coord is None:
+        return ctx.empties()
+    if largs[0].numel() == 0:
+        return largs[0].new_zeros(ctx.outs.layout.local_shape(ctx.coord))
+    return ctx.func(*largs, **lkwargs)
 
 
 def _k_local_input_size(ctx, largs, lkwargs):
@@ -53,3 +73,5 @@ for _name, _k in (("upsample_nearest1d", 1), ("upsample_nearest2d", 2), ("upsamp
     register(f"{_name}.default", rule=leading(_k))
     register(f"{_name}_backward.default", rule=leading(_k, sized=True))
 register(kernels={"local_input_size": _k_local_input_size})
+register("max_unpool2d", rule=unpool(2), kernels={"unpool": _k_unpool})
+register("max_unpool3d", rule=unpool(3))

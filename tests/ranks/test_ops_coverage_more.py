@@ -163,3 +163,15 @@ def test_pixel_shuffle_rows_need_whole_blocks():
     assert chosen((3, 12, 2, 3), (S(1),)) != (S(1),)     # 3 over 2: pieces of 8 and 4 inputs
     assert chosen((3, 8, 3, 2), (S(2),)) != (S(2),)      # height 3 over 2
     assert chosen((3, 8, 2, 3), (S(1), S(1)), G22) != (S(1), S(1))
+
+
+# ----------------------------------------------------------------------------- max_unpool
+
+def test_max_unpool_keeps_batch_and_channel_splits():
+    # uneven batch and channels: on [2, 2] some piece holds no channel (torch refuses it)
+    _, idx = F.max_pool2d(gen(3, 3, 4, 4), 2, return_indices=True)
+    check(lambda v, i: F.max_unpool2d(v, i, 2), [gen(3, 3, 2, 2, seed=1), idx])
+    _, idx = F.max_pool3d(gen(3, 2, 4, 2, 2), 2, return_indices=True)
+    check(lambda v, i: F.max_unpool3d(v, i, 2), [gen(3, 2, 2, 1, 1, seed=2), idx])
+    _, idx = F.max_pool1d(gen(3, 6), 2, return_indices=True)  # unbatched (C, L)
+    check(lambda v, i: F.max_unpool1d(v, i, 2), [gen(3, 3, seed=3), idx])
