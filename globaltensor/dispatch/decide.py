@@ -144,7 +144,9 @@ def _check_no_out(func, name):
         if a.kwarg_only and a.alias_info is not None and a.alias_info.is_write:
             raise GlobalTensorError(
                 f"{name}: out= arguments are not supported on global tensors; assign the result "
-                f"instead (y = op(x)) or use the in-place form")
+                f"instead (y = op(x)) or use the in-place form (where torch's own code for "
+                f"another op passes out=, e.g. F.linear_cross_entropy's chunked options, call "
+                f"that op without that path, or on local tensors)")
 
 
 def _is_inplace(func) -> bool:
