@@ -66,19 +66,15 @@ class DataDependent(GlobalTensorError):
 
 
 class OutSpec:
-    """An output's layout and dtype, with the global strides a wrapper needs."""
+    """An output's layout and dtype (its wrapper has the contiguous strides of the global
+    shape: torch's default, so the wrapper is made without a strides keyword)."""
 
-    __slots__ = ("layout", "dtype", "shape", "strides", "complex")
+    __slots__ = ("layout", "dtype", "shape", "complex")
 
     def __init__(self, layout, dtype):
         self.layout, self.dtype = layout, dtype
         self.complex = dtype.is_complex  # a piece may carry the conjugate or negative bit
         self.shape = layout.shape
-        strides, acc = [], 1
-        for n in reversed(self.shape):
-            strides.append(acc)
-            acc *= max(n, 1)
-        self.strides = tuple(reversed(strides))
 
 
 def out_specs(meta, outs, placement, name):
@@ -109,9 +105,9 @@ new_wrapper = torch.Tensor._make_wrapper_subclass
 def wrap(result, outs):
     """The local result(s) wrapped as global tensors of the specs ``outs``."""
     if type(outs) is OutSpec:
-        # GlobalTensor._make, with the strides worked out once per decision
-        out = new_wrapper(GlobalTensor, outs.shape, strides=outs.strides, dtype=result.dtype,
-                          device=result.device, requires_grad=False)
+        # GlobalTensor._make inline: keywords left out are parsed less (requires_grad=False
+        # and the contiguous strides are the defaults)
+        out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=result.device)
         out._local = result
         out._layout = outs.layout
         if outs.complex:
