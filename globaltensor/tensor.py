@@ -258,3 +258,19 @@ class _ToLocal(torch.autograd.Function):
 # dispatch for __torch_dispatch__ (DTensor has the same pair). One name each way; bound once here,
 # after the class exists, not looked up on every operator call.
 from .dispatch import dispatch as _dispatch  # noqa: E402
+
+
+def _register_foreach_support() -> None:
+    """Global tensors take torch's multi-tensor paths as DTensor does: an optimizer's default
+    ``foreach`` (on devices that have the kernels: CUDA, not CPU) and ``clip_grad_norm_``'s.
+    Dispatch runs a ``_foreach_*`` call once on the pieces when its elements allow
+    (dispatch/special.py), else element by element."""
+    from torch.optim import optimizer
+    from torch.utils import _foreach_utils
+
+    for types in (optimizer._foreach_supported_types, _foreach_utils._foreach_supported_types):
+        if GlobalTensor not in types:
+            types.append(GlobalTensor)
+
+
+_register_foreach_support()

@@ -16,7 +16,7 @@ from .args import call_of, slots_of
 from .decisions import (AdoptIndexScalars, Contextual, Decomposed, InplaceView, Plain, RunToLearn,
                         Special, ViaFunctional)
 from .outputs import DataDependent, OutSpec, meta_result, out_specs
-from .special import SPECIAL, foreach, mixed_placements
+from .special import SPECIAL, foreach, foreach_on_pieces, mixed_placements, pointwise_on_pieces
 from .views import is_view, write_into
 
 _WARNED = Bounded(10_000)  # ops already warned about (no rule: broadcast fallback)
@@ -44,7 +44,8 @@ def decide(func, args, kwargs, tensors, key, context=None):
     if func in SPECIAL:
         return Special(SPECIAL[func])
     if name.startswith("_foreach_"):
-        return Special(foreach)
+        return Special(foreach_on_pieces if pointwise_on_pieces(func, args, kwargs, tensors)
+                       else foreach)
     _check_no_out(func, name)
     index_scalars = _local_index_scalars(func, args, kwargs)
     if index_scalars:

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import torch
 
+from .. import debug as _debug
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..redistribute import redistribute_local
-from ..sbp import broadcast
+from ..sbp import Broadcast, broadcast
 from ..tensor import GlobalTensor
 from .decisions import my_coord
-from .views import write_back, write_into
+from .views import LINK, write_back, write_into
 
 aten = torch.ops.aten
 
@@ -37,6 +38,50 @@ def _local_scalar_dense(func, args, kwargs, tensors):
             f"this rank is outside {x.placement!r}, so it holds no value to read; use "
             f"x.item() (collective: every rank gets the value) instead of a local read")
     return piece.item()
+
+
+def pointwise_on_pieces(func, args, kwargs, tensors) -> bool:
+    """Whether the foreach op can run once on the pieces: its per-tensor op is pointwise, the
+    global tensors of each element share one layout with no partial sum (aligned pieces of
+    equal shapes, so every output is the element's layout), a global scalar tensor outside the
+    lists is broadcast, and no keyword is a tensor. An optimizer's ``_foreach_*`` steps are
+    (parameters, gradients and states laid out alike)."""
+    base, _ = _foreach_base(func)
+    if torch.Tag.pointwise not in base.tags:
+        return False
+    if any(isinstance(v, torch.Tensor) for v in kwargs.values()):
+        return False
+    lists = [a for a in args if isinstance(a, (list, tuple))]
+    tensor_lists = [a for a in lists if any(isinstance(v, torch.Tensor) for v in a)]
+    if not tensor_lists or any(len(a) != len(tensor_lists[0]) for a in lists):
+        return False
+    for a in tensor_lists:
+        if not all(type(v) is GlobalTensor for v in a):
+            return False
+    for elements in zip(*tensor_lists):
+        layout = elements[0]._layout
+        if layout.is_partial or any(v._layout != layout for v in elements[1:]):
+            return False
+    for a in args:
+        if isinstance(a, GlobalTensor) and (a.dim() != 0 or not all(isinstance(v, Broadcast) for v in a._layout.sbp)):
+            return False
+    return True
+
+
+def foreach_on_pieces(func, args, kwargs, tensors):
+    """``torch._foreach_*`` run once on the pieces (see :func:`pointwise_on_pieces`): one
+    dispatch and one local foreach kernel for the whole list instead of one per element."""
+    inplace = func._schema.name.endswith("_")
+    if _debug.is_debug() or (inplace and any(LINK in t.__dict__ for t in args[0])):
+        return foreach(func, args, kwargs, tensors)  # checks per element; writes through views
+    largs = [[v._local for v in a] if isinstance(a, (list, tuple)) and a and
+             isinstance(a[0], GlobalTensor) else a._local if isinstance(a, GlobalTensor) else a
+             for a in args]
+    result = func._op(*largs, **kwargs)
+    if inplace:
+        return result
+    first = next(a for a in args if isinstance(a, (list, tuple)) and a and isinstance(a[0], GlobalTensor))
+    return [GlobalTensor._make(r, v._layout) for r, v in zip(result, first)]
 
 
 def foreach(func, args, kwargs, tensors):

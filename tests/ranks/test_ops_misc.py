@@ -169,6 +169,80 @@ def test_foreach_ops_directly():
         torch.testing.assert_close(s[0], xs[0].abs().sqrt())
 
 
+def test_foreach_on_alike_layouts_runs_once_on_the_pieces():
+    """An optimizer-style foreach call (each element's tensors laid out alike, no partial sum)
+    runs one local foreach kernel, not one dispatch per element; a partial-sum element sends
+    the call through the per-element path. Values match the full tensors either way."""
+    import collections
+    import threading
+    from unittest import mock
+
+    from globaltensor.dispatch import special
+
+    X5, Y5 = gen(5, 6, seed=3), gen(5, 6, seed=4)  # uneven rows on 2 ranks
+    per_element = collections.Counter()  # thread -> runs of the per-element path
+    original = special._foreach_base
+
+    def counting(func):
+        per_element[threading.get_ident()] += 1
+        return original(func)
+
+    def body(rank):
+        me = threading.get_ident()
+        runs = []
+        for _ in range(2):  # the second call finds the decision cached
+            xs = [on(G2, (S(0),), X5, rank), on(G2, (B,), X46, rank)]
+            ys = [on(G2, (S(0),), Y5, rank), on(G2, (B,), Y46, rank)]
+            before = per_element[me]
+            torch._foreach_addcmul_(xs, ys, ys, value=0.5)
+            torch._foreach_lerp_(xs, ys, 0.25)
+            out = torch._foreach_mul(xs, 3.0)
+            runs.append(per_element[me] - before)
+        ps = [on(G2, (P,), X46, rank)]
+        before = per_element[me]
+        torch._foreach_mul_(ps, 2.0)  # linear: right either way, but through each element
+        torch._foreach_mul_(ps, 2.0)
+        return (runs, per_element[me] - before, [x.sbp for x in xs], [o.sbp for o in out],
+                [x.full_tensor() for x in xs], [o.full_tensor() for o in out], ps[0].full_tensor())
+
+    with mock.patch.object(special, "_foreach_base", counting):
+        results = run_ranks(body, 2, timeout=30)
+    for runs, partial_runs, sbps, out_sbps, xs, out, p in results:
+        assert runs[1] == 0 and partial_runs >= 2
+        assert sbps == out_sbps == [(S(0),), (B,)]
+        for x, y, got, got_out in ((X5, Y5, xs[0], out[0]), (X46, Y46, xs[1], out[1])):
+            want = torch.lerp(x + 0.5 * y * y, y, 0.25)
+            torch.testing.assert_close(got, want)
+            torch.testing.assert_close(got_out, want * 3.0)
+        torch.testing.assert_close(p, X46 * 4)
+
+
+def test_clip_grad_norm_takes_the_foreach_path_and_matches():
+    """Global tensors are among torch's foreach-supported types (as DTensor): clip_grad_norm_
+    runs _foreach_norm and a _foreach_mul_ by a global scalar, and matches one process."""
+    W, Gr = [gen(5, 4, seed=5), gen(3, seed=6)], [gen(5, 4, seed=7), gen(3, seed=8)]
+    ref = [w.clone().requires_grad_() for w in W]
+    for r, g in zip(ref, Gr):
+        r.grad = g.clone()
+    norm = torch.nn.utils.clip_grad_norm_(ref, 1.0)
+    from torch.utils._foreach_utils import _foreach_supported_types
+    assert gt.GlobalTensor in _foreach_supported_types
+
+    def body(rank):
+        ws = []
+        for w, g, sbp in zip(W, Gr, ((S(0),), (B,))):
+            x = on(G2, sbp, w, rank).requires_grad_()
+            x.grad = on(G2, sbp, g, rank)
+            ws.append(x)
+        n = torch.nn.utils.clip_grad_norm_(ws, 1.0)
+        return n.full_tensor(), [w.grad.full_tensor() for w in ws]
+
+    for n, grads in run_ranks(body, 2, timeout=30):
+        torch.testing.assert_close(n, norm)
+        for g, r in zip(grads, ref):
+            torch.testing.assert_close(g, r.grad)
+
+
 def test_mixing_placements_is_a_clear_error():
     def body(rank):
         x = on(G2, (B,), X46, rank)
