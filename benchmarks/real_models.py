@@ -184,7 +184,20 @@ def bucketed_all_reduce(params, group):
     return reduce
 
 
-def worker(local_rank, what, steps, threads):
+FOREACH = None  # the optimizers' foreach: torch's default (None), or --foreach
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-4, foreach=FOREACH)
+
+
+def sgd(params):
+    return torch.optim.SGD(params, lr=0.01, foreach=FOREACH)
+
+
+def worker(local_rank, what, steps, threads, foreach=None):
+    global FOREACH
+    FOREACH = foreach
     torch.set_num_threads(threads)
     warnings.simplefilter("ignore")
     gt.init()
@@ -199,9 +212,9 @@ def worker(local_rank, what, steps, threads):
         g = copy.deepcopy(base).to_global(everyone, B)
         t = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
         steps_ = {
-            "gt": step_fn(g, torch.optim.AdamW(g.parameters(), lr=1e-4), lm_loss,
+            "gt": step_fn(g, adamw(g.parameters()), lm_loss,
                           gt.tensor(full, placement=everyone, sbp=S(0))),
-            "torch DDP": step_fn(t, torch.optim.AdamW(t.parameters(), lr=1e-4), lm_loss, mine),
+            "torch DDP": step_fn(t, adamw(t.parameters()), lm_loss, mine),
         }
     elif what in ("tp", "grid"):
         from torch.distributed.device_mesh import init_device_mesh
@@ -215,7 +228,7 @@ def worker(local_rank, what, steps, threads):
             gids = gt.tensor(ids, placement=placement, sbp=B)
             mesh = init_device_mesh("cpu", (world,))
             d = dtensor_tp(copy.deepcopy(base), mesh)
-            d_step = step_fn(d, torch.optim.AdamW(d.parameters(), lr=1e-4), lm_loss, ids)
+            d_step = step_fn(d, adamw(d.parameters()), lm_loss, ids)
         else:
             placement = gt.placement("cpu", [[0, 1], [2, 3]])
             g = copy.deepcopy(base).to_global(placement, lambda n, t: megatron(n, t, 2))
@@ -223,9 +236,9 @@ def worker(local_rank, what, steps, threads):
             mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
             d = dtensor_tp(copy.deepcopy(base), mesh["tp"])
             half = ids.chunk(2)[mesh.get_coordinate()[0]]
-            d_step = step_fn(d, torch.optim.AdamW(d.parameters(), lr=1e-4), lm_loss, half,
+            d_step = step_fn(d, adamw(d.parameters()), lm_loss, half,
                              bucketed_all_reduce(list(d.parameters()), mesh.get_group("dp")))
-        steps_ = {"gt": step_fn(g, torch.optim.AdamW(g.parameters(), lr=1e-4), lm_loss, gids),
+        steps_ = {"gt": step_fn(g, adamw(g.parameters()), lm_loss, gids),
                   "DTensor": d_step}
     else:  # cnn
         base = cnn()
@@ -237,12 +250,12 @@ def worker(local_rank, what, steps, threads):
         synced = torch.nn.parallel.DistributedDataParallel(sync_batch_norm(copy.deepcopy(base)))
         t = torch.nn.parallel.DistributedDataParallel(copy.deepcopy(base))
         steps_ = {
-            "gt": step_fn(g, torch.optim.SGD(g.parameters(), lr=0.01), cnn_loss,
+            "gt": step_fn(g, sgd(g.parameters()), cnn_loss,
                           (gt.tensor(fx, placement=everyone, sbp=S(0)),
                            gt.tensor(fy, placement=everyone, sbp=S(0)))),
-            "DDP sync-BN": step_fn(synced, torch.optim.SGD(synced.parameters(), lr=0.01),
+            "DDP sync-BN": step_fn(synced, sgd(synced.parameters()),
                                    cnn_loss, (x, y)),
-            "DDP local BN": step_fn(t, torch.optim.SGD(t.parameters(), lr=0.01), cnn_loss, (x, y)),
+            "DDP local BN": step_fn(t, sgd(t.parameters()), cnn_loss, (x, y)),
         }
     out["median"] = race(steps_, steps)
     out["collectives"] = {k: collectives_of(s) for k, s in steps_.items()}
@@ -362,6 +375,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--only", default="overhead,dp,tp,grid,cnn")
+    ap.add_argument("--foreach", action="store_true",
+                    help="optimizers with foreach=True for every contender (torch's default on "
+                         "CPU is the per-tensor loop; gt then runs each optimizer op once)")
     a = ap.parse_args()
     only = a.only.split(",")
     import importlib.util
@@ -394,8 +410,8 @@ def main() -> None:
             continue
         ratios, medians, counts = [], [], None
         for _ in range(a.runs):
-            out = gt.spawn(worker, args=(what, a.steps, a.threads), nproc_per_node=4,
-                           timeout=1800)[0]
+            out = gt.spawn(worker, args=(what, a.steps, a.threads, a.foreach or None),
+                           nproc_per_node=4, timeout=1800)[0]
             names = list(out["median"])
             ratios.append(out["median"][names[0]] / out["median"][names[1]])
             medians.append(out["median"])
