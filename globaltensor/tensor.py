@@ -46,9 +46,8 @@ class GlobalTensor(torch.Tensor):
         """Wrap ``local`` as this rank's piece of ``layout`` (no communication, no checks)."""
         return cls(local, layout, requires_grad)
 
-    @classmethod
-    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
-        return _dispatch(func, types, args, kwargs or {})
+    # __torch_dispatch__ is dispatch.dispatch itself, bound as a classmethod at the end of this
+    # module (no Python frame between torch and dispatch on every operator call)
 
     def __tensor_flatten__(self):
         return ["_local"], self._layout
@@ -258,6 +257,8 @@ class _ToLocal(torch.autograd.Function):
 # dispatch for __torch_dispatch__ (DTensor has the same pair). One name each way; bound once here,
 # after the class exists, not looked up on every operator call.
 from .dispatch import dispatch as _dispatch  # noqa: E402
+
+GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
 
 
 def _register_foreach_support() -> None:

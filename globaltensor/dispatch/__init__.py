@@ -28,8 +28,10 @@ _DECISIONS = Bounded(100_000)  # (op, layouts by value, args) -> decision: a pur
 _BY_ID = ById(20_000)          # the same decisions keyed by the layouts' ids (no hashing of layouts)
 
 
-def dispatch(func, types, args, kwargs):
-    """Run aten op ``func`` on global tensors (called by GlobalTensor.__torch_dispatch__)."""
+def dispatch(cls, func, types, args=(), kwargs=None):
+    """Run aten op ``func`` on global tensors: ``GlobalTensor.__torch_dispatch__`` itself."""
+    if kwargs is None:
+        kwargs = {}
     try:
         key, tensors = flatten(func, args, kwargs)
     except LocalTensorFound as found:

@@ -139,8 +139,8 @@ class Plain:
             largs[slot] = piece
             if first is None:
                 first = piece
-        if _maybe_outside(first) and my_coord(self.placement) is None:
-            result = empties(self.outs, [first])
+        if (first.numel() == 0 or first.dim() == 0) and my_coord(self.placement) is None:
+            result = empties(self.outs, [first])  # _maybe_outside, inline
         else:
             try:
                 result = self.op(*largs, **kwargs)
