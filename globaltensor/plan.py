@@ -20,7 +20,8 @@ import math
 
 from ._cache import memo
 from .errors import GlobalTensorError
-from .layout import Box, Layout, box_numel, boxes, intersect, overlap_numel
+from .layout import (Box, Layout, _trusted, box_numel, boxes, grid_coords, intersect, overlap_numel,
+                     split_sizes)
 from .sbp import Broadcast, PartialSum, Split, broadcast, format_sbp, partial_sum
 from .steps import (ALPHA, BETA, COPY, MEMORY, SEARCH_ITEMSIZE, AllGather, AllGatherV, AllReduce,
                     AllToAll, Exchange, LocalSlice, Move, Plan, ReduceScatter, Step, ZeroFill,
@@ -182,18 +183,393 @@ def _cores(dst: Layout) -> list[Layout]:
     return [dst.with_sbp(c) for c in itertools.product(*options)]
 
 
+# --------------------------------------------------------------------------- the search's space
+# The search works on the layouts of one (placement, shape) written as tuples of int codes, one
+# per placement axis: S(d) -> d, B -> -1, P -> -2. Steps, their costs and the bounds come from
+# per-dim facts (the lengths and ranges of nested pieces), not from a walk over every box, and
+# Step and Layout values are built only for the plan returned. A step's cost here is its
+# Step.cost() to the bit (tests/core/test_plan.py compares them on every step of many layouts).
+
+_B, _P = -1, -2
+_GATHER, _GATHERV, _ALL_TO_ALL, _ZERO_FILL, _SLICE, _ALL_REDUCE, _REDUCE_SCATTER = range(7)
+
+
+@memo(4096)
+def _ranges(length: int, ns: tuple) -> tuple:
+    """The [lo, hi) ranges of a dim of ``length`` split in turn into ``ns`` pieces (nested, the
+    first split outermost), in mixed-radix order of the coordinates (the last split fastest)."""
+    out = [(0, length)]
+    for n in ns:
+        cut = []
+        for lo, hi in out:
+            for size in split_sizes(hi - lo, n):
+                cut.append((lo, lo + size))
+                lo += size
+        out = cut
+    return tuple(out)
+
+
+@memo(4096)
+def _lengths(length: int, ns: tuple) -> tuple:
+    return tuple(hi - lo for lo, hi in _ranges(length, ns))
+
+
+@memo(4096)
+def _all_to_all_factor(length_i: int, outer_i: tuple, length_j: int, outer_j: tuple, n: int) -> int:
+    """The most elements of dims (i, j) a rank sends in S(i) -> S(j) along an axis of ``n``:
+    its piece of i times the part of its parent range of j it gives away, at the worst
+    coordinate (``outer_*``: the sizes of the earlier axes splitting each dim)."""
+    pieces, parents = _lengths(length_i, outer_i + (n,)), _lengths(length_j, outer_j)
+    return max(max(pieces[c::n]) * max(p - split_sizes(p, n)[c] for p in parents) for c in range(n))
+
+
+class _Space:
+    """The layouts of one tensor shape on one placement, as code tuples, with what the search
+    asks of them: the largest piece, the axis-local steps and their costs, the elements a
+    target lacks. Answers are kept (a space is cached per placement and shape, so the searches
+    of a signature choice share them)."""
+
+    __slots__ = ("placement", "shape", "mesh", "numel", "cpu", "values", "order", "_max", "_steps",
+                 "_layouts", "_lacking", "_splits",
+                 "_missing", "_index", "_groups")
+
+    def __init__(self, placement, shape):
+        self.placement, self.shape, self.mesh = placement, shape, placement.shape
+        self.numel = math.prod(shape)
+        self.cpu = placement.type == "cpu"
+        self.values = tuple(Split(d) for d in range(len(shape))) + (partial_sum, broadcast)
+        self.order = tuple(range(len(shape))) + (_B, _P)  # the order of _values: S(0).., B, P
+        self._max, self._steps, self._layouts, self._lacking, self._splits = {}, {}, {}, {}, {}
+        self._missing, self._index, self._groups = {}, {}, {}
+
+    def codes(self, layout: Layout) -> tuple:
+        return tuple(v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
+                     for v in layout.sbp)
+
+    def layout(self, codes: tuple) -> Layout:
+        found = self._layouts.get(codes)
+        if found is None:
+            values = self.values
+            found = self._layouts[codes] = _trusted(self.placement, tuple(values[c] for c in codes),
+                                                    self.shape)
+        return found
+
+    def max_local(self, codes: tuple) -> int:
+        """Layout.max_local_numel: the product over dims of the longest nested range."""
+        found = self._max.get(codes)
+        if found is None:
+            lengths = list(self.shape)
+            for v, n in zip(codes, self.mesh):
+                if v >= 0:
+                    lengths[v] = -(-lengths[v] // n)
+            found = 1
+            for length in lengths:
+                found *= length
+            self._max[codes] = found
+        return found
+
+    def holds_full(self, codes: tuple) -> bool:
+        return self.numel > 0 and self.max_local(codes) == self.numel
+
+    def splits(self, codes: tuple, dim: int) -> tuple:
+        """The axes (of size > 1) splitting ``dim``, outermost first."""
+        return self.split_axes(codes)[dim]
+
+    def even(self, codes: tuple, axis: int, dim: int, last_short: bool = False) -> bool:
+        """steps._even: every piece has one length of ``dim`` (with ``last_short``, every piece
+        but those at the last coordinate of ``axis``)."""
+        mesh = self.mesh
+        axes = self.splits(codes, dim)
+        lengths = _lengths(self.shape[dim], tuple(mesh[a] for a in axes))
+        if last_short:
+            n = mesh[axis]
+            if n == 1:
+                return True  # every coordinate is the last
+            if axis in axes:
+                stride = math.prod(mesh[a] for a in axes[axes.index(axis) + 1:])
+                lengths = [x for i, x in enumerate(lengths) if (i // stride) % n != n - 1]
+        return len(set(lengths)) <= 1
+
+    def _all_to_all_sent(self, codes: tuple, axis: int, i: int, j: int) -> int:
+        """steps._all_to_all_sent: other dims' ranges are the same before and after and depend
+        on other axes, so the worst coordinate is the worst of each, multiplied."""
+        mesh, shape = self.mesh, self.shape
+        lengths = list(shape)
+        for v, n in zip(codes, mesh):
+            if v >= 0:
+                lengths[v] = -(-lengths[v] // n)
+        others = 1
+        for d, length in enumerate(lengths):
+            if d != i and d != j:
+                others *= length
+        outer_i = tuple(mesh[a] for a in self.splits(codes, i) if a != axis)
+        outer_j = tuple(mesh[a] for a in self.splits(codes, j))
+        return others * _all_to_all_factor(shape[i], outer_i, shape[j], outer_j, mesh[axis])
+
+    def steps(self, codes: tuple) -> tuple:
+        """(cost, axis, new code, kind, codes after) of every axis-local step from ``codes``,
+        in the order of :func:`_local_steps` (an exact gather after the padded one)."""
+        found = self._steps.get(codes)
+        if found is not None:
+            return found
+        mesh, out = self.mesh, []
+        for axis, old in enumerate(codes):
+            later = {v for v, n in zip(codes[axis + 1:], mesh[axis + 1:]) if v >= 0 and n > 1}
+            for new in self.order:
+                if new == old:
+                    continue
+                kind = _kind(old, new, later)
+                if kind is None:
+                    continue
+                after = codes[:axis] + (new,) + codes[axis + 1:]
+                out.append((self._cost(codes, after, axis, old, new, kind), axis, new, kind, after))
+                if kind == _GATHER and self.cpu and not self.even(codes, axis, old):
+                    out.append((self._cost(codes, after, axis, old, new, _GATHERV), axis, new,
+                                _GATHERV, after))
+        found = self._steps[codes] = tuple(out)
+        return found
+
+    def _cost(self, codes, after, axis, old, new, kind) -> float:
+        """Step.cost(SEARCH_ITEMSIZE) of the step, the same expression term by term."""
+        n = self.mesh[axis]
+        if n == 1:
+            return 0.0
+        before_max, after_max = self.max_local(codes), self.max_local(after)
+        latency, sent, copied = 1, 0, 0
+        if kind == _GATHER:
+            sent = (n - 1) * before_max
+            fits = old == 0 and self.even(codes, axis, old, last_short=True)
+            copied = (0 if self.even(codes, axis, old) else before_max) + (0 if fits else after_max)
+        elif kind == _GATHERV:
+            sent = (n - 1) * before_max
+            copied = 0 if old == 0 else after_max
+        elif kind == _ALL_TO_ALL:
+            sent = self._all_to_all_sent(codes, axis, old, new)
+            copied = (before_max if new else 0) + (after_max if old else 0)
+        elif kind == _ALL_REDUCE:
+            sent = -(-2 * (n - 1) * before_max // n)
+        elif kind == _REDUCE_SCATTER:
+            sent = (n - 1) * after_max
+            copied = 0 if new == 0 and self.even(after, axis, new) else before_max
+        else:
+            latency = 0
+        size = SEARCH_ITEMSIZE
+        return ALPHA * latency + BETA * (sent * size) + MEMORY * after_max * size + COPY * copied * size
+
+    def step(self, codes, axis, new, kind, after) -> Step:
+        """The Step value of a step found by :meth:`steps`."""
+        before, then, old = self.layout(codes), self.layout(after), codes[axis]
+        if kind in (_GATHER, _GATHERV):
+            return (AllGather if kind == _GATHER else AllGatherV)(axis, old, before, then)
+        if kind == _ALL_TO_ALL:
+            return AllToAll(axis, old, new, before, then)
+        if kind == _SLICE:
+            return LocalSlice(axis, new, before, then)
+        if kind == _REDUCE_SCATTER:
+            return ReduceScatter(axis, new, before, then)
+        return (ZeroFill if kind == _ZERO_FILL else AllReduce)(axis, before, then)
+
+    def lacking(self, codes: tuple, dst: tuple) -> int:
+        """:func:`_lacking` for two layouts of this space."""
+        key = (codes, dst)
+        found = self._lacking.get(key)
+        if found is None:
+            found = self._lacking[key] = self._count_lacking(codes, dst)
+        return found
+
+    def _count_lacking(self, c: tuple, t: tuple) -> int:
+        """Summed over dst's groups of summands: the group's box less what its members hold of
+        it. Σ |box| is numel times the replicas (B axes) of ``t``. What members hold is a sum
+        over coordinates (at 0 on the axes where t is P and c is P or B: the first summand, one
+        copy of each piece) of a product over dims of the overlap of c's and t's ranges; each
+        dim's overlap depends only on the axes splitting it, so the sum factors into
+        independent groups of axes (most often one dim each)."""
+        mesh = self.mesh
+        everything = self.numel
+        for w, n in zip(t, mesh):
+            if w == _B:
+                everything *= n
+        if c == t:
+            return 0
+        if any(v == _P and n > 1 and w != _P for v, w, n in zip(c, t, mesh)):
+            return everything  # each group's members hold one summand
+        held = 1
+        for v, w, n in zip(c, t, mesh):
+            if v == _B and w == _B:
+                held *= n  # replicas that hold the same pieces in both
+        pending = []
+        for length, mine, theirs in zip(self.shape, self.split_axes(c), self.split_axes(t)):
+            if mine == theirs:
+                held *= length  # the same pieces on both sides: they cover the dim once
+            else:
+                pending.append((frozenset(mine + theirs), length, mine, theirs))
+        while pending and held:
+            group = [pending.pop()]
+            axes = set(group[0][0])
+            grown = True
+            while grown:  # dims linked by an axis that splits one in c and another in t
+                grown = False
+                for entry in pending:
+                    if entry[0] & axes:
+                        axes |= entry[0]
+                        group.append(entry)
+                        pending.remove(entry)
+                        grown = True
+                        break
+            held *= _held(*self._canonical(sorted(axes), group))
+        return everything - held
+
+    def missing(self, c: tuple, t: tuple) -> tuple[int, int, float]:
+        """:func:`_missing` for two layouts of this space, coordinate by coordinate, from
+        per-dim tables of ranges (only the dims either layout splits)."""
+        key = (c, t)
+        found = self._missing.get(key)
+        if found is None:
+            found = self._missing[key] = self._count_missing(c, t)
+        return found
+
+    def _count_missing(self, c: tuple, t: tuple) -> tuple[int, int, float]:
+        mesh, base, tables = self.mesh, 1, []
+        mine_axes, their_axes = self.split_axes(c), self.split_axes(t)
+        mine_index, their_index = self.range_index(c), self.range_index(t)
+        for d, (length, mine, theirs) in enumerate(zip(self.shape, mine_axes, their_axes)):
+            if not mine and not theirs:
+                base *= length
+                continue
+            mine_ranges = _ranges(length, tuple(mesh[a] for a in mine))
+            their_ranges = _ranges(length, tuple(mesh[a] for a in theirs))
+            distinct = {r for r in mine_ranges if r[0] < r[1]}
+            counts = [sum(1 for lo, hi in distinct if lo < b and a < hi) for a, b in their_ranges]
+            tables.append((mine_ranges, mine_index[d], their_ranges, their_index[d], counts))
+        groups: dict = {}
+        for r, key in enumerate(self.group_keys(t)):
+            size = own = base
+            count = 1
+            for mine_ranges, mine_at, their_ranges, their_at, counts in tables:
+                j = their_at[r]
+                lo, hi = their_ranges[j]
+                lo2, hi2 = mine_ranges[mine_at[r]]
+                size *= hi - lo
+                own *= max(0, min(hi, hi2) - max(lo, lo2))
+                count *= counts[j]
+            missing = size - own if size else 0
+            others = count - (own > 0) if missing else 0
+            total, most, region = groups.get(key, (0, 0, 0.0))
+            groups[key] = (total + missing, max(most, others),
+                           max(region, missing / others if others else 0.0))
+        return _least(groups)
+
+    def range_index(self, codes: tuple) -> tuple:
+        """Per tensor dim, per coordinate (row-major), the index of its range of that dim in
+        :func:`_ranges` order."""
+        found = self._index.get(codes)
+        if found is None:
+            mesh, coords = self.mesh, grid_coords(self.placement)
+            found = []
+            for axes in self.split_axes(codes):
+                at = []
+                for coord in coords:
+                    i = 0
+                    for a in axes:
+                        i = i * mesh[a] + coord[a]
+                    at.append(i)
+                found.append(tuple(at))
+            found = self._index[codes] = tuple(found)
+        return found
+
+    def group_keys(self, codes: tuple) -> tuple:
+        """Per coordinate (row-major), (its coordinates on the S axes, on the P axes)."""
+        found = self._groups.get(codes)
+        if found is None:
+            split = [a for a, v in enumerate(codes) if v >= 0]
+            partial = [a for a, v in enumerate(codes) if v == _P]
+            found = self._groups[codes] = tuple(
+                (tuple(coord[a] for a in split), tuple(coord[a] for a in partial))
+                for coord in grid_coords(self.placement))
+        return found
+
+    def _canonical(self, axes, group) -> tuple:
+        """(sizes of ``axes``, per dim (length, positions of c's and t's splitting axes))."""
+        where = {a: k for k, a in enumerate(axes)}
+        return (tuple(self.mesh[a] for a in axes),
+                tuple(sorted((length, tuple(where[a] for a in mine), tuple(where[a] for a in theirs))
+                             for _, length, mine, theirs in group)))
+
+    def split_axes(self, codes: tuple) -> tuple:
+        """Per tensor dim, the axes (of size > 1) splitting it, outermost first."""
+        found = self._splits.get(codes)
+        if found is None:
+            found = [()] * len(self.shape)
+            for a, (v, n) in enumerate(zip(codes, self.mesh)):
+                if v >= 0 and n > 1:
+                    found[v] += (a,)
+            found = self._splits[codes] = tuple(found)
+        return found
+
+
+@memo(4096)
+def _held(sizes: tuple, dims: tuple) -> int:
+    """Σ over the coordinates of axes of ``sizes`` of the product over ``dims`` (length, the
+    positions of the axes splitting it in one layout, in the other) of the overlap of the two
+    layouts' ranges of that dim."""
+    tables = [(_ranges(length, tuple(sizes[k] for k in mine)), mine,
+               _ranges(length, tuple(sizes[k] for k in theirs)), theirs)
+              for length, mine, theirs in dims]
+    total = 0
+    for coord in itertools.product(*(range(n) for n in sizes)):
+        product = 1
+        for mine_ranges, mine, their_ranges, theirs in tables:
+            i = j = 0
+            for k in mine:
+                i = i * sizes[k] + coord[k]
+            for k in theirs:
+                j = j * sizes[k] + coord[k]
+            (lo, hi), (lo2, hi2) = mine_ranges[i], their_ranges[j]
+            lo, hi = max(lo, lo2), min(hi, hi2)
+            if hi <= lo:
+                product = 0
+                break
+            product *= hi - lo
+        total += product
+    return total
+
+
+def _kind(old: int, new: int, later: set):
+    """The step from ``old`` to ``new`` on one axis (see :func:`_local_step`), or None; ``later``
+    holds the dims split by later axes (of size > 1)."""
+    if old >= 0:
+        if old in later:
+            return None
+        if new == _B:
+            return _GATHER
+        if new == _P:
+            return _ZERO_FILL
+        return None if new in later else _ALL_TO_ALL
+    if new >= 0 and new in later:
+        return None
+    if old == _B:
+        return _SLICE if new >= 0 else _ZERO_FILL
+    return _ALL_REDUCE if new == _B else _REDUCE_SCATTER
+
+
+@memo(256)
+def _space(placement, shape) -> _Space:
+    return _Space(placement, shape)
+
+
 # --------------------------------------------------------------------------- lower bounds
 
 
 class _Bound:
     """Admissible lower bounds on the cost of reaching ``dst`` (docs/planner.md, "The search").
 
-    ``self(node)`` bounds every route from ``node``: α per collective the route cannot avoid, β
-    per byte it must send, the memory of the steps it must take. Each term is a bound on its own
-    part of the cost for *every* route (a minimum over the two kinds of route: axis-local steps
-    only, or reductions then one exchange), so their sum is one too."""
+    ``self(key)`` bounds every route from the layout ``key`` (a placement index and codes, see
+    :class:`_Space`): α per collective the route cannot avoid, β per byte it must send, the
+    memory of the steps it must take. Each term is a bound on its own part of the cost for
+    *every* route (a minimum over the two kinds of route: axis-local steps only, or reductions
+    then one exchange), so their sum is one too."""
 
-    __slots__ = ("src", "dst", "itemsize", "union", "memory", "_memo")
+    __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "_memo")
 
     def __init__(self, src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE):
         self.src, self.dst, self.itemsize = src, dst, itemsize
@@ -201,50 +577,75 @@ class _Bound:
         # every step writes at least the smallest piece any layout of the tensor can have
         smallest = dst.numel() / max(src.placement.size, dst.placement.size)
         self.memory = MEMORY * itemsize * smallest
+        here = _space(src.placement, src.shape)
+        there = here if dst.placement == src.placement else _space(dst.placement, dst.shape)
+        self.spaces, self.on_dst = (here, there), 0 if there is here else 1
+        self.target = there.codes(dst)
         self._memo: dict = {}
 
-    def __call__(self, node: Layout) -> float:
-        h = self._memo.get(node)
+    def key(self, layout: Layout) -> tuple:
+        """The search's key of a layout on src's or dst's placement."""
+        at = 0 if layout.placement == self.src.placement else 1
+        return at, self.spaces[at].codes(layout)
+
+    def __call__(self, key) -> float:
+        h = self._memo.get(key)
         if h is None:
-            h = self._memo[node] = self._bound(node) * (1 - 1e-9)  # never above, rounding aside
+            h = self._memo[key] = self._bound(*key) * (1 - 1e-9)  # never above, rounding aside
         return h
 
-    def _bound(self, node: Layout) -> float:
-        dst, sizes = self.dst, node.placement.shape
-        partial = [a for a, v in enumerate(node.sbp) if isinstance(v, PartialSum) and sizes[a] > 1]
-        inf = math.inf
-        lat_local = steps_local = inf
+    def _bound(self, at: int, codes: tuple) -> float:
+        space = self.spaces[at]
+        sizes = space.mesh
+        partial = [a for a, v in enumerate(codes) if v == _P and sizes[a] > 1]
+        lat_local = steps_local = math.inf
         keep = 1  # product of the partial axes a route may keep (dst is partial there too)
-        if node.placement == dst.placement:
-            lat_local, steps_local = 0, 0
-            for a, (v, w) in enumerate(zip(node.sbp, dst.sbp)):
-                if sizes[a] == 1 or v == w:
-                    continue
-                steps_local += 1
-                if not isinstance(v, Broadcast) and not isinstance(w, PartialSum):
-                    lat_local += 1  # S -> B, S(i) -> S(j), P -> B / S: a collective on this axis
-            keep = math.prod(sizes[a] for a in partial if isinstance(dst.sbp[a], PartialSum))
-        lat_exchange = len(partial) + 1 if node.placement == self.src.placement else inf
+        if at == self.on_dst:
+            lat_local, steps_local = self._local(codes, sizes)
+            keep = math.prod(sizes[a] for a in partial if self.target[a] == _P)
+        lat_exchange = len(partial) + 1 if at == 0 else math.inf
         latency = min(lat_local, lat_exchange)
         steps = min(steps_local, lat_exchange)
-        return (ALPHA * latency + BETA * self.itemsize * self._elements(node, partial, keep)
+        return (ALPHA * latency + BETA * self.itemsize * self._elements(at, codes, partial, keep)
                 + self.memory * steps)
 
-    def _elements(self, node: Layout, partial, keep: int) -> float:
+    def _local(self, codes: tuple, sizes) -> tuple[int, int]:
+        """Collectives and steps every route of axis-local steps takes: a collective on each
+        axis going S -> B, S(i) -> S(j), P -> B or P -> S (only LocalSlice and ZeroFill
+        communicate nothing, and no sequence of them leaves S or P); a step on each axis that
+        changes. Nested splits add more: an axis that is S(d) at both ends must leave S(d) and
+        come back (two steps, one a collective) when an earlier axis gains or loses a split of
+        d, since that step needs no later axis splitting d (docs/sbp.md)."""
+        target = self.target
+        latency = steps = 0
+        for a, (v, w) in enumerate(zip(codes, target)):
+            if sizes[a] == 1:
+                continue
+            if v != w:
+                steps += 1
+                latency += v != _B and w != _P
+            elif v >= 0 and any(sizes[b] > 1 and (codes[b] == v) != (target[b] == v) for b in range(a)):
+                steps += 2
+                latency += 1
+        return latency, steps
+
+    def _elements(self, at: int, codes: tuple, partial, keep: int) -> float:
         """Elements the busiest rank must send, summed over the steps of any route.
 
         Per step, the ranks receive no more than all of them send, so the steps send at least
         (elements some rank must receive, summed) / (ranks): see :func:`_lacking`. Partial
-        axes of ``node`` must also each be reduced (unless dst keeps them), and a reduction
+        axes of the layout must also each be reduced (unless dst keeps them), and a reduction
         along an axis of n ranks sends (n - 1) times a piece no smaller than numel / N times
-        the product of the axes still partial then; summed in any order, numel (prod - keep) / N.
-        The larger of the two bounds holds."""
-        ranks = node.placement.size if node.placement == self.dst.placement else self.union
-        lacking = _lacking(node, self.dst) / ranks
+        the product of the axes still partial then; summed in any order, numel (prod - keep) / N."""
+        space = self.spaces[at]
+        if at == self.on_dst:
+            lacking = space.lacking(codes, self.target) / space.placement.size
+        else:
+            lacking = _lacking(space.layout(codes), self.dst) / self.union
         if not partial:
             return lacking
-        sizes = node.placement.shape
-        reduced = node.numel() * (math.prod(sizes[a] for a in partial) - keep) / node.placement.size
+        sizes = space.mesh
+        reduced = space.numel * (math.prod(sizes[a] for a in partial) - keep) / space.placement.size
         return max(lacking, reduced)
 
     def exchange(self, target: Layout) -> float:
@@ -252,12 +653,28 @@ class _Bound:
         piece = target.max_local_numel() * self.itemsize
         return ALPHA + (MEMORY + COPY) * piece
 
+    def exchange_to(self, codes: tuple, target: Layout, key) -> float:
+        """:meth:`exchange`, and where it is cheap to know (one placement, a non-partial
+        target) the elements the target's pieces lack, spread over the ranks, as in
+        :meth:`exchange_from`."""
+        bound = self.exchange(target)
+        if self.on_dst == 0 and not target.is_partial:
+            space = self.spaces[0]
+            lacking = space.lacking(codes, key[1]) / space.placement.size
+            bound += (BETA + COPY) * self.itemsize * lacking * (1 - 1e-9)
+        return bound
+
     def exchange_from(self, node: Layout, target: Layout) -> float:
         """A bound on ``exchange(node, target)``: the elements missing from each target piece
-        are received, so the busiest of the ranks sends at least their sum over the ranks; a
-        rank receives one message per other piece of ``node`` its target piece overlaps."""
-        missing, messages = _missing(node, target)
-        sent = missing / self.union
+        are received, so the busiest of the ranks sends at least their sum over the ranks, and
+        at least the largest region one message carries; a rank receives one message per
+        other piece of ``node`` its target piece overlaps."""
+        if self.on_dst == 0:
+            space = self.spaces[0]
+            missing, messages, region = space.missing(space.codes(node), space.codes(target))
+        else:
+            missing, messages, region = _missing(node, target)
+        sent = max(missing / self.union, region)
         return (self.exchange(target) + ALPHA * (messages - 1)
                 + (BETA + COPY) * self.itemsize * sent) * (1 - 1e-9)
 
@@ -332,33 +749,43 @@ def _lacking_anywhere(node: Layout, dst: Layout) -> int:
 
 
 @memo(16384)
-def _missing(node: Layout, target: Layout) -> tuple[int, int]:
+def _missing(node: Layout, target: Layout) -> tuple[int, int, float]:
     """For an exchange from non-partial ``node``: the elements the ranks of ``target`` receive,
-    summed, and the most messages one of them receives (1 for a partial target, whose owners
-    are not known here). A partial target fills one partial coordinate per box: only the
-    cheapest coordinate of each box counts."""
+    summed; the most messages one of them receives (one per other piece of ``node`` its target
+    piece overlaps); and the largest region one message must carry (a rank's missing elements
+    over its messages: each region goes whole from one sender, who counts it as sent). A
+    partial target fills one partial coordinate per box (its owner, not known here): only the
+    cheapest coordinate of each box counts, for all three."""
     place = node.placement
     ranges = _dim_ranges(node)
     groups: dict = {}
-    messages = 1
     for coord, rank in coords_and_ranks(target):
         box = target.box(coord)
         missing = box_numel(box)
         mine = place.coord_of(rank)
         own = overlap_numel(node.box(mine), box) if mine is not None and missing else 0
         missing -= own
-        if missing and not target.is_partial:
+        others = 0
+        if missing:
             others = math.prod(sum(1 for lo, hi in rs if lo < hi and lo < b and a < hi)
                                for rs, (a, b) in zip(ranges, box)) - (own > 0)
-            messages = max(messages, others)
         key = (_split_key(target, coord), _partial_key(target, coord))
-        groups[key] = groups.get(key, 0) + missing
-    if not target.is_partial:
-        return sum(groups.values()), messages
+        total, most, region = groups.get(key, (0, 0, 0.0))
+        groups[key] = (total + missing, max(most, others),
+                       max(region, missing / others if others else 0.0))
+    return _least(groups)
+
+
+def _least(groups: dict) -> tuple[int, int, float]:
+    """Per box (S coordinates) the cheapest partial coordinate of (missing, messages, region),
+    then summed, the most and the largest over the boxes (see :func:`_missing`)."""
     least: dict = {}
-    for (skey, _), missing in groups.items():
-        least[skey] = min(least.get(skey, missing), missing)
-    return sum(least.values()), messages
+    for (skey, _), (missing, most, region) in groups.items():
+        known = least.get(skey)
+        least[skey] = (missing, most, region) if known is None else (
+            min(known[0], missing), min(known[1], most), min(known[2], region))
+    return (sum(m for m, _, _ in least.values()), max([1] + [most for _, most, _ in least.values()]),
+            max([0.0] + [region for _, _, region in least.values()]))
 
 
 @memo(16384)
@@ -373,7 +800,8 @@ def lower_bound(src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE) -> fl
     a few tens of them). The signature choice prunes with it."""
     if src == dst:
         return 0.0
-    return _Bound(src, dst, itemsize)(src)
+    bound = _Bound(src, dst, itemsize)
+    return bound(bound.key(src))
 
 
 # --------------------------------------------------------------------------- the search
@@ -419,19 +847,22 @@ def _search(src: Layout, dst: Layout):
     orders by (full, cost so far + lower bound), so a route with a full copy is only taken once
     no other exists: the two Dijkstra passes of the reference in one search.
 
-    Work is deferred until an entry comes first: a layout is queued with the bound its
-    predecessor implies (the predecessor's bound less the step's cost) and gets its own bound
-    when it comes first; an exchange is queued with a bound and built only when it comes first
-    again. Steps only ever stay on src's or dst's placement."""
+    Layouts are keys of :class:`_Bound` (a placement index and int codes). Work is deferred
+    until an entry comes first: a layout is queued with the bound its predecessor implies (the
+    predecessor's bound less the step's cost) and gets its own bound when it comes first; an
+    exchange is queued with a bound and built only when it comes first again. Steps only ever
+    stay on src's or dst's placement."""
     guard = not holds_full(dst)
     bound = _Bound(src, dst)
-    targets = [dst] + _cores(dst) if dst.is_partial else [dst]
-    best, lengths = {(src, False): 0.0}, {(src, False): 0}
-    heap = [(False, bound(src), 0, 0, _NODE, 0.0, src, (), None)]
+    spaces = bound.spaces
+    start, goal = (0, spaces[0].codes(src)), (bound.on_dst, bound.target)
+    targets = [(dst, goal)] + _core_keys(spaces[bound.on_dst], bound.target, bound.on_dst)
+    best, lengths = {(start, False): 0.0}, {(start, False): 0}
+    heap = [(False, bound(start), 0, 0, _NODE, 0.0, start, (), None)]
     counter = itertools.count(1)
 
     def reach(full, node, cost, path, inherited):
-        full = full or (guard and node != dst and holds_full(node))
+        full = full or (guard and node != goal and spaces[node[0]].holds_full(node[1]))
         known = best.get((node, full), math.inf)
         # ties (within rounding) go to the shorter route
         if cost < known - 1e-15 or (cost <= known + 1e-15 and len(path) < lengths[node, full]):
@@ -450,27 +881,50 @@ def _search(src: Layout, dst: Layout):
                 if cost + h > f:
                     heapq.heappush(heap, (full, cost + h, entry[2], entry[3], _NODE) + entry[5:])
                     continue
-            if node == dst:
-                return path
+            if node == goal:
+                return _steps_of(spaces, path)
             h = bound(node)
-            for step in _local_steps(node):
-                c = step.cost()
-                reach(full, step.after, cost + c, path + (step,), h - c)
-            if node.placement == src.placement and not node.is_partial:
-                for t in targets:
-                    if t != node:
-                        key = cost + bound.exchange(t) + bound(t)
-                        heapq.heappush(heap, (full, key, len(path) + 1, next(counter), _EXCHANGE, cost,
-                                              node, path, t))
+            at, codes = node
+            for c, axis, new, step_kind, after in spaces[at].steps(codes):
+                reach(full, (at, after), cost + c, path + ((at, codes, axis, new, step_kind, after),), h - c)
+            if at == 0 and _P not in codes:
+                for t, key in targets:
+                    if key != node:
+                        f2 = cost + bound.exchange_to(codes, t, key) + bound(key)
+                        heapq.heappush(heap, (full, f2, len(path) + 1, next(counter), _EXCHANGE, cost,
+                                              node, path, (t, key)))
         elif kind == _EXCHANGE:
-            f2 = cost + bound.exchange_from(node, target) + bound(target)
+            layout = spaces[0].layout(node[1])
+            f2 = cost + bound.exchange_from(layout, target[0]) + bound(target[1])
             heapq.heappush(heap, (full, max(f, f2), len(path) + 1, next(counter), _EXCHANGE_FROM, cost,
                                   node, path, target))
         else:
-            step = exchange(node, target)
-            c = step.cost()
-            reach(full, target, cost + c, path + (step,), f - cost - c)
+            step = exchange(spaces[0].layout(node[1]), target[0])
+            c = _exchange_cost(step)
+            reach(full, target[1], cost + c, path + (step,), f - cost - c)
     return None
+
+
+def _core_keys(space: _Space, target: tuple, at: int) -> list:
+    """:func:`_cores` of ``target`` as (layout, key) pairs, in the same order."""
+    if _P not in target:
+        return []
+    options = [(v,) if v != _P else (_B,) + tuple(range(len(space.shape))) for v in target]
+    return [(space.layout(codes), (at, codes)) for codes in itertools.product(*options)]
+
+
+def _exchange_cost(step: Exchange) -> float:
+    """``step.cost()``, the same expression, with the moves' traffic counted once."""
+    sent, messages = step._traffic()
+    sent, latency = max(sent.values(), default=0), max(messages.values(), default=1)
+    size = SEARCH_ITEMSIZE
+    return (ALPHA * latency + BETA * (sent * size) + MEMORY * step.after.max_local_numel() * size
+            + COPY * (sent + step.after.max_local_numel()) * size)
+
+
+def _steps_of(spaces, path) -> tuple[Step, ...]:
+    return tuple(entry if isinstance(entry, Step) else spaces[entry[0]].step(*entry[1:])
+                 for entry in path)
 
 
 # --------------------------------------------------------------------------- the reference

@@ -324,3 +324,40 @@ def test_lower_bound_never_exceeds_the_cost():
                 assert lower_bound(src, dst) <= plan(src, dst).cost()
                 if a == b:
                     assert lower_bound(src, dst) == 0.0
+
+
+# The search's own arithmetic (plan._Space: layouts as int codes, per-dim tables) against the
+# Layout / Step values it stands for: the same steps in the same order, the same costs to the
+# bit, the same elements lacking and missing, on even, uneven, empty and 7-dim shapes.
+SPACES = [([0, 1], [(4, 4), (5, 7), (1, 3), (0, 3)]), ([0, 1, 2], [(5, 7), (2, 9, 4)]),
+          ([[0, 1], [2, 3]], [(4, 4), (5, 7), (13, 17), (3, 5, 7), (1, 3)]),
+          ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], [(5, 7), (4, 6, 8), (64, 48), (4, 6, 2, 4, 6, 1, 1)]),
+          ([[0, 1, 2], [3, 4, 5]], [(5, 7), (6, 4)]), ([[0], [1]], [(5, 7)]),
+          ([[[[0, 1], [2, 3]], [[4, 5], [6, 7]]], [[[8, 9], [10, 11]], [[12, 13], [14, 15]]]], [(13, 17)])]
+
+
+@pytest.mark.parametrize("ranks, shapes", SPACES, ids=[str(i) for i in range(len(SPACES))])
+def test_the_search_space_costs_what_the_steps_cost(ranks, shapes):
+    from globaltensor.plan import _exchange_cost, _local_steps, _missing, _lacking, _space, exchange
+    placement = gt.placement("cpu", ranks)
+    rng = random.Random(len(shapes))
+    for shape in shapes:
+        space = _space(placement, shape)
+        values = [S(d) for d in range(len(shape))] + [B, P]
+        combos = list(itertools.product(values, repeat=placement.ndim))
+        if len(combos) > 120:
+            combos = rng.sample(combos, 120)
+        for sbp in combos:
+            layout = lay(placement, sbp, shape)
+            codes = space.codes(layout)
+            assert space.max_local(codes) == layout.max_local_numel()
+            fast, slow = space.steps(codes), _local_steps(layout)
+            assert [space.step(codes, *entry[1:]) for entry in fast] == list(slow)
+            assert [entry[0] for entry in fast] == [s.cost() for s in slow]  # to the bit
+            for other in rng.sample(combos, min(12, len(combos))):
+                target = lay(placement, other, shape)
+                assert space.lacking(codes, space.codes(target)) == _lacking(layout, target)
+                if not layout.is_partial:
+                    assert space.missing(codes, space.codes(target)) == _missing(layout, target)
+                    step = exchange(layout, target)
+                    assert _exchange_cost(step) == step.cost()
