@@ -32,6 +32,7 @@ _SUM, _MAX = 0, 2  # modes (1: mean)
 
 
 def embedding_bag(call: Call):
+    """``_embedding_bag`` (and ``_embedding_bag_forward_only``): the module's first table."""
     mode = call.get("mode", _SUM)
     present = (True, True, True, call.is_global("per_sample_weights"))
     rows = [sig("B B B B -> B B B B"),
@@ -45,6 +46,7 @@ def embedding_bag(call: Call):
 
 
 def embedding_bag_backward(call: Call):
+    """``_embedding_bag_backward``: a dense gradient only (sparse=True is an error)."""
     if call.get("sparse", False):
         raise GlobalTensorError(
             f"{call.op}: expected a dense gradient (sparse=False), as every global tensor is; "
@@ -59,6 +61,7 @@ def embedding_bag_backward(call: Call):
 
 
 def per_sample_weights_backward(call: Call):
+    """``_embedding_bag_per_sample_weights_backward`` (mode sum only, as torch)."""
     return (sig("B B B B B -> B"), sig("P B B B B -> P"), sig("B P B B B -> P"),
             sig("S(1) S(1) B B B -> P"), sig("S(0) B S(0) B B -> P", "bag_split"))
 

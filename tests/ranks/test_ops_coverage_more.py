@@ -144,7 +144,7 @@ def test_a_write_through_a_conjugate_view_reaches_its_base():
 
 @pytest.mark.parametrize("shuffle", [True, False])
 def test_pixel_shuffle_splits_whole_blocks(shuffle):
-    # batch 3 on a 2x2 grid leaves a piece with no sample (torch would give it back unshaped);
+    # batch 3 on a 2x2 grid leaves a piece with no sample (torch gives it back in its own shape);
     # channels, height, width split only in whole r x r blocks (else moved first)
     if shuffle:
         check(lambda x: F.pixel_shuffle(x, 2), [gen(3, 8, 2, 3)])
