@@ -223,6 +223,14 @@ def _all_to_all_factor(length_i: int, outer_i: tuple, length_j: int, outer_j: tu
     return max(max(pieces[c::n]) * max(p - split_sizes(p, n)[c] for p in parents) for c in range(n))
 
 
+@memo(4096)
+def _most_overlaps(length: int, mine: tuple, theirs: tuple) -> int:
+    """The most non-empty ranges of a split into ``mine`` that one range of a split into
+    ``theirs`` overlaps (see :func:`_ranges`)."""
+    ranges = {r for r in _ranges(length, mine) if r[0] < r[1]}
+    return max(sum(1 for lo, hi in ranges if lo < b and a < hi) for a, b in _ranges(length, theirs))
+
+
 class _Space:
     """The layouts of one tensor shape on one placement, as code tuples, with what the search
     asks of them: the largest piece, the axis-local steps and their costs, the elements a
@@ -569,7 +577,8 @@ class _Bound:
     *every* route (a minimum over the two kinds of route: axis-local steps only, or reductions
     then one exchange), so their sum is one too."""
 
-    __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "_memo")
+    __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "targets",
+                 "_memo")
 
     def __init__(self, src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE):
         self.src, self.dst, self.itemsize = src, dst, itemsize
@@ -581,6 +590,7 @@ class _Bound:
         there = here if dst.placement == src.placement else _space(dst.placement, dst.shape)
         self.spaces, self.on_dst = (here, there), 0 if there is here else 1
         self.target = there.codes(dst)
+        self.targets = None  # the exchanges' targets, when first needed
         self._memo: dict = {}
 
     def key(self, layout: Layout) -> tuple:
@@ -603,11 +613,38 @@ class _Bound:
         if at == self.on_dst:
             lat_local, steps_local = self._local(codes, sizes)
             keep = math.prod(sizes[a] for a in partial if self.target[a] == _P)
-        lat_exchange = len(partial) + 1 if at == 0 else math.inf
+        steps_exchange = lat_exchange = len(partial) + 1 if at == 0 else math.inf
+        if lat_exchange == 1 and lat_local > 1 and self.on_dst == 0:
+            lat_exchange = self._messages(codes)
         latency = min(lat_local, lat_exchange)
-        steps = min(steps_local, lat_exchange)
+        steps = min(steps_local, steps_exchange)
         return (ALPHA * latency + BETA * self.itemsize * self._elements(at, codes, partial, keep)
                 + self.memory * steps)
+
+    def _messages(self, codes: tuple) -> int:
+        """Collectives (at most 2) of a route from non-partial ``codes`` through an exchange:
+        after a collective, 2; else the exchange leaves a layout reached by local slices
+        only (a zero-fill leaves a partial sum, which an exchange cannot take), whose pieces
+        are no larger than these, so each rank receives at least the messages it would from
+        ``codes``. That is 2 or more into every target (dst and, for a partial dst, its cores)
+        if some target piece overlaps 3 or more pieces of ``codes``: per dim, the ranges
+        overlapping a target's range depend on disjoint axes, so the most pieces one target
+        piece overlaps is the product over dims of the most ranges one range overlaps, and
+        a rank receives from all of them but its own."""
+        if self.targets is None:
+            space = self.spaces[0]
+            self.targets = [self.target] + [key[1] for _, key in _core_keys(space, self.target, 0)]
+        space = self.spaces[0]
+        mesh, mine = space.mesh, space.split_axes(codes)
+        for target in self.targets:
+            most = 1
+            for length, axes, their_axes in zip(space.shape, mine, space.split_axes(target)):
+                if axes or their_axes:
+                    most *= _most_overlaps(length, tuple(mesh[a] for a in axes),
+                                           tuple(mesh[a] for a in their_axes))
+            if most < 3:
+                return 1
+        return 2
 
     def _local(self, codes: tuple, sizes) -> tuple[int, int]:
         """Collectives and steps every route of axis-local steps takes: a collective on each
@@ -889,8 +926,8 @@ def _search(src: Layout, dst: Layout):
                 reach(full, (at, after), cost + c, path + ((at, codes, axis, new, step_kind, after),), h - c)
             if at == 0 and _P not in codes:
                 for t, key in targets:
-                    if key != node:
-                        f2 = cost + bound.exchange_to(codes, t, key) + bound(key)
+                    if key != node:  # an exchange is one of the routes the node's bound covers
+                        f2 = cost + max(h, bound.exchange_to(codes, t, key) + bound(key))
                         heapq.heappush(heap, (full, f2, len(path) + 1, next(counter), _EXCHANGE, cost,
                                               node, path, (t, key)))
         elif kind == _EXCHANGE:
