@@ -85,6 +85,8 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     stay = _stay(rule, call, layouts, options)
     if stay is not None and not _partials(stay.outs, mesh):
         return stay  # (one leaving partial sums may tie with one that resolves them: search)
+    if stay is not None and not any(free):
+        options = _costing_nothing(options, layouts, mesh)
     cheap = [_Cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
              enumerate(zip(layouts, itemsizes))]
     heap = []
@@ -157,6 +159,17 @@ def _stay(rule: Rule, call: Call, layouts, options) -> Choice | None:
         if targets is not None:
             return Choice(targets, outs, kernels.pop() if kernels else None, 0.0)
     return None
+
+
+def _costing_nothing(options, layouts, mesh) -> list:
+    """The rows of ``options`` that could stand in a candidate of cost 0: moving a non-empty
+    input on an axis of more than one rank costs something (every step writes memory, every
+    exchange is a message), so where a candidate that moves nothing exists (cost 0), only
+    candidates keeping every such input's sbp there can match it."""
+    sizes = [layout.numel() for layout in layouts]
+    return [[o for o in opts if n == 1 or all(r == layout.sbp[axis] or not size for r, layout, size
+                                              in zip(o[3], layouts, sizes))]
+            for axis, (opts, n) in enumerate(zip(options, mesh))]
 
 
 def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
