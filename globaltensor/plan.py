@@ -18,7 +18,7 @@ import heapq
 import itertools
 import math
 
-from ._cache import memo
+from ._cache import Bounded, memo
 from .errors import GlobalTensorError
 from .layout import (Box, Layout, _trusted, box_numel, boxes, grid_coords, intersect, overlap_numel,
                      split_sizes)
@@ -866,11 +866,33 @@ def plan(src: Layout, dst: Layout) -> Plan:
     _check(src, dst)
     if src == dst:
         return Plan(src, dst, ())
-    steps = _search(src, dst)
+    search = _SEARCHES.pop((src, dst), None) or _Search(src, dst)
+    steps = search.run()
     if steps is None:  # unreachable: all-B is always a way through
         raise GlobalTensorError(f"found no plan from {src!r} to {dst!r}; please report this")
     return Plan(src, dst, steps)
 
+
+def cost_above(src: Layout, dst: Layout, limit: float,
+               itemsize: int = SEARCH_ITEMSIZE) -> tuple[float, bool]:
+    """(``plan(src, dst).cost(itemsize)``, True), or, if that is more than ``limit``, maybe
+    (a lower bound on it that is more than ``limit``, False): the search stops once every
+    route left costs more (and is taken up again where it stopped if the plan is asked for
+    later). The signature choice rules candidates out with it."""
+    _check(src, dst)
+    if src == dst:
+        return 0.0, True
+    scale = min(1.0, itemsize / SEARCH_ITEMSIZE)  # costs at itemsize over those at the search's
+    search = _SEARCHES.get((src, dst))
+    if search is None:
+        search = _SEARCHES.put((src, dst), _Search(src, dst))
+    if search.run(limit / scale) is None:
+        return search.lower * scale * (1 - 1e-9), False
+    return plan(src, dst).cost(itemsize), True
+
+
+# searches stopped by cost_above, to be taken up again
+_SEARCHES = Bounded(512)
 
 # the kinds of entry in the search's queue: a layout reached (its key with the bound from it,
 # or with one inherited from the step before, not yet worked out), an exchange costed only by
@@ -878,7 +900,7 @@ def plan(src: Layout, dst: Layout) -> Plan:
 _NODE, _GUESSED, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2, 3
 
 
-def _search(src: Layout, dst: Layout):
+class _Search:
     """A* from ``src`` over (layout, full) states: ``full`` marks routes through an intermediate
     layout in which a rank holds the whole tensor (allowed only when ``dst`` has one). The queue
     orders by (full, cost so far + lower bound), so a route with a full copy is only taken once
@@ -888,58 +910,84 @@ def _search(src: Layout, dst: Layout):
     until an entry comes first: a layout is queued with the bound its predecessor implies (the
     predecessor's bound less the step's cost) and gets its own bound when it comes first; an
     exchange is queued with a bound and built only when it comes first again. Steps only ever
-    stay on src's or dst's placement."""
-    guard = not holds_full(dst)
-    bound = _Bound(src, dst)
-    spaces = bound.spaces
-    start, goal = (0, spaces[0].codes(src)), (bound.on_dst, bound.target)
-    targets = [(dst, goal)] + _core_keys(spaces[bound.on_dst], bound.target, bound.on_dst)
-    best, lengths = {(start, False): 0.0}, {(start, False): 0}
-    heap = [(False, bound(start), 0, 0, _NODE, 0.0, start, (), None)]
-    counter = itertools.count(1)
+    stay on src's or dst's placement. :meth:`run` may stop at a cost limit and go on later."""
 
-    def reach(full, node, cost, path, inherited):
-        full = full or (guard and node != goal and spaces[node[0]].holds_full(node[1]))
-        known = best.get((node, full), math.inf)
+    __slots__ = ("dst", "guard", "bound", "spaces", "goal", "targets", "best", "lengths", "heap",
+                 "counter", "least_full", "lower", "steps")
+
+    def __init__(self, src: Layout, dst: Layout):
+        self.dst, self.guard = dst, not holds_full(dst)
+        self.bound = bound = _Bound(src, dst)
+        self.spaces = spaces = bound.spaces
+        start, self.goal = (0, spaces[0].codes(src)), (bound.on_dst, bound.target)
+        self.targets = [(dst, self.goal)] + _core_keys(spaces[bound.on_dst], bound.target, bound.on_dst)
+        self.best, self.lengths = {(start, False): 0.0}, {(start, False): 0}
+        self.heap = [(False, bound(start), 0, 0, _NODE, 0.0, start, (), None)]
+        self.counter = itertools.count(1)
+        self.least_full = math.inf  # the least key of a route through a full copy queued so far
+        self.lower, self.steps = 0.0, None
+
+    def _reach(self, full, node, cost, path, inherited):
+        full = full or (self.guard and node != self.goal and self.spaces[node[0]].holds_full(node[1]))
+        known = self.best.get((node, full), math.inf)
         # ties (within rounding) go to the shorter route
-        if cost < known - 1e-15 or (cost <= known + 1e-15 and len(path) < lengths[node, full]):
-            best[node, full], lengths[node, full] = cost, len(path)
-            heapq.heappush(heap, (full, cost + max(inherited, 0.0), len(path), next(counter), _GUESSED,
-                                  cost, node, path, None))
+        if cost < known - 1e-15 or (cost <= known + 1e-15 and len(path) < self.lengths[node, full]):
+            self.best[node, full], self.lengths[node, full] = cost, len(path)
+            self._push((full, cost + max(inherited, 0.0), len(path), next(self.counter), _GUESSED,
+                        cost, node, path, None))
 
-    while heap:
-        entry = heapq.heappop(heap)
-        full, f, _, _, kind, cost, node, path, target = entry
-        if kind <= _GUESSED:
-            if cost > best[node, full] or len(path) > lengths[node, full]:
-                continue  # a cheaper or shorter route reached it since
-            if kind == _GUESSED:
+    def _push(self, entry):
+        if entry[0] and entry[1] < self.least_full:
+            self.least_full = entry[1]
+        heapq.heappush(self.heap, entry)
+
+    def run(self, limit: float = math.inf):
+        """The steps of the cheapest plan, or None once every route left costs more than
+        ``limit`` (then ``self.lower`` is a bound above ``limit``, and a later call goes on)."""
+        if self.steps is not None:
+            return self.steps
+        heap, best, lengths, bound, spaces = self.heap, self.best, self.lengths, self.bound, self.spaces
+        while heap:
+            top = heap[0]
+            lower = top[1] if top[0] else min(top[1], self.least_full)
+            if lower > limit:
+                self.lower = lower
+                return None
+            entry = heapq.heappop(heap)
+            full, f, _, _, kind, cost, node, path, target = entry
+            if kind <= _GUESSED:
+                if cost > best[node, full] or len(path) > lengths[node, full]:
+                    continue  # a cheaper or shorter route reached it since
+                if kind == _GUESSED:
+                    h = bound(node)
+                    if cost + h > f:
+                        self._push((full, cost + h, entry[2], entry[3], _NODE) + entry[5:])
+                        continue
+                if node == self.goal:
+                    self.steps = _steps_of(spaces, path)
+                    return self.steps
                 h = bound(node)
-                if cost + h > f:
-                    heapq.heappush(heap, (full, cost + h, entry[2], entry[3], _NODE) + entry[5:])
-                    continue
-            if node == goal:
-                return _steps_of(spaces, path)
-            h = bound(node)
-            at, codes = node
-            for c, axis, new, step_kind, after in spaces[at].steps(codes):
-                reach(full, (at, after), cost + c, path + ((at, codes, axis, new, step_kind, after),), h - c)
-            if at == 0 and _P not in codes:
-                for t, key in targets:
-                    if key != node:  # an exchange is one of the routes the node's bound covers
-                        f2 = cost + max(h, bound.exchange_to(codes, t, key) + bound(key))
-                        heapq.heappush(heap, (full, f2, len(path) + 1, next(counter), _EXCHANGE, cost,
-                                              node, path, (t, key)))
-        elif kind == _EXCHANGE:
-            layout = spaces[0].layout(node[1])
-            f2 = cost + bound.exchange_from(layout, target[0]) + bound(target[1])
-            heapq.heappush(heap, (full, max(f, f2), len(path) + 1, next(counter), _EXCHANGE_FROM, cost,
-                                  node, path, target))
-        else:
-            step = exchange(spaces[0].layout(node[1]), target[0])
-            c = _exchange_cost(step)
-            reach(full, target[1], cost + c, path + (step,), f - cost - c)
-    return None
+                at, codes = node
+                for c, axis, new, step_kind, after in spaces[at].steps(codes):
+                    self._reach(full, (at, after), cost + c, path + ((at, codes, axis, new, step_kind, after),),
+                                h - c)
+                if at == 0 and _P not in codes:
+                    for t, key in self.targets:
+                        if key != node:  # an exchange is one of the routes the node's bound covers
+                            f2 = cost + max(h, bound.exchange_to(codes, t, key) + bound(key))
+                            self._push((full, f2, len(path) + 1, next(self.counter), _EXCHANGE, cost,
+                                        node, path, (t, key)))
+            elif kind == _EXCHANGE:
+                layout = spaces[0].layout(node[1])
+                f2 = cost + bound.exchange_from(layout, target[0]) + bound(target[1])
+                self._push((full, max(f, f2), len(path) + 1, next(self.counter), _EXCHANGE_FROM, cost,
+                            node, path, target))
+            else:
+                step = exchange(spaces[0].layout(node[1]), target[0])
+                c = _exchange_cost(step)
+                self._reach(full, target[1], cost + c, path + (step,), f - cost - c)
+        self.lower = math.inf
+        return None
 
 
 def _core_keys(space: _Space, target: tuple, at: int) -> list:
@@ -1013,4 +1061,4 @@ def _dijkstra(src: Layout, dst: Layout, avoid_full: bool):
     return None
 
 
-__all__ = ["exchange", "lower_bound", "plan", "reference_plan"]
+__all__ = ["cost_above", "exchange", "lower_bound", "plan", "reference_plan"]

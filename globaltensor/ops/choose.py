@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import GlobalTensorError
 from ..layout import Layout
-from ..plan import lower_bound, plan
+from ..plan import cost_above, lower_bound, plan
 from ..sbp import Broadcast, PartialSum, SbpValue, Split
 from ..steps import ALPHA, BETA, MEMORY
 from .signature import KEEP, B, P, Call, Rule, rows_for
@@ -115,7 +115,8 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
                 continue
             terms = _terms(layouts, targets, itemsizes, outs, grads, free)
         else:  # then the plans, the largest bound first: one may be enough to rule it out
-            terms = _exact_one(terms, layouts, targets, itemsizes, outs)
+            terms = _exact_one(terms, layouts, targets, itemsizes, outs,
+                               best_key[0] if best_key is not None else None)
         if terms is None:
             continue  # a move that would invent a partial sum
         if any(not exact for _, exact, _, _ in terms):
@@ -189,15 +190,26 @@ def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
     return tuple(sorted(terms, key=lambda t: -t[0]))
 
 
-def _exact_one(terms, layouts, targets, itemsizes, outs):
-    """``terms`` with the first (largest) inexact one costed exactly (None: it is infinite)."""
+def _exact_one(terms, layouts, targets, itemsizes, outs, best=None):
+    """``terms`` with the first (largest) inexact one costed (None: it is infinite): exactly,
+    or, when it alone would lift the candidate's cost above ``best`` (the best cost found so
+    far), maybe only to a bound that does (the planner's search stops there)."""
     k = next(k for k, (_, exact, _, _) in enumerate(terms) if not exact)
     _, _, i, backward = terms[k]
     src, dst, n = layouts[i], targets[i], itemsizes[i]
-    cost = backward_cost(src, dst, outs, n) if backward else _move_cost(src, dst, n)
-    if math.isinf(cost):
-        return None
-    return terms[:k] + ((cost, True, i, backward),) + terms[k + 1:]
+    limit = math.inf
+    if best is not None:
+        limit = (best - sum(value for j, (value, _, _, _) in enumerate(terms) if j != k)) * (1 + 1e-9)
+    if backward:
+        grad, wanted = _backward_move(src, dst, outs)
+        cost, exact = (0.0, True) if wanted == grad.sbp else cost_above(
+            grad, grad.with_sbp(wanted), limit, n)
+    elif any(isinstance(v, PartialSum) and not isinstance(src.sbp[a], PartialSum)
+             for a, v in enumerate(dst.sbp)):
+        return None  # it would invent a partial sum
+    else:
+        cost, exact = cost_above(src, dst, limit, n)
+    return terms[:k] + ((cost, exact, i, backward),) + terms[k + 1:]
 
 
 def _axis_options(rule: Rule, layouts, axis: int, fixed, free) -> list:
