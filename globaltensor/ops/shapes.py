@@ -151,11 +151,7 @@ def _whole_blocks(call: Call, mesh, ins, outs) -> bool:
 
 def _k_blocks(ctx, largs, lkwargs):
     """pixel_(un)shuffle on a piece; an empty piece gets the empty output of its shape."""
-    if ctx.coord is None:
-        return ctx.empties()
-    if largs[0].numel() == 0:
-        return largs[0].new_empty(ctx.outs.layout.local_shape(ctx.coord))
-    return ctx.func(*largs, **lkwargs)
+    return ctx.run_unless_empty(largs, lkwargs, lambda piece, shape: piece.new_empty(shape))
 
 
 def narrow_copy(call: Call):

@@ -300,3 +300,13 @@ class KernelContext:
     def arg(self, largs, lkwargs, name: str, default=None):
         """Local argument ``name`` of this call (see :func:`arg_value`)."""
         return arg_value(self.call.op, largs, lkwargs, name, default)
+
+    def run_unless_empty(self, largs, lkwargs, fill):
+        """The op on the pieces; where the first piece has no element (an uneven split), its
+        output is ``fill(piece, shape)`` of the output's local shape instead (torch's kernel
+        refuses such a piece or gives a wrong shape); outside the placement, empties."""
+        if self.coord is None:
+            return self.empties()
+        if largs[0].numel() == 0:
+            return fill(largs[0], self.outs.layout.local_shape(self.coord))
+        return self.func(*largs, **lkwargs)

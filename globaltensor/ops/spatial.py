@@ -39,11 +39,7 @@ def unpool(spatial: int):
 
 def _k_unpool(ctx, largs, lkwargs):
     """max_unpool on a piece; a piece with no element gets the zeros of its output's shape."""
-    if ctx.coord is None:
-        return ctx.empties()
-    if largs[0].numel() == 0:
-        return largs[0].new_zeros(ctx.outs.layout.local_shape(ctx.coord))
-    return ctx.func(*largs, **lkwargs)
+    return ctx.run_unless_empty(largs, lkwargs, lambda piece, shape: piece.new_zeros(shape))
 
 
 def _k_local_input_size(ctx, largs, lkwargs):
