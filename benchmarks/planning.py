@@ -1,7 +1,8 @@
 """Cold planning: plan() and the signature choice on 3-D to 5-D grids, in one process (issue 14).
 
     python benchmarks/planning.py [--pairs 200] [--calls 40] [--repeats 3] [--reference]
-                                  [--transformer] [--grids 3,4,5]
+                                  [--transformer [--transformer-grids 2x2,2x2x2] [--no-dtensor] [--dtensor-nd]]
+                                  [--grids 3,4,5] [--choice-grids 3,4]
 
 Pure core only, no communication (the transformer step excepted, see below). "Cold" means every
 cache of the package is emptied first (``_cache.clear_all()``: plans, boxes, bounds, exchanges),
@@ -18,13 +19,20 @@ says nothing about the planner. Reported per grid: median, 90th percentile and m
   ("pqrs,tuqvr->pstuv"): the choices of every aten op of its decomposition, replayed on meta
   tensors, each op's inputs laid out as the choices before it made them.
 - ``--transformer``: the first training step of the transformer block of
-  tests/ranks/test_transformer.py on a 2x2 grid (4 thread-ranks, real gloo), caches cold,
-  against its later steps.
+  tests/ranks/test_transformer.py against its later steps, on 2x2 (data x tensor parallel) and
+  2x2x2 (data x data x tensor) grids, in processes (gt.spawn, real gloo; 8 processes on this
+  2-core box take a few minutes), gt and DTensor with the same placements in the same run:
+  the first step of a fresh process, and the first step after the contender's caches of
+  decisions and plans are emptied (``--no-dtensor``: gt only). DTensor's first step on a 3-D
+  grid plans for minutes per process (8 minutes of CPU on 2x2x2 here), so there it is timed
+  only with ``--dtensor-nd``, in one process on torch's fake process group.
 """
 from __future__ import annotations
 
 import argparse
 import gc
+import importlib
+import math
 import pathlib
 import random
 import statistics
@@ -183,33 +191,149 @@ def bench_choices(ndims, count, repeats):
 # --------------------------------------------------------------------------- transformer
 
 
-def bench_transformer(steps: int):
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests" / "ranks"))
-    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parent.parent / "tests"))
-    from test_transformer import Block, data, layout_of  # the block the tests train
-    from globaltensor.testing import run_ranks
+def _block_module():
+    """tests/ranks/test_transformer.py, the block the tests train (Block, data, TP)."""
+    root = pathlib.Path(__file__).resolve().parent.parent
+    for where in (root / "tests" / "ranks", root / "tests"):
+        if str(where) not in sys.path:
+            sys.path.insert(0, str(where))
+    import test_transformer
+    return test_transformer
 
-    placement = gt.placement("cpu", [[0, 1], [2, 3]])
 
-    def body(rank):
-        torch.set_num_threads(1)
-        model = Block(torch.Generator().manual_seed(1)).to_global(placement, layout_of)
-        tokens, targets = (gt.tensor(t, placement=placement, sbp=(S(0), B)) for t in data())
-        if rank == 0:
-            clear_all()
-        times = []
-        for _ in range(steps):
-            start = time.perf_counter()
-            model(tokens, targets).backward()
-            times.append(time.perf_counter() - start)
-        return times
+def _gt_block(mod, grid_shape):
+    """The block on a grid whose last axis is tensor parallel and the others data parallel."""
+    ndim = len(grid_shape)
+    placement = gt.placement("cpu", np.arange(math.prod(grid_shape)).reshape(grid_shape).tolist())
+    model = mod.Block(torch.Generator().manual_seed(1)).to_global(
+        placement, lambda name, t: (B,) * (ndim - 1) + (mod.TP.get(name, B),))
+    data_sbp = (S(0),) * (ndim - 1) + (B,)
+    tokens, targets = (gt.tensor(t, placement=placement, sbp=data_sbp) for t in mod.data())
+    return lambda: model(tokens, targets).backward()
 
-    clear_all()
-    per_rank = run_ranks(body, placement.size, timeout=600)
-    slowest = [max(ts[i] for ts in per_rank) for i in range(steps)]
-    steady = statistics.median(slowest[1:])
-    print(f"transformer 2x2: first step {slowest[0] * 1e3:.0f} ms, later steps median "
-          f"{steady * 1e3:.0f} ms: {slowest[0] / steady:.1f}x", flush=True)
+
+def _dtensor_block(mod, grid_shape):
+    """The same block with torch's DTensor: every parameter, buffer and input distributed with
+    the same placements (Shard(d) for S(d), Replicate for B) on a DeviceMesh of the grid."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", tuple(grid_shape))
+    ndim = len(grid_shape)
+    model = mod.Block(torch.Generator().manual_seed(1))
+
+    def placements(name):
+        value = mod.TP.get(name)
+        return [Replicate()] * (ndim - 1) + [Shard(value.dim) if value is not None else Replicate()]
+    for owner in (model, model.ln1, model.ln2):
+        for name, p in list(owner.named_parameters(recurse=False)):
+            shared = placements(name) if owner is model else [Replicate()] * ndim
+            setattr(owner, name, torch.nn.Parameter(distribute_tensor(p.detach(), mesh, shared)))
+    model.causal = distribute_tensor(model.causal, mesh, [Replicate()] * ndim)
+    data = [Shard(0)] * (ndim - 1) + [Replicate()]
+    tokens, targets = (distribute_tensor(t, mesh, data) for t in mod.data())
+    return lambda: model(tokens, targets).backward()
+
+
+def _clear_dtensor_caches():
+    """DTensor's caches of sharding decisions and redistribution plans (what clear_all is to gt)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import _redistribute
+    from torch.distributed.tensor._sharding_prop import ShardingPropagator
+
+    DTensor._op_dispatcher.sharding_propagator.propagate_op_sharding.cache_clear()
+    ShardingPropagator._propagate_tensor_meta_cached.cache_clear()
+    for fn in vars(_redistribute).values():
+        if hasattr(fn, "cache_clear"):
+            fn.cache_clear()
+
+
+def transformer_worker(local_rank, grid_shape, steps, dtensor):
+    """One rank: torch._dynamo imported and a plain step of the block (warming torch for both
+    contenders alike), then per
+    contender: a model's first step in this fresh process ("fresh"), its later steps, and the
+    first step of a second model after the contender's caches of decisions and plans are
+    emptied ("cold caches": the planning cost alone, the rest of the process warm). Times are
+    the slowest rank's."""
+    import warnings
+
+    from _common import timed
+
+    warnings.simplefilter("ignore")
+    torch.set_num_threads(1)
+    gt.init()
+    # torch imports torch._dynamo (~2 s here) the first time a decomposition runs on meta
+    # tensors, which both contenders do: whoever ran first would pay it
+    importlib.import_module("torch._dynamo")
+    mod = _block_module()
+    plain = mod.Block(torch.Generator().manual_seed(1))
+    plain(*mod.data()).backward()
+    contenders = {"gt": (_gt_block, clear_all)}
+    if dtensor:
+        contenders["DTensor"] = (_dtensor_block, _clear_dtensor_caches)
+    out = {}
+    for who, (build, clear) in contenders.items():
+        clear()
+        step = build(mod, grid_shape)
+        times = [timed(step) for _ in range(steps)]
+        clear()
+        step = build(mod, grid_shape)
+        out[who] = (times[0], statistics.median(times[1:]), timed(step))
+    return out
+
+
+def dtensor_one_process(grid_shape, steps):
+    """DTensor's steps of the block in one process standing for rank 0 of the grid, on torch's
+    fake process group (collectives do nothing; the sharding decisions and redistribution
+    plans are DTensor's own): its planning cost without the processes of a whole grid."""
+    import torch.distributed as dist
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    importlib.import_module("torch._dynamo")
+    torch.set_num_threads(1)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=math.prod(grid_shape))
+    mod = _block_module()
+    mod.Block(torch.Generator().manual_seed(1))(*mod.data()).backward()
+    step = _dtensor_block(mod, grid_shape)
+    times = []
+    for _ in range(steps):
+        start = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def bench_transformer(grids, steps: int, dtensor: bool, dtensor_nd: bool):
+    """First training step of the block against its later steps, on each grid (processes, real
+    gloo; 2x2 is data x tensor parallel, 2x2x2 data x data x tensor). DTensor runs in the same
+    processes on 2-D grids; on 3-D grids its first step plans for minutes (its graph-based
+    redistribution planner, when it costs strategies), so there it runs only with
+    ``dtensor_nd``, in one process on a fake process group (see :func:`dtensor_one_process`)."""
+    import multiprocessing
+
+    for grid_shape in grids:
+        real = dtensor and len(grid_shape) < 3
+        out = gt.spawn(transformer_worker, args=(grid_shape, steps, real),
+                       nproc_per_node=math.prod(grid_shape), timeout=3600)[0]
+        name = "x".join(map(str, grid_shape))
+        for who, (fresh, steady, cold_caches) in out.items():
+            print(f"transformer {name:<6} {who:<8} later steps median {steady * 1e3:6.1f} ms; first "
+                  f"step: fresh process {fresh * 1e3:7.1f} ms ({fresh / steady:4.1f}x), cold caches "
+                  f"{cold_caches * 1e3:7.1f} ms ({cold_caches / steady:4.1f}x)", flush=True)
+        if "DTensor" in out:
+            print(f"transformer {name:<6} first step gt / DTensor: fresh process "
+                  f"{out['gt'][0] / out['DTensor'][0]:.2f}, cold caches "
+                  f"{out['gt'][2] / out['DTensor'][2]:.2f}", flush=True)
+        elif dtensor and dtensor_nd:
+            with multiprocessing.get_context("spawn").Pool(1) as pool:
+                times = pool.apply(dtensor_one_process, (grid_shape, max(steps, 3)))
+            steady = statistics.median(times[1:])
+            print(f"transformer {name:<6} DTensor  one process, fake process group: first step "
+                  f"{times[0] * 1e3:.0f} ms, later steps median {steady * 1e3:.1f} ms; gt's fresh "
+                  f"first step / DTensor's: {out['gt'][0] / times[0]:.4f}", flush=True)
+        elif dtensor:
+            print(f"transformer {name:<6} DTensor  skipped (its first step on a 3-D grid plans for "
+                  f"minutes: --dtensor-nd times it in one process)", flush=True)
 
 
 def main(argv=None):
@@ -220,14 +344,21 @@ def main(argv=None):
     ap.add_argument("--grids", default="3,4,5", help="placement ndims for plan() (2 ranks each)")
     ap.add_argument("--choice-grids", default="3,4")
     ap.add_argument("--reference", action="store_true")
-    ap.add_argument("--transformer", action="store_true")
+    ap.add_argument("--transformer", action="store_true",
+                    help="also time the transformer block's first training step (processes)")
+    ap.add_argument("--transformer-grids", default="2x2,2x2x2")
+    ap.add_argument("--no-dtensor", action="store_true", help="skip DTensor's steps")
+    ap.add_argument("--dtensor-nd", action="store_true",
+                    help="time DTensor on 3-D grids too (one process, fake process group; "
+                         "~8 minutes on 2x2x2 here)")
     ap.add_argument("--steps", type=int, default=6)
     args = ap.parse_args(argv)
     torch.set_num_threads(1)
     bench_plans([int(g) for g in args.grids.split(",") if g], args.pairs, args.repeats, args.reference)
     bench_choices([int(g) for g in args.choice_grids.split(",") if g], args.calls, args.repeats)
     if args.transformer:
-        bench_transformer(args.steps)
+        grids = [tuple(int(n) for n in g.split("x")) for g in args.transformer_grids.split(",") if g]
+        bench_transformer(grids, args.steps, not args.no_dtensor, args.dtensor_nd)
 
 
 if __name__ == "__main__":
