@@ -17,6 +17,7 @@ from __future__ import annotations
 import heapq
 import itertools
 import math
+import threading
 
 from ._cache import Bounded, memo
 from .errors import GlobalTensorError
@@ -866,8 +867,9 @@ def plan(src: Layout, dst: Layout) -> Plan:
     _check(src, dst)
     if src == dst:
         return Plan(src, dst, ())
-    search = _SEARCHES.pop((src, dst), None) or _Search(src, dst)
-    steps = search.run()
+    with _SEARCH_LOCK:  # a stopped search is shared state (thread-ranks share this module)
+        search = _SEARCHES.pop((src, dst), None) or _Search(src, dst)
+        steps = search.run()
     if steps is None:  # unreachable: all-B is always a way through
         raise GlobalTensorError(f"found no plan from {src!r} to {dst!r}; please report this")
     return Plan(src, dst, steps)
@@ -883,16 +885,20 @@ def cost_above(src: Layout, dst: Layout, limit: float,
     if src == dst:
         return 0.0, True
     scale = min(1.0, itemsize / SEARCH_ITEMSIZE)  # costs at itemsize over those at the search's
-    search = _SEARCHES.get((src, dst))
-    if search is None:
-        search = _SEARCHES.put((src, dst), _Search(src, dst))
-    if search.run(limit / scale) is None:
-        return search.lower * scale * (1 - 1e-9), False
+    with _SEARCH_LOCK:
+        search = _SEARCHES.get((src, dst))
+        if search is None:
+            search = _SEARCHES.put((src, dst), _Search(src, dst))
+        if search.run(limit / scale) is None:
+            return search.lower * scale * (1 - 1e-9), False
     return plan(src, dst).cost(itemsize), True
 
 
-# searches stopped by cost_above, to be taken up again
+# searches stopped by cost_above, to be taken up again; one search runs at a time: two threads
+# (thread-ranks of gt.testing) taking up the same stopped search would corrupt its queue and could
+# choose differently, so ranks would run different collectives (a fuzz test aborted in gloo)
 _SEARCHES = Bounded(512)
+_SEARCH_LOCK = threading.RLock()
 
 # the kinds of entry in the search's queue: a layout reached (its key with the bound from it,
 # or with one inherited from the step before, not yet worked out), an exchange costed only by
