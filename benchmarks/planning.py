@@ -41,6 +41,11 @@ import time
 
 import numpy as np
 import torch
+
+# this checkout's package, whatever the editable install points at (and in spawned ranks)
+_ROOT = str(pathlib.Path(__file__).resolve().parent.parent)
+if sys.path[:1] != [_ROOT]:
+    sys.path.insert(0, _ROOT)
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import globaltensor as gt

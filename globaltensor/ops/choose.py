@@ -18,7 +18,7 @@ import math
 from dataclasses import dataclass
 
 from ..errors import GlobalTensorError
-from ..layout import Layout
+from ..layout import Layout, _trusted
 from ..plan import cost_above, lower_bound, plan
 from ..sbp import Broadcast, PartialSum, SbpValue, Split
 from ..steps import ALPHA, BETA, MEMORY
@@ -100,16 +100,16 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
         bound = sum(c.bound(sbp) for c, sbp in zip(cheap, resolved))
         order = tuple(index for index, _, _, _ in combo)
         partials = _partials(outs_of(tuple(r for _, r, _, _ in combo)), mesh)
-        heap.append((bound, partials, changed, order, 0, combo, ins))  # 0: no term worked out yet
+        heap.append((bound, partials, changed, order, 0, combo, ins, resolved))  # 0: no term yet
     heapq.heapify(heap)
     best, best_key = None, None
     while heap:
-        bound, partials, changed, order, terms, combo, ins = heapq.heappop(heap)
+        bound, partials, changed, order, terms, combo, ins, resolved = heapq.heappop(heap)
         if best_key is not None and (bound, partials, changed, order) >= best_key:
             break
         rows = tuple(r for _, r, _, _ in combo)
         outs = outs_of(rows)
-        targets = _targets(layouts, ins)
+        targets = _resolved_targets(layouts, resolved)
         if terms == 0:  # first time first: is it a candidate at all, and a finer bound
             if targets is None or (rule.check is not None and not rule.check(call, mesh, ins, outs)):
                 continue
@@ -121,7 +121,8 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
             continue  # a move that would invent a partial sum
         if any(not exact for _, exact, _, _ in terms):
             total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
-            heapq.heappush(heap, (max(bound, total), partials, changed, order, terms, combo, ins))
+            heapq.heappush(heap, (max(bound, total), partials, changed, order, terms, combo, ins,
+                                  resolved))
             continue
         cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
         key = (cost, partials, changed, order)
@@ -185,7 +186,7 @@ def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
             terms.append((lower_bound(src, dst, n), False, i, False))
         if grads and grads[i]:
             grad, wanted = _backward_move(src, dst, outs)
-            bound = lower_bound(grad, grad.with_sbp(wanted), n) if wanted != grad.sbp else 0.0
+            bound = lower_bound(grad, _with(grad, wanted), n) if wanted != grad.sbp else 0.0
             terms.append((bound, wanted == grad.sbp, i, True))
     return tuple(sorted(terms, key=lambda t: -t[0]))
 
@@ -203,7 +204,7 @@ def _exact_one(terms, layouts, targets, itemsizes, outs, best=None):
     if backward:
         grad, wanted = _backward_move(src, dst, outs)
         cost, exact = (0.0, True) if wanted == grad.sbp else cost_above(
-            grad, grad.with_sbp(wanted), limit, n)
+            grad, _with(grad, wanted), limit, n)
     elif any(isinstance(v, PartialSum) and not isinstance(src.sbp[a], PartialSum)
              for a, v in enumerate(dst.sbp)):
         return None  # it would invent a partial sum
@@ -365,7 +366,7 @@ def grad_layout(dst: Layout, outs) -> Layout:
             values.append(B if replicated else P)
         else:
             values.append(v)
-    return Layout(dst.placement, tuple(values), dst.shape)
+    return _trusted(dst.placement, tuple(values), dst.shape)  # dst's own values, resolved
 
 
 def backward_cost(src: Layout, dst: Layout, outs, itemsize: int) -> float:
@@ -379,6 +380,11 @@ def backward_cost(src: Layout, dst: Layout, outs, itemsize: int) -> float:
     return plan(grad, grad.with_sbp(wanted)).cost(itemsize)
 
 
+def _with(layout: Layout, sbp) -> Layout:
+    """``layout.with_sbp(sbp)`` for resolved values of its own kind (no checks)."""
+    return _trusted(layout.placement, tuple(sbp), layout.shape)
+
+
 def _backward_move(src: Layout, dst: Layout, outs):
     """The gradient's layout and the sbp its producer takes it in (see :func:`backward_cost`)."""
     grad = grad_layout(dst, outs)
@@ -390,6 +396,13 @@ def _backward_move(src: Layout, dst: Layout, outs):
 def outs_of(combo) -> tuple[tuple[SbpValue, ...], ...]:
     n = max(len(r.outs) for r in combo)
     return tuple(tuple(r.outs[k if len(r.outs) > 1 else 0] for r in combo) for k in range(n))
+
+
+def _resolved_targets(layouts, resolved) -> tuple[Layout, ...]:
+    """:func:`_targets` for sbps already resolved and checked per axis (dims in range): the
+    same layouts, without checking them again."""
+    return tuple(layout if sbp == layout.sbp else _trusted(layout.placement, sbp, layout.shape)
+                 for layout, sbp in zip(layouts, resolved))
 
 
 def _targets(layouts, ins):
