@@ -569,6 +569,65 @@ def _space(placement, shape) -> _Space:
 # --------------------------------------------------------------------------- lower bounds
 
 
+def _local_counts(codes: tuple, target: tuple, sizes) -> tuple[int, int]:
+    """Collectives and steps every route of axis-local steps from ``codes`` to ``target``
+    takes: a collective on each axis going S -> B, S(i) -> S(j), P -> B or P -> S (only
+    LocalSlice and ZeroFill communicate nothing, and no sequence of them leaves S or P); a
+    step on each axis that changes. Nested splits add more: an axis that is S(d) at both ends
+    must leave S(d) and come back (two steps, one a collective) when an earlier axis gains or
+    loses a split of d, since that step needs no later axis splitting d (docs/sbp.md)."""
+    latency = steps = 0
+    for a, (v, w) in enumerate(zip(codes, target)):
+        if sizes[a] == 1:
+            continue
+        if v != w:
+            steps += 1
+            latency += v != _B and w != _P
+        elif v >= 0 and any(sizes[b] > 1 and (codes[b] == v) != (target[b] == v) for b in range(a)):
+            steps += 2
+            latency += 1
+    return latency, steps
+
+
+def _fewest_messages(space: _Space, codes: tuple, targets) -> int:
+    """Collectives (at most 2) of a route from non-partial ``codes`` through an exchange into
+    one of ``targets`` (dst and, for a partial dst, its cores): after a collective, 2; else the
+    exchange leaves a layout reached by local slices only (a zero-fill leaves a partial sum,
+    which an exchange cannot take), whose pieces are no larger than these, so each rank
+    receives at least the messages it would from ``codes``. That is 2 or more into a target if
+    some target piece overlaps 3 or more pieces of ``codes``: per dim, the ranges overlapping a
+    target's range depend on disjoint axes, so the most pieces one target piece overlaps is the
+    product over dims of the most ranges one range overlaps, and a rank receives from all of
+    them but its own."""
+    mesh, mine = space.mesh, space.split_axes(codes)
+    for target in targets:
+        most = 1
+        for length, axes, their_axes in zip(space.shape, mine, space.split_axes(target)):
+            if axes or their_axes:
+                most *= _most_overlaps(length, tuple(mesh[a] for a in axes),
+                                       tuple(mesh[a] for a in their_axes))
+        if most < 3:
+            return 1
+    return 2
+
+
+def fewest_collectives(src: Layout, sbp: tuple) -> int:
+    """Collectives every plan from ``src`` to ``src.with_sbp(sbp)`` (``sbp`` resolved) runs at
+    least (see :meth:`_Bound._bound`): on routes of axis-local steps, or reductions then an
+    exchange. The signature choice bounds candidates with it."""
+    space = _space(src.placement, src.shape)
+    codes = space.codes(src)
+    target = tuple(v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
+                   for v in sbp)
+    sizes = space.mesh
+    local = _local_counts(codes, target, sizes)[0]
+    partial = sum(1 for v, n in zip(codes, sizes) if v == _P and n > 1)
+    if partial or local < 2:
+        return min(local, partial + 1)
+    options = [(v,) if v != _P else (_B,) + tuple(range(len(space.shape))) for v in target]
+    return min(local, _fewest_messages(space, codes, itertools.product(*options)))
+
+
 class _Bound:
     """Admissible lower bounds on the cost of reaching ``dst`` (docs/planner.md, "The search").
 
@@ -623,49 +682,13 @@ class _Bound:
                 + self.memory * steps)
 
     def _messages(self, codes: tuple) -> int:
-        """Collectives (at most 2) of a route from non-partial ``codes`` through an exchange:
-        after a collective, 2; else the exchange leaves a layout reached by local slices
-        only (a zero-fill leaves a partial sum, which an exchange cannot take), whose pieces
-        are no larger than these, so each rank receives at least the messages it would from
-        ``codes``. That is 2 or more into every target (dst and, for a partial dst, its cores)
-        if some target piece overlaps 3 or more pieces of ``codes``: per dim, the ranges
-        overlapping a target's range depend on disjoint axes, so the most pieces one target
-        piece overlaps is the product over dims of the most ranges one range overlaps, and
-        a rank receives from all of them but its own."""
         if self.targets is None:
             space = self.spaces[0]
             self.targets = [self.target] + [key[1] for _, key in _core_keys(space, self.target, 0)]
-        space = self.spaces[0]
-        mesh, mine = space.mesh, space.split_axes(codes)
-        for target in self.targets:
-            most = 1
-            for length, axes, their_axes in zip(space.shape, mine, space.split_axes(target)):
-                if axes or their_axes:
-                    most *= _most_overlaps(length, tuple(mesh[a] for a in axes),
-                                           tuple(mesh[a] for a in their_axes))
-            if most < 3:
-                return 1
-        return 2
+        return _fewest_messages(self.spaces[0], codes, self.targets)
 
     def _local(self, codes: tuple, sizes) -> tuple[int, int]:
-        """Collectives and steps every route of axis-local steps takes: a collective on each
-        axis going S -> B, S(i) -> S(j), P -> B or P -> S (only LocalSlice and ZeroFill
-        communicate nothing, and no sequence of them leaves S or P); a step on each axis that
-        changes. Nested splits add more: an axis that is S(d) at both ends must leave S(d) and
-        come back (two steps, one a collective) when an earlier axis gains or loses a split of
-        d, since that step needs no later axis splitting d (docs/sbp.md)."""
-        target = self.target
-        latency = steps = 0
-        for a, (v, w) in enumerate(zip(codes, target)):
-            if sizes[a] == 1:
-                continue
-            if v != w:
-                steps += 1
-                latency += v != _B and w != _P
-            elif v >= 0 and any(sizes[b] > 1 and (codes[b] == v) != (target[b] == v) for b in range(a)):
-                steps += 2
-                latency += 1
-        return latency, steps
+        return _local_counts(codes, self.target, sizes)
 
     def _elements(self, at: int, codes: tuple, partial, keep: int) -> float:
         """Elements the busiest rank must send, summed over the steps of any route.
@@ -1067,4 +1090,4 @@ def _dijkstra(src: Layout, dst: Layout, avoid_full: bool):
     return None
 
 
-__all__ = ["cost_above", "exchange", "lower_bound", "plan", "reference_plan"]
+__all__ = ["cost_above", "exchange", "fewest_collectives", "lower_bound", "plan", "reference_plan"]

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ..errors import GlobalTensorError
 from ..layout import Layout, _trusted
-from ..plan import cost_above, lower_bound, plan
+from ..plan import cost_above, fewest_collectives, lower_bound, plan
 from ..sbp import Broadcast, PartialSum, SbpValue, Split
 from ..steps import ALPHA, BETA, MEMORY
 from .signature import KEEP, B, P, Call, Rule, rows_for
@@ -242,10 +242,12 @@ def _axis_options(rule: Rule, layouts, axis: int, fixed, free) -> list:
 
 class _Cheap:
     """A bound on moving one input to a target sbp, from per-axis facts (see plan._Bound):
-    α per axis that needs a collective (or one exchange after reducing every partial axis),
-    the memory of one step per changed axis, and β for the elements that must move: the
-    reductions a partial axis needs, or what the target's pieces lack (summed over ranks,
-    a layout's pieces hold numel N / s elements, s the product of its split axes' sizes)."""
+    α per collective every plan needs (plan.fewest_collectives: one per axis that needs one,
+    with nested splits' round trips, or one exchange, two with several messages, after
+    reducing every partial axis), the memory of one step per changed axis, and β for the
+    elements that must move: the reductions a partial axis needs, or what the target's pieces
+    lack (summed over ranks, a layout's pieces hold numel N / s elements, s the product of its
+    split axes' sizes)."""
 
     __slots__ = ("layout", "itemsize", "free", "partial", "smallest", "reduce", "held", "_memo")
 
@@ -293,7 +295,10 @@ class _Cheap:
         wanted = numel / (splits * sums)  # per rank, on average, the target's groups need
         lacking = wanted - self.held if not self.partial else (0.0 if kept else wanted)
         elements = max(self.smallest * (self.reduce - keep), lacking)
-        return (ALPHA * min(comm, exchange) + self.itemsize * (
+        collectives = min(comm, exchange)
+        if collectives:  # nested splits and exchanges' messages can ask for more (the planner's)
+            collectives = fewest_collectives(layout, sbp)
+        return (ALPHA * collectives + self.itemsize * (
             MEMORY * self.smallest * min(steps, exchange) + BETA * elements)) * (1 - 1e-9)
 
 
