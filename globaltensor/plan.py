@@ -240,7 +240,7 @@ class _Space:
 
     __slots__ = ("placement", "shape", "mesh", "numel", "cpu", "values", "order", "_max", "_steps",
                  "_layouts", "_lacking", "_splits",
-                 "_missing", "_index", "_groups")
+                 "_missing", "_index", "_groups", "_group_held")
 
     def __init__(self, placement, shape):
         self.placement, self.shape, self.mesh = placement, shape, placement.shape
@@ -249,7 +249,7 @@ class _Space:
         self.values = tuple(Split(d) for d in range(len(shape))) + (partial_sum, broadcast)
         self.order = tuple(range(len(shape))) + (_B, _P)  # the order of _values: S(0).., B, P
         self._max, self._steps, self._layouts, self._lacking, self._splits = {}, {}, {}, {}, {}
-        self._missing, self._index, self._groups = {}, {}, {}
+        self._missing, self._index, self._groups, self._group_held = {}, {}, {}, {}
 
     def codes(self, layout: Layout) -> tuple:
         return tuple(v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
@@ -411,21 +411,25 @@ class _Space:
             if mine == theirs:
                 held *= length  # the same pieces on both sides: they cover the dim once
             else:
-                pending.append((frozenset(mine + theirs), length, mine, theirs))
+                pending.append((length, mine, theirs))
+        groups = self._group_held
         while pending and held:
-            group = [pending.pop()]
-            axes = set(group[0][0])
-            grown = True
+            group = (pending.pop(),)
+            axes = set(group[0][1] + group[0][2])
+            grown = bool(pending)
             while grown:  # dims linked by an axis that splits one in c and another in t
                 grown = False
                 for entry in pending:
-                    if entry[0] & axes:
-                        axes |= entry[0]
-                        group.append(entry)
+                    if not axes.isdisjoint(entry[1]) or not axes.isdisjoint(entry[2]):
+                        axes.update(entry[1] + entry[2])
+                        group += (entry,)
                         pending.remove(entry)
                         grown = True
                         break
-            held *= _held(*self._canonical(sorted(axes), group))
+            found = groups.get(group)
+            if found is None:
+                found = groups[group] = _held(*self._canonical(sorted(axes), group))
+            held *= found
         return everything - held
 
     def missing(self, c: tuple, t: tuple) -> tuple[int, int, float]:
@@ -502,7 +506,7 @@ class _Space:
         where = {a: k for k, a in enumerate(axes)}
         return (tuple(self.mesh[a] for a in axes),
                 tuple(sorted((length, tuple(where[a] for a in mine), tuple(where[a] for a in theirs))
-                             for _, length, mine, theirs in group)))
+                             for length, mine, theirs in group)))
 
     def split_axes(self, codes: tuple) -> tuple:
         """Per tensor dim, the axes (of size > 1) splitting it, outermost first."""
@@ -611,6 +615,7 @@ def _fewest_messages(space: _Space, codes: tuple, targets) -> int:
     return 2
 
 
+@memo(16384)
 def fewest_collectives(src: Layout, sbp: tuple) -> int:
     """Collectives every plan from ``src`` to ``src.with_sbp(sbp)`` (``sbp`` resolved) runs at
     least (see :meth:`_Bound._bound`): on routes of axis-local steps, or reductions then an

@@ -9,7 +9,7 @@ import torch
 
 from .._cache import Bounded
 from ..errors import GlobalTensorError
-from ..ops import DECOMPOSE, MUTATES, REWRITES, B, Choice, arg_value, choose, rule_for
+from ..ops import DECOMPOSE, MOVES, MUTATES, REWRITES, B, Choice, arg_value, choose, rule_for
 from ..sbp import PartialSum
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
@@ -62,7 +62,9 @@ def decide(func, args, kwargs, tensors, key, context=None):
     itemsizes = tuple(t.dtype.itemsize for t in tensors)
     fixed = (0,) if inplace else ()
     if context is None:
-        choice = choose(call, layouts, itemsizes, fixed=fixed)
+        choice = choose(call, layouts, itemsizes, fixed=fixed, stay_or_moves=True)
+        if choice is MOVES:
+            return Contextual(decide, key)  # it moves inputs: the context may change the winner
         if choice is not None and any(t is not l and t != l for t, l in zip(choice.ins, layouts)):
             return Contextual(decide, key)  # it moves inputs: the context may change the winner
         if choice is not None and _leaves_partial(choice, layouts):

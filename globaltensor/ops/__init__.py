@@ -13,7 +13,7 @@ or ``dispatch``: kernels get what they need through :class:`signature.KernelCont
 import importlib
 import pkgutil
 
-from .choose import Choice, backward_cost, choose, grad_layout, outs_of
+from .choose import MOVES, Choice, backward_cost, choose, grad_layout, outs_of
 from .signature import (B, DECOMPOSE, KEEP, KERNELS, LOCAL, MUTATES, NUMBER, P, REWRITES, RULES,
                         S, Call, KernelContext, Ref, Row, Rule, arg_value, describe, fit, register,
                         rows_for, rule_for, sig, table)
@@ -22,7 +22,7 @@ from .views import view_groups
 for _module in pkgutil.iter_modules(__path__):  # the op families: each registers its ops
     importlib.import_module(f"{__name__}.{_module.name}")
 
-__all__ = ["B", "P", "S", "KEEP", "LOCAL", "NUMBER", "Call", "Choice", "KernelContext", "Ref",
+__all__ = ["B", "P", "S", "KEEP", "LOCAL", "MOVES", "NUMBER", "Call", "Choice", "KernelContext", "Ref",
            "Row", "Rule", "RULES", "MUTATES", "arg_value", "KERNELS", "REWRITES", "DECOMPOSE", "backward_cost", "choose",
            "describe", "fit", "grad_layout", "outs_of", "register", "rows_for", "rule_for", "sig",
            "table", "view_groups"]

@@ -17,6 +17,7 @@ import itertools
 import math
 from dataclasses import dataclass
 
+from .._cache import Bounded
 from ..errors import GlobalTensorError
 from ..layout import Layout, _trusted
 from ..plan import cost_above, fewest_collectives, lower_bound, plan
@@ -45,9 +46,13 @@ def _move_cost(src: Layout, dst: Layout, itemsize: int) -> float:
     return plan(src, dst).cost(itemsize)
 
 
+# what ``choose(..., stay_or_moves=True)`` returns when the cheapest candidate moves an input
+MOVES = object()
+
+
 def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
            fixed: tuple[int, ...] = (), grads: tuple[bool, ...] = (),
-           free: tuple = ()) -> Choice | None:
+           free: tuple = (), stay_or_moves: bool = False) -> Choice | None:
     """The cheapest signature for ``call`` on inputs laid out as ``layouts``.
 
     ``fixed``: inputs that must keep their layout (the ``self`` of an in-place op, whose result
@@ -57,15 +62,21 @@ def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
     already available in at no cost (pieces moved earlier and remembered). Returns None
     when the op has no rule or no candidate fits (dispatch then falls back to broadcast inputs).
     Ties go to the candidate that changes fewest inputs, then to the earlier row.
+
+    ``stay_or_moves``: the caller only needs the answer if it moves no input (dispatch decides
+    a call that moves inputs again, with its gradients and free layouts): when no candidate
+    keeps every input (so the cheapest moves one), :data:`MOVES` is returned without costing
+    any candidate.
     """
     rule = rows_for(call)
     if rule is None or not layouts:
         return None
     return _choose(rule, call, tuple(layouts), tuple(itemsizes), tuple(fixed), tuple(grads),
-                   tuple(free))
+                   tuple(free), stay_or_moves)
 
 
-def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()) -> Choice | None:
+def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=(),
+            stay_or_moves=False) -> Choice | None:
     """Branch and bound over the candidates (one row per placement axis, DESIGN.md's product).
 
     Rows that cannot stand on an axis are dropped per axis (an input asked to become P, a split
@@ -85,9 +96,11 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     stay = _stay(rule, call, layouts, options)
     if stay is not None and not _partials(stay.outs, mesh):
         return stay  # (one leaving partial sums may tie with one that resolves them: search)
-    if stay is not None and not any(free):
-        options = _costing_nothing(options, layouts, mesh)
-    cheap = [_Cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
+    if stay is None and stay_or_moves and not any(free):
+        return MOVES if _first(rule, call, layouts, options) is not None else None
+    if stay is not None:
+        options = _costing_nothing(options, layouts, mesh, free)
+    cheap = [_cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
              enumerate(zip(layouts, itemsizes))]
     heap = []
     for combo in itertools.product(*options):
@@ -146,9 +159,15 @@ def _stay(rule: Rule, call: Call, layouts, options) -> Choice | None:
     0 and changes nothing, so no other candidate comes before it (the common case, decided
     without costing anything)."""
     own = [tuple(layout.sbp[axis] for layout in layouts) for axis in range(len(options))]
-    keeping = [[o for o in opts if o[3] == own[axis]] for axis, opts in enumerate(options)]
+    return _first(rule, call, layouts, [[o for o in opts if o[3] == own[axis]]
+                                        for axis, opts in enumerate(options)])
+
+
+def _first(rule: Rule, call: Call, layouts, options) -> Choice | None:
+    """The first candidate (in product order) of ``options`` that the rule accepts, with cost 0
+    (for :func:`_stay`), or None."""
     mesh = layouts[0].placement.shape
-    for combo in itertools.product(*keeping):
+    for combo in itertools.product(*options):
         rows = tuple(r for _, r, _, _ in combo)
         kernels = {r.kernel for r in rows if r.kernel}
         if len(kernels) > 1:
@@ -163,15 +182,24 @@ def _stay(rule: Rule, call: Call, layouts, options) -> Choice | None:
     return None
 
 
-def _costing_nothing(options, layouts, mesh) -> list:
-    """The rows of ``options`` that could stand in a candidate of cost 0: moving a non-empty
-    input on an axis of more than one rank costs something (every step writes memory, every
-    exchange is a message), so where a candidate that moves nothing exists (cost 0), only
-    candidates keeping every such input's sbp there can match it."""
+def _costing_nothing(options, layouts, mesh, free=()) -> list:
+    """The rows of ``options`` that could stand in a candidate of cost 0: a candidate costs 0
+    only if every input's target is its own layout or one of its free layouts (anything else
+    is a move, and moving a non-empty input on an axis of more than one rank costs something:
+    every step writes memory, every exchange is a message), so where a candidate that moves
+    nothing exists (cost 0), only rows giving each non-empty input, on each such axis, its own
+    sbp or that of one of its free layouts can be part of the answer."""
     sizes = [layout.numel() for layout in layouts]
-    return [[o for o in opts if n == 1 or all(r == layout.sbp[axis] or not size for r, layout, size
-                                              in zip(o[3], layouts, sizes))]
-            for axis, (opts, n) in enumerate(zip(options, mesh))]
+    kept = []
+    for axis, (opts, n) in enumerate(zip(options, mesh)):
+        if n == 1:
+            kept.append(opts)
+            continue
+        allowed = [None if not size else
+                   {layout.sbp[axis]} | {f.sbp[axis] for f in (free[i] if free else ())}
+                   for i, (layout, size) in enumerate(zip(layouts, sizes))]
+        kept.append([o for o in opts if all(ok is None or r in ok for r, ok in zip(o[3], allowed))])
+    return kept
 
 
 def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
@@ -238,6 +266,18 @@ def _axis_options(rule: Rule, layouts, axis: int, fixed, free) -> list:
                 continue
             options.append((index, row, tuple(values), tuple(resolved)))
     return options
+
+
+_CHEAPS = Bounded(4096)
+
+
+def _cheap(layout: Layout, itemsize: int, free) -> "_Cheap":
+    """The :class:`_Cheap` of an input, kept: the ops of a step see the same layouts again."""
+    key = (layout, itemsize, free)
+    found = _CHEAPS.get(key)
+    if found is None:
+        found = _CHEAPS.put(key, _Cheap(layout, itemsize, free))
+    return found
 
 
 class _Cheap:
@@ -420,4 +460,4 @@ def _targets(layouts, ins):
     return tuple(out)
 
 
-__all__ = ["Choice", "backward_cost", "choose", "grad_layout", "outs_of", "reference_choose"]
+__all__ = ["MOVES", "Choice", "backward_cost", "choose", "grad_layout", "outs_of", "reference_choose"]
