@@ -426,6 +426,9 @@ class _Space:
                         pending.remove(entry)
                         grown = True
                         break
+            if len(group) == 1 and _nests(*group[0][1:]):
+                held *= group[0][0]  # one dim whose pieces in one layout are each cut into
+                continue             # pieces of the other: each meets them once in all
             found = groups.get(group)
             if found is None:
                 found = groups[group] = _held(*self._canonical(sorted(axes), group))
@@ -518,6 +521,18 @@ class _Space:
                     found[v] += (a,)
             found = self._splits[codes] = tuple(found)
         return found
+
+
+def _nests(mine: tuple, theirs: tuple) -> bool:
+    """The nested ranges of one dim cut by the axes ``mine`` and by ``theirs`` (outermost
+    first) sum their overlaps, over the coordinates of both, to the dim's length: when the
+    axes are disjoint (for each of mine's ranges, theirs partition the dim) or one list starts
+    with the other (each range of the longer lies in the range of the shorter that its
+    coordinates name, and the longer's ranges partition the dim)."""
+    if set(mine).isdisjoint(theirs):
+        return True
+    short, long_ = (mine, theirs) if len(mine) <= len(theirs) else (theirs, mine)
+    return long_[:len(short)] == short
 
 
 @memo(4096)
@@ -1002,9 +1017,19 @@ class _Search:
                     return self.steps
                 h = bound(node)
                 at, codes = node
-                for c, axis, new, step_kind, after in spaces[at].steps(codes):
-                    self._reach(full, (at, after), cost + c, path + ((at, codes, axis, new, step_kind, after),),
-                                h - c)
+                space = spaces[at]
+                length = len(path) + 1
+                guard, goal, counter = self.guard, self.goal, self.counter
+                for c, axis, new, step_kind, after in space.steps(codes):
+                    # _reach, inlined: most successors are no improvement, and build nothing
+                    nxt = (at, after)
+                    now = full or (guard and nxt != goal and space.holds_full(after))
+                    total = cost + c
+                    known = best.get((nxt, now), math.inf)
+                    if total < known - 1e-15 or (total <= known + 1e-15 and length < lengths[nxt, now]):
+                        best[nxt, now], lengths[nxt, now] = total, length
+                        self._push((now, total + max(h - c, 0.0), length, next(counter), _GUESSED,
+                                    total, nxt, path + ((at, codes, axis, new, step_kind, after),), None))
                 if at == 0 and _P not in codes:
                     for t, key in self.targets:
                         if key != node:  # an exchange is one of the routes the node's bound covers
