@@ -225,6 +225,16 @@ def _all_to_all_factor(length_i: int, outer_i: tuple, length_j: int, outer_j: tu
 
 
 @memo(4096)
+def _overlaps(length: int, mine: tuple, theirs: tuple) -> tuple:
+    """The ranges of a dim of ``length`` split into ``mine`` and into ``theirs`` (see
+    :func:`_ranges`), and per range of theirs, how many non-empty ranges of mine it overlaps."""
+    mine_ranges, their_ranges = _ranges(length, mine), _ranges(length, theirs)
+    distinct = {r for r in mine_ranges if r[0] < r[1]}
+    return mine_ranges, their_ranges, tuple(sum(1 for lo, hi in distinct if lo < b and a < hi)
+                                            for a, b in their_ranges)
+
+
+@memo(4096)
 def _most_overlaps(length: int, mine: tuple, theirs: tuple) -> int:
     """The most non-empty ranges of a split into ``mine`` that one range of a split into
     ``theirs`` overlaps (see :func:`_ranges`)."""
@@ -444,6 +454,33 @@ class _Space:
             found = self._missing[key] = self._count_missing(c, t)
         return found
 
+    def receives_two(self, c: tuple, t: tuple) -> bool:
+        """Whether some rank's piece of non-partial ``t`` overlaps two or more pieces of
+        non-partial ``c`` it does not hold (the messages it receives in an exchange from ``c``:
+        :meth:`missing`'s, without the elements)."""
+        mesh, tables = self.mesh, []
+        mine_index, their_index = self.range_index(c), self.range_index(t)
+        for d, (length, mine, theirs) in enumerate(zip(self.shape, self.split_axes(c), self.split_axes(t))):
+            if mine or theirs:
+                mine_ranges, their_ranges, counts = _overlaps(
+                    length, tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
+                tables.append((mine_ranges, mine_index[d], their_ranges, their_index[d], counts))
+        for r in range(self.placement.size):
+            count, own = 1, True
+            for mine_ranges, mine_at, their_ranges, their_at, counts in tables:
+                j = their_at[r]
+                lo, hi = their_ranges[j]
+                if lo == hi:
+                    break  # an empty piece receives nothing
+                count *= counts[j]
+                if own:
+                    lo2, hi2 = mine_ranges[mine_at[r]]
+                    own = max(lo, lo2) < min(hi, hi2)
+            else:
+                if count - own >= 2:
+                    return True
+        return False
+
     def _count_missing(self, c: tuple, t: tuple) -> tuple[int, int, float]:
         mesh, base, tables = self.mesh, 1, []
         mine_axes, their_axes = self.split_axes(c), self.split_axes(t)
@@ -452,10 +489,8 @@ class _Space:
             if not mine and not theirs:
                 base *= length
                 continue
-            mine_ranges = _ranges(length, tuple(mesh[a] for a in mine))
-            their_ranges = _ranges(length, tuple(mesh[a] for a in theirs))
-            distinct = {r for r in mine_ranges if r[0] < r[1]}
-            counts = [sum(1 for lo, hi in distinct if lo < b and a < hi) for a, b in their_ranges]
+            mine_ranges, their_ranges, counts = _overlaps(
+                length, tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
             tables.append((mine_ranges, mine_index[d], their_ranges, their_index[d], counts))
         groups: dict = {}
         for r, key in enumerate(self.group_keys(t)):
@@ -612,12 +647,14 @@ def _fewest_messages(space: _Space, codes: tuple, targets) -> int:
     """Collectives (at most 2) of a route from non-partial ``codes`` through an exchange into
     one of ``targets`` (dst and, for a partial dst, its cores): after a collective, 2; else the
     exchange leaves a layout reached by local slices only (a zero-fill leaves a partial sum,
-    which an exchange cannot take), whose pieces are no larger than these, so each rank
-    receives at least the messages it would from ``codes``. That is 2 or more into a target if
-    some target piece overlaps 3 or more pieces of ``codes``: per dim, the ranges overlapping a
-    target's range depend on disjoint axes, so the most pieces one target piece overlaps is the
-    product over dims of the most ranges one range overlaps, and a rank receives from all of
-    them but its own."""
+    which an exchange cannot take), whose pieces each lie in the piece of ``codes`` their rank
+    holds: a rank receives one message per piece of ``codes`` its target piece overlaps and it
+    does not hold (each such piece holds a part of the target only finer pieces not its own
+    can send), so at least as many as it would from ``codes`` (:meth:`_Space.missing`).
+    Worked out only where it can reach 2: per dim, the ranges overlapping a target's range
+    depend on disjoint axes, so the most pieces one target piece overlaps is the product over
+    dims of the most ranges one range overlaps; under 2, no rank receives 2 messages, and from
+    3 on, some rank receives 2 or more whichever piece it holds."""
     mesh, mine = space.mesh, space.split_axes(codes)
     for target in targets:
         most = 1
@@ -625,7 +662,8 @@ def _fewest_messages(space: _Space, codes: tuple, targets) -> int:
             if axes or their_axes:
                 most *= _most_overlaps(length, tuple(mesh[a] for a in axes),
                                        tuple(mesh[a] for a in their_axes))
-        if most < 3:
+        if most < 2 or (most == 2 and not (space.missing(codes, target)[1] >= 2 if _P in target
+                                             else space.receives_two(codes, target))):
             return 1
     return 2
 
@@ -658,7 +696,7 @@ class _Bound:
     then one exchange), so their sum is one too."""
 
     __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "targets",
-                 "_memo")
+                 "_memo", "_quick")
 
     def __init__(self, src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE):
         self.src, self.dst, self.itemsize = src, dst, itemsize
@@ -672,6 +710,7 @@ class _Bound:
         self.target = there.codes(dst)
         self.targets = None  # the exchanges' targets, when first needed
         self._memo: dict = {}
+        self._quick: dict = {}
 
     def key(self, layout: Layout) -> tuple:
         """The search's key of a layout on src's or dst's placement."""
@@ -684,20 +723,32 @@ class _Bound:
             h = self._memo[key] = self._bound(*key) * (1 - 1e-9)  # never above, rounding aside
         return h
 
-    def _bound(self, at: int, codes: tuple) -> float:
-        space = self.spaces[at]
-        sizes = space.mesh
+    def quick(self, key) -> float:
+        """The α and memory terms of ``self(key)`` alone (a few microseconds; the elements'
+        term counts pieces rank by rank): a bound too, the search's first look at a layout."""
+        counts = self._quick.get(key)
+        if counts is None:
+            counts = self._quick[key] = self._counts(*key)
+        return (ALPHA * counts[0] + self.memory * counts[1]) * (1 - 1e-9)
+
+    def _counts(self, at: int, codes: tuple) -> tuple:
+        """(collectives, steps) every route from the layout takes, its partial axes, and the
+        product of those a route may keep (dst is partial there too)."""
+        sizes = self.spaces[at].mesh
         partial = [a for a, v in enumerate(codes) if v == _P and sizes[a] > 1]
         lat_local = steps_local = math.inf
-        keep = 1  # product of the partial axes a route may keep (dst is partial there too)
+        keep = 1
         if at == self.on_dst:
             lat_local, steps_local = self._local(codes, sizes)
             keep = math.prod(sizes[a] for a in partial if self.target[a] == _P)
         steps_exchange = lat_exchange = len(partial) + 1 if at == 0 else math.inf
         if lat_exchange == 1 and lat_local > 1 and self.on_dst == 0:
             lat_exchange = self._messages(codes)
-        latency = min(lat_local, lat_exchange)
-        steps = min(steps_local, steps_exchange)
+        return min(lat_local, lat_exchange), min(steps_local, steps_exchange), partial, keep
+
+    def _bound(self, at: int, codes: tuple) -> float:
+        found = self._quick.get((at, codes))
+        latency, steps, partial, keep = found if found is not None else self._counts(at, codes)
         return (ALPHA * latency + BETA * self.itemsize * self._elements(at, codes, partial, keep)
                 + self.memory * steps)
 
@@ -946,7 +997,7 @@ _SEARCH_LOCK = threading.RLock()
 # the kinds of entry in the search's queue: a layout reached (its key with the bound from it,
 # or with one inherited from the step before, not yet worked out), an exchange costed only by
 # the bound on any exchange into its target, one costed by the bound from its source
-_NODE, _GUESSED, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2, 3
+_NODE, _GUESSED, _QUICK, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2, 3, 4
 
 
 class _Search:
@@ -1004,10 +1055,16 @@ class _Search:
                 return None
             entry = heapq.heappop(heap)
             full, f, _, _, kind, cost, node, path, target = entry
-            if kind <= _GUESSED:
+            if kind <= _QUICK:
                 if cost > best[node, full] or len(path) > lengths[node, full]:
                     continue  # a cheaper or shorter route reached it since
-                if kind == _GUESSED:
+                if kind == _GUESSED:  # first its α and memory terms: often enough to wait
+                    h = bound.quick(node)
+                    if cost + h > f:
+                        self._push((full, cost + h, entry[2], entry[3], _QUICK) + entry[5:])
+                        continue
+                    kind = _QUICK
+                if kind == _QUICK:
                     h = bound(node)
                     if cost + h > f:
                         self._push((full, cost + h, entry[2], entry[3], _NODE) + entry[5:])

@@ -9,8 +9,8 @@ import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.plan import _local_step, lower_bound, plan, reference_plan
-from globaltensor.steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice,
-                                ReduceScatter, ZeroFill, holds_full)
+from globaltensor.steps import (ALPHA, AllGather, AllGatherV, AllReduce, AllToAll, Exchange,
+                                LocalSlice, ReduceScatter, ZeroFill, holds_full)
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 GRIDS_1D = [[0, 1], [0, 1, 2], [0, 1, 2, 3]]
@@ -304,6 +304,22 @@ def test_plans_on_a_2x2x2_grid_cost_what_the_exhaustive_search_finds(seed):
         _same_cost(lay(placement, a, shape), lay(placement, b, shape))
 
 
+def test_seven_dim_plans_on_a_2x2x2_grid_cost_what_the_exhaustive_search_finds():
+    # the einsum of issue 14 views tensors of 7 dims, several of length 1: tiny pieces, where
+    # α decides and the bound's count of messages (an exchange's) must stay a bound
+    rng = random.Random(7)
+    placement = gt.placement("cpu", [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    for shape in [(4, 6, 2, 4, 6, 1, 1), (8, 10, 4, 6, 1, 1, 1)]:
+        values = [S(d) for d in range(7)] + [B, P]
+        for _ in range(6):
+            a, b = (tuple(rng.choice(values) for _ in range(3)) for _ in range(2))
+            _same_cost(lay(placement, a, shape), lay(placement, b, shape))
+    src = lay(placement, (S(3), B, S(0)), (4, 6, 2, 4, 6, 1, 1))
+    dst = lay(placement, (S(0), S(0), S(2)), (4, 6, 2, 4, 6, 1, 1))
+    _same_cost(src, dst)  # one exchange in which ranks receive 2 messages: 2 α, bound and all
+    assert lower_bound(src, dst) > 1.9 * ALPHA
+
+
 @pytest.mark.parametrize("src_ranks, dst_ranks", [
     ([0, 1], [2, 3]), ([0, 1, 2], [1, 3]), ([0], [0, 1, 2, 3]), ([[0, 1], [2, 3]], [0, 1, 2, 3]),
     ([0, 1, 2, 3], [[0, 1], [2, 3]]), ([[0, 1], [2, 3]], [[4, 5], [6, 7]]),
@@ -361,3 +377,7 @@ def test_the_search_space_costs_what_the_steps_cost(ranks, shapes):
                     assert space.missing(codes, space.codes(target)) == _missing(layout, target)
                     step = exchange(layout, target)
                     assert _exchange_cost(step) == step.cost()
+                    if not target.is_partial:  # some rank receives from 2 others (or not)
+                        two = space.receives_two(codes, space.codes(target))
+                        assert two == (_missing(layout, target)[1] >= 2)
+                        assert step.latency() >= 2 or not two
