@@ -955,18 +955,20 @@ def _check(src: Layout, dst: Layout) -> None:
             f".to(device) first, then redistribute")
 
 
-@memo(8192)
 def plan(src: Layout, dst: Layout) -> Plan:
     """The cheapest plan from ``src`` to ``dst`` (pure, cached, the same on every rank)."""
+    found = _PLANS.get((src, dst))
+    if found is not None:
+        return found
     _check(src, dst)
     if src == dst:
-        return Plan(src, dst, ())
+        return _PLANS.put((src, dst), Plan(src, dst, ()))
     with _SEARCH_LOCK:  # a stopped search is shared state (thread-ranks share this module)
         search = _SEARCHES.pop((src, dst), None) or _Search(src, dst)
         steps = search.run()
     if steps is None:  # unreachable: all-B is always a way through
         raise GlobalTensorError(f"found no plan from {src!r} to {dst!r}; please report this")
-    return Plan(src, dst, steps)
+    return _PLANS.put((src, dst), Plan(src, dst, steps))
 
 
 def cost_above(src: Layout, dst: Layout, limit: float,
@@ -978,6 +980,9 @@ def cost_above(src: Layout, dst: Layout, limit: float,
     _check(src, dst)
     if src == dst:
         return 0.0, True
+    found = _PLANS.get((src, dst))
+    if found is not None:  # planned before (its search is gone from _SEARCHES)
+        return found.cost(itemsize), True
     scale = min(1.0, itemsize / SEARCH_ITEMSIZE)  # costs at itemsize over those at the search's
     with _SEARCH_LOCK:
         search = _SEARCHES.get((src, dst))
@@ -992,6 +997,7 @@ def cost_above(src: Layout, dst: Layout, limit: float,
 # (thread-ranks of gt.testing) taking up the same stopped search would corrupt its queue and could
 # choose differently, so ranks would run different collectives (a fuzz test aborted in gloo)
 _SEARCHES = Bounded(512)
+_PLANS = Bounded(8192)  # plan()'s results, which cost_above also looks up
 _SEARCH_LOCK = threading.RLock()
 
 # the kinds of entry in the search's queue: a layout reached (its key with the bound from it,

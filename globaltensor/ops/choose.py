@@ -103,28 +103,26 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     cheap = [_cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
              enumerate(zip(layouts, itemsizes))]
     heap = []
-    for combo in itertools.product(*options):
-        kernels = {r.kernel for _, r, _, _ in combo if r.kernel}
-        if len(kernels) > 1:
+    kernelled = any(o[1].kernel for opts in options for o in opts)
+    for combo, changed, partials in _enumerate(options, layouts, mesh):
+        if kernelled and len({r.kernel for _, r, _, _ in combo if r.kernel}) > 1:
             continue
-        ins = tuple(zip(*(values for _, _, values, _ in combo)))
         resolved = tuple(zip(*(values for _, _, _, values in combo)))
-        changed = sum(1 for layout, sbp in zip(layouts, resolved) if sbp != layout.sbp)
         bound = sum(c.bound(sbp) for c, sbp in zip(cheap, resolved))
         order = tuple(index for index, _, _, _ in combo)
-        partials = _partials(outs_of(tuple(r for _, r, _, _ in combo)), mesh)
-        heap.append((bound, partials, changed, order, 0, combo, ins, resolved))  # 0: no term yet
+        heap.append((bound, partials, changed, order, 0, combo, resolved))  # 0: no term yet
     heapq.heapify(heap)
     best, best_key = None, None
     while heap:
-        bound, partials, changed, order, terms, combo, ins, resolved = heapq.heappop(heap)
+        bound, partials, changed, order, terms, combo, resolved = heapq.heappop(heap)
         if best_key is not None and (bound, partials, changed, order) >= best_key:
             break
         rows = tuple(r for _, r, _, _ in combo)
         outs = outs_of(rows)
         targets = _resolved_targets(layouts, resolved)
         if terms == 0:  # first time first: is it a candidate at all, and a finer bound
-            if targets is None or (rule.check is not None and not rule.check(call, mesh, ins, outs)):
+            if rule.check is not None and not rule.check(
+                    call, mesh, tuple(zip(*(values for _, _, values, _ in combo))), outs):
                 continue
             terms = _terms(layouts, targets, itemsizes, outs, grads, free)
         else:  # then the plans, the largest bound first: one may be enough to rule it out
@@ -134,7 +132,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
             continue  # a move that would invent a partial sum
         if any(not exact for _, exact, _, _ in terms):
             total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
-            heapq.heappush(heap, (max(bound, total), partials, changed, order, terms, combo, ins,
+            heapq.heappush(heap, (max(bound, total), partials, changed, order, terms, combo,
                                   resolved))
             continue
         cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
@@ -143,6 +141,29 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
             kernels = {r.kernel for r in rows if r.kernel}
             best, best_key = Choice(targets, outs, kernels.pop() if kernels else None, cost), key
     return best
+
+
+def _enumerate(options, layouts, mesh):
+    """Every candidate of ``options`` (one option per axis, in product order), with the inputs
+    it changes and the partial-sum entries of its results (as :func:`_partials` counts them),
+    both summed from per-axis facts: an input changes if some axis changes it."""
+    lengths = {len(o[1].outs) for opts in options for o in opts}
+    per_axis = []
+    for axis, opts in enumerate(options):
+        own = [layout.sbp[axis] for layout in layouts]
+        per_axis.append([(o, sum(1 << i for i, (r, w) in enumerate(zip(o[3], own)) if r != w),
+                          sum(isinstance(v, PartialSum) for v in o[1].outs) if mesh[axis] > 1 else 0)
+                         for o in opts])
+    for entry in itertools.product(*per_axis):
+        combo = tuple(o for o, _, _ in entry)
+        mask = 0
+        for _, m, _ in entry:
+            mask |= m
+        if len(lengths) == 1:  # every row has as many results: per axis, its own
+            partials = sum(p for _, _, p in entry)
+        else:
+            partials = _partials(outs_of(tuple(r for _, r, _, _ in combo)), mesh)
+        yield combo, mask.bit_count(), partials
 
 
 def _partials(outs, mesh) -> int:

@@ -25,6 +25,12 @@ CALLS = [
     (Call("view.default", ((4, 6),), (Ref(0), (24,))), False),
     (Call("view.default", ((4, 6),), (Ref(0), (2, 2, 6))), False),
     (Call("add_.Tensor", ((8, 6), (8, 6)), (Ref(0), Ref(1)), (), POINTWISE | {"inplace"}), True),
+    # rows with local kernels, several results
+    (Call("embedding.default", ((50, 8), (4, 6)), (Ref(0), Ref(1))), False),
+    (Call("nll_loss_forward.default", ((8, 5), (8,)), (Ref(0), Ref(1), None, 1, -100)), False),
+    (Call("_embedding_bag.default", ((50, 8), (12,), (4,)), (Ref(0), Ref(1), Ref(2), False, 0)),
+     False),
+    (Call("max.dim", ((8, 6),), (Ref(0), 1, False)), False),
 ]
 GRIDS = {"[2]": [0, 1], "[2,2]": [[0, 1], [2, 3]], "[1,2]": [[0, 1]], "[2,3]": [[0, 1, 2], [3, 4, 5]],
          "[2,2,2]": np.arange(8).reshape(2, 2, 2).tolist()}
