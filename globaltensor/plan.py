@@ -1007,109 +1007,124 @@ _NODE, _GUESSED, _QUICK, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2, 3, 4
 
 
 class _Search:
-    """A* from ``src`` over (layout, full) states: ``full`` marks routes through an intermediate
-    layout in which a rank holds the whole tensor (allowed only when ``dst`` has one). The queue
-    orders by (full, cost so far + lower bound), so a route with a full copy is only taken once
-    no other exists: the two Dijkstra passes of the reference in one search.
+    """A* from ``src`` to ``dst``. Unless ``dst`` has one, no intermediate layout may hold the
+    whole tensor on a rank (docs/planner.md): such layouts are never queued. A route without
+    one always exists then (except from a partial sum on one rank, searched with full copies
+    allowed; :meth:`_restart` is a safety net, not a case), so this is the reference's first
+    Dijkstra pass, and the least key in the queue bounds the plan's cost.
 
     Layouts are keys of :class:`_Bound` (a placement index and int codes). Work is deferred
     until an entry comes first: a layout is queued with the bound its predecessor implies (the
-    predecessor's bound less the step's cost) and gets its own bound when it comes first; an
-    exchange is queued with a bound and built only when it comes first again. Steps only ever
-    stay on src's or dst's placement. :meth:`run` may stop at a cost limit and go on later."""
+    predecessor's bound less the step's cost) and gets its own bound when it comes first, its
+    α and memory terms before its elements'; an exchange is queued with a bound and built only
+    when it comes first again. Steps only ever stay on src's or dst's placement. :meth:`run`
+    may stop at a cost limit and go on later."""
 
     __slots__ = ("dst", "guard", "bound", "spaces", "goal", "targets", "best", "lengths", "heap",
-                 "counter", "least_full", "lower", "steps")
+                 "counter", "lower", "steps", "start")
 
     def __init__(self, src: Layout, dst: Layout):
-        self.dst, self.guard = dst, not holds_full(dst)
+        # on one rank, every layout holds the whole tensor: a partial src there can reach
+        # another placement only through one (an exchange takes no partial sums)
+        self.dst, self.guard = dst, not holds_full(dst) and not (src.placement.size == 1 and src.is_partial)
         self.bound = bound = _Bound(src, dst)
         self.spaces = spaces = bound.spaces
-        start, self.goal = (0, spaces[0].codes(src)), (bound.on_dst, bound.target)
+        self.start, self.goal = (0, spaces[0].codes(src)), (bound.on_dst, bound.target)
         self.targets = [(dst, self.goal)] + _core_keys(spaces[bound.on_dst], bound.target, bound.on_dst)
-        self.best, self.lengths = {(start, False): 0.0}, {(start, False): 0}
-        self.heap = [(False, bound(start), 0, 0, _NODE, 0.0, start, (), None)]
         self.counter = itertools.count(1)
-        self.least_full = math.inf  # the least key of a route through a full copy queued so far
         self.lower, self.steps = 0.0, None
+        self._begin()
 
-    def _reach(self, full, node, cost, path, inherited):
-        full = full or (self.guard and node != self.goal and self.spaces[node[0]].holds_full(node[1]))
-        known = self.best.get((node, full), math.inf)
+    def _begin(self):
+        start = self.start
+        self.best, self.lengths = {start: 0.0}, {start: 0}
+        self.heap = [(self.bound(start), 0, 0, _NODE, 0.0, start, (), None)]
+
+    def _restart(self) -> bool:
+        """Search again allowing full copies, if it did not (never needed: a route without one
+        exists whenever dst is not full, see docs/planner.md)."""
+        if not self.guard:
+            return False
+        self.guard = False
+        self._begin()
+        return True
+
+    def _reach(self, node, cost, path, inherited):
+        if self.guard and node != self.goal and self.spaces[node[0]].holds_full(node[1]):
+            return
+        known = self.best.get(node, math.inf)
         # ties (within rounding) go to the shorter route
-        if cost < known - 1e-15 or (cost <= known + 1e-15 and len(path) < self.lengths[node, full]):
-            self.best[node, full], self.lengths[node, full] = cost, len(path)
-            self._push((full, cost + max(inherited, 0.0), len(path), next(self.counter), _GUESSED,
-                        cost, node, path, None))
-
-    def _push(self, entry):
-        if entry[0] and entry[1] < self.least_full:
-            self.least_full = entry[1]
-        heapq.heappush(self.heap, entry)
+        if cost < known - 1e-15 or (cost <= known + 1e-15 and len(path) < self.lengths[node]):
+            self.best[node], self.lengths[node] = cost, len(path)
+            heapq.heappush(self.heap, (cost + max(inherited, 0.0), len(path), next(self.counter),
+                                       _GUESSED, cost, node, path, None))
 
     def run(self, limit: float = math.inf):
         """The steps of the cheapest plan, or None once every route left costs more than
         ``limit`` (then ``self.lower`` is a bound above ``limit``, and a later call goes on)."""
         if self.steps is not None:
             return self.steps
-        heap, best, lengths, bound, spaces = self.heap, self.best, self.lengths, self.bound, self.spaces
-        while heap:
-            top = heap[0]
-            lower = top[1] if top[0] else min(top[1], self.least_full)
-            if lower > limit:
-                self.lower = lower
-                return None
-            entry = heapq.heappop(heap)
-            full, f, _, _, kind, cost, node, path, target = entry
-            if kind <= _QUICK:
-                if cost > best[node, full] or len(path) > lengths[node, full]:
-                    continue  # a cheaper or shorter route reached it since
-                if kind == _GUESSED:  # first its α and memory terms: often enough to wait
-                    h = bound.quick(node)
-                    if cost + h > f:
-                        self._push((full, cost + h, entry[2], entry[3], _QUICK) + entry[5:])
-                        continue
-                    kind = _QUICK
-                if kind == _QUICK:
+        bound, spaces, push, pop = self.bound, self.spaces, heapq.heappush, heapq.heappop
+        while True:
+            heap, best, lengths = self.heap, self.best, self.lengths
+            while heap:
+                if heap[0][0] > limit:
+                    self.lower = heap[0][0]
+                    return None
+                entry = pop(heap)
+                f, _, _, kind, cost, node, path, target = entry
+                if kind <= _QUICK:
+                    if cost > best[node] or len(path) > lengths[node]:
+                        continue  # a cheaper or shorter route reached it since
+                    if kind == _GUESSED:  # first its α and memory terms: often enough to wait
+                        h = bound.quick(node)
+                        if cost + h > f:
+                            push(heap, (cost + h, entry[1], entry[2], _QUICK) + entry[4:])
+                            continue
+                        kind = _QUICK
+                    if kind == _QUICK:
+                        h = bound(node)
+                        if cost + h > f:
+                            push(heap, (cost + h, entry[1], entry[2], _NODE) + entry[4:])
+                            continue
+                    if node == self.goal:
+                        self.steps = _steps_of(spaces, path)
+                        return self.steps
                     h = bound(node)
-                    if cost + h > f:
-                        self._push((full, cost + h, entry[2], entry[3], _NODE) + entry[5:])
-                        continue
-                if node == self.goal:
-                    self.steps = _steps_of(spaces, path)
-                    return self.steps
-                h = bound(node)
-                at, codes = node
-                space = spaces[at]
-                length = len(path) + 1
-                guard, goal, counter = self.guard, self.goal, self.counter
-                for c, axis, new, step_kind, after in space.steps(codes):
-                    # _reach, inlined: most successors are no improvement, and build nothing
-                    nxt = (at, after)
-                    now = full or (guard and nxt != goal and space.holds_full(after))
-                    total = cost + c
-                    known = best.get((nxt, now), math.inf)
-                    if total < known - 1e-15 or (total <= known + 1e-15 and length < lengths[nxt, now]):
-                        best[nxt, now], lengths[nxt, now] = total, length
-                        self._push((now, total + max(h - c, 0.0), length, next(counter), _GUESSED,
-                                    total, nxt, path + ((at, codes, axis, new, step_kind, after),), None))
-                if at == 0 and _P not in codes:
-                    for t, key in self.targets:
-                        if key != node:  # an exchange is one of the routes the node's bound covers
-                            f2 = cost + max(h, bound.exchange_to(codes, t, key) + bound(key))
-                            self._push((full, f2, len(path) + 1, next(self.counter), _EXCHANGE, cost,
-                                        node, path, (t, key)))
-            elif kind == _EXCHANGE:
-                layout = spaces[0].layout(node[1])
-                f2 = cost + bound.exchange_from(layout, target[0]) + bound(target[1])
-                self._push((full, max(f, f2), len(path) + 1, next(self.counter), _EXCHANGE_FROM, cost,
-                            node, path, target))
-            else:
-                step = exchange(spaces[0].layout(node[1]), target[0])
-                c = _exchange_cost(step)
-                self._reach(full, target[1], cost + c, path + (step,), f - cost - c)
-        self.lower = math.inf
-        return None
+                    at, codes = node
+                    space = spaces[at]
+                    length = len(path) + 1
+                    guard, goal, counter = self.guard, self.goal, self.counter
+                    for c, axis, new, step_kind, after in space.steps(codes):
+                        # _reach, inlined: most successors are no improvement, and build nothing
+                        nxt = (at, after)
+                        total = cost + c
+                        known = best.get(nxt, math.inf)
+                        if total < known - 1e-15 or (total <= known + 1e-15 and length < lengths[nxt]):
+                            if guard and nxt != goal and space.holds_full(after):
+                                continue  # a full copy on the way: never (see the class)
+                            best[nxt], lengths[nxt] = total, length
+                            push(heap, (total + max(h - c, 0.0), length, next(counter), _GUESSED,
+                                        total, nxt, path + ((at, codes, axis, new, step_kind, after),),
+                                        None))
+                    if at == 0 and _P not in codes:
+                        for t, key in self.targets:
+                            if key != node:  # an exchange is one of the routes the node's bound covers
+                                f2 = cost + max(h, bound.exchange_to(codes, t, key) + bound(key))
+                                push(heap, (f2, length, next(counter), _EXCHANGE, cost, node, path,
+                                            (t, key)))
+                elif kind == _EXCHANGE:
+                    layout = spaces[0].layout(node[1])
+                    f2 = cost + bound.exchange_from(layout, target[0]) + bound(target[1])
+                    push(heap, (max(f, f2), len(path) + 1, next(self.counter), _EXCHANGE_FROM, cost,
+                                node, path, target))
+                else:
+                    step = exchange(spaces[0].layout(node[1]), target[0])
+                    c = _exchange_cost(step)
+                    self._reach(target[1], cost + c, path + (step,), f - cost - c)
+            if not self._restart():
+                self.lower = math.inf
+                return None
 
 
 def _core_keys(space: _Space, target: tuple, at: int) -> list:

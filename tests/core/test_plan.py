@@ -165,6 +165,32 @@ def test_no_plan_holds_the_full_tensor_unless_the_target_does(shape):
                 assert not holds_full(step.after), plan(src, dst).describe()
 
 
+@pytest.mark.parametrize("src_ranks, dst_ranks", [
+    ([0, 1], None), ([0, 1, 2], None), ([[0, 1], [2, 3]], None), ([[0], [1]], None), ([0], None),
+    ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], None), ([0], [0, 1, 2]), ([[0, 1], [2, 3]], [1, 2]),
+    ([0, 1, 2, 3], [[0, 1], [2, 3]]), ([0, 1], [2, 3])])
+def test_a_route_without_a_full_copy_exists_whenever_the_target_is_not_full(src_ranks, dst_ranks):
+    # the planner's search never queues a full intermediate when dst is not full: the lower
+    # bound it stops at (cost_above) holds only if such a route always exists, so it must never
+    # need its second pass (docs/planner.md, "The search")
+    from globaltensor.plan import _Search
+    src_p = gt.placement("cpu", src_ranks)
+    dst_p = src_p if dst_ranks is None else gt.placement("cpu", dst_ranks)
+    rng = random.Random(src_p.size)
+    for shape in [(1,), (2,), (3,), (1, 1), (2, 1), (1, 5), (3, 2), (0, 3), (5, 7), (2, 1, 3)]:
+        values = [S(d) for d in range(len(shape))] + [B, P]
+        pairs = list(itertools.product(itertools.product(values, repeat=src_p.ndim),
+                                       itertools.product(values, repeat=dst_p.ndim)))
+        for a, b in rng.sample(pairs, min(len(pairs), 400)):
+            src, dst = lay(src_p, a, shape), lay(dst_p, b, shape)
+            if src == dst:
+                continue
+            search = _Search(src, dst)
+            assert search.run() is not None
+            one_rank_sum = src_p.size == 1 and src.is_partial  # only via a full copy
+            assert search.guard == (not holds_full(dst) and not one_rank_sum), (src, dst)
+
+
 def _one_axis_at_a_time(src, dst):
     """Routes that convert axis 0 then axis 1 (or 1 then 0), one axis-local step per axis."""
     for first_axis in (0, 1):
