@@ -460,7 +460,8 @@ class _Space:
         :meth:`missing`'s, without the elements)."""
         mesh, tables = self.mesh, []
         mine_index, their_index = self.range_index(c), self.range_index(t)
-        for d, (length, mine, theirs) in enumerate(zip(self.shape, self.split_axes(c), self.split_axes(t))):
+        splits = zip(self.shape, self.split_axes(c), self.split_axes(t))
+        for d, (length, mine, theirs) in enumerate(splits):
             if mine or theirs:
                 mine_ranges, their_ranges, counts = _overlaps(
                     length, tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
@@ -1026,7 +1027,8 @@ class _Search:
     def __init__(self, src: Layout, dst: Layout):
         # on one rank, every layout holds the whole tensor: a partial src there can reach
         # another placement only through one (an exchange takes no partial sums)
-        self.dst, self.guard = dst, not holds_full(dst) and not (src.placement.size == 1 and src.is_partial)
+        one_rank_sum = src.placement.size == 1 and src.is_partial
+        self.dst, self.guard = dst, not holds_full(dst) and not one_rank_sum
         self.bound = bound = _Bound(src, dst)
         self.spaces = spaces = bound.spaces
         self.start, self.goal = (0, spaces[0].codes(src)), (bound.on_dst, bound.target)

@@ -147,7 +147,7 @@ def _enumerate(options, layouts, mesh):
     """Every candidate of ``options`` (one option per axis, in product order), with the inputs
     it changes and the partial-sum entries of its results (as :func:`_partials` counts them),
     both summed from per-axis facts: an input changes if some axis changes it."""
-    lengths = {len(o[1].outs) for opts in options for o in opts}
+    uniform = len({len(o[1].outs) for opts in options for o in opts}) == 1
     per_axis = []
     for axis, opts in enumerate(options):
         own = [layout.sbp[axis] for layout in layouts]
@@ -159,7 +159,7 @@ def _enumerate(options, layouts, mesh):
         mask = 0
         for _, m, _ in entry:
             mask |= m
-        if len(lengths) == 1:  # every row has as many results: per axis, its own
+        if uniform:  # every row has as many results: per axis, its own
             partials = sum(p for _, _, p in entry)
         else:
             partials = _partials(outs_of(tuple(r for _, r, _, _ in combo)), mesh)
