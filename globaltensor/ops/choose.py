@@ -108,15 +108,21 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
         if kernelled and len({r.kernel for _, r, _, _ in combo if r.kernel}) > 1:
             continue
         resolved = tuple(zip(*(values for _, _, _, values in combo)))
-        bound = sum(c.bound(sbp) for c, sbp in zip(cheap, resolved))
+        bound = sum(c.quick(sbp) for c, sbp in zip(cheap, resolved))
         order = tuple(index for index, _, _, _ in combo)
-        heap.append((bound, partials, changed, order, 0, combo, resolved))  # 0: no term yet
+        heap.append((bound, partials, changed, order, -1, combo, resolved))  # -1: quick bound
     heapq.heapify(heap)
     best, best_key = None, None
     while heap:
         bound, partials, changed, order, terms, combo, resolved = heapq.heappop(heap)
         if best_key is not None and (bound, partials, changed, order) >= best_key:
             break
+        if terms == -1:  # first the per-axis bound with the planner's count of collectives
+            refined = sum(c.bound(sbp) for c, sbp in zip(cheap, resolved))
+            if refined > bound:
+                heapq.heappush(heap, (refined, partials, changed, order, 0, combo, resolved))
+                continue
+            terms = 0  # 0: no term yet
         rows = tuple(r for _, r, _, _ in combo)
         outs = outs_of(rows)
         targets = _resolved_targets(layouts, resolved)
@@ -310,7 +316,8 @@ class _Cheap:
     lack (summed over ranks, a layout's pieces hold numel N / s elements, s the product of its
     split axes' sizes)."""
 
-    __slots__ = ("layout", "itemsize", "free", "partial", "smallest", "reduce", "held", "_memo")
+    __slots__ = ("layout", "itemsize", "free", "partial", "smallest", "reduce", "held", "_memo",
+                 "_parts")
 
     def __init__(self, layout: Layout, itemsize: int, free):
         self.layout, self.itemsize, self.free = layout, itemsize, free
@@ -322,17 +329,36 @@ class _Cheap:
         splits = math.prod(n for n, v in zip(mesh, layout.sbp) if isinstance(v, Split))
         self.held = 0.0 if self.partial else layout.numel() / splits
         self._memo: dict = {}
+        self._parts: dict = {}
+
+    def quick(self, sbp) -> float:
+        """:meth:`bound` with one collective per axis that needs one (or one exchange): no
+        nested splits' round trips, no exchange's second message. Lower, and cheaper: the
+        signature choice orders candidates by it first and refines only those that come
+        first."""
+        collectives, rest = self._split(sbp)
+        return (ALPHA * collectives + rest) * (1 - 1e-9)
 
     def bound(self, sbp) -> float:
         found = self._memo.get(sbp)
         if found is None:
-            found = self._memo[sbp] = self._bound(sbp)
+            collectives, rest = self._split(sbp)
+            if collectives:  # nested splits and exchanges' messages can ask for more (the planner's)
+                collectives = fewest_collectives(self.layout, sbp)
+            found = self._memo[sbp] = (ALPHA * collectives + rest) * (1 - 1e-9)
         return found
 
-    def _bound(self, sbp) -> float:
+    def _split(self, sbp) -> tuple:
+        found = self._parts.get(sbp)
+        if found is None:
+            found = self._parts[sbp] = self._count(sbp)
+        return found
+
+    def _count(self, sbp) -> tuple:
+        """(collectives, the memory and β terms) of the bound on moving to ``sbp``."""
         layout = self.layout
         if sbp == layout.sbp or any(sbp == f.sbp for f in self.free):
-            return 0.0
+            return 0, 0.0
         mesh = layout.placement.shape
         comm = steps = 0
         keep = splits = sums = 1
@@ -356,11 +382,8 @@ class _Cheap:
         wanted = numel / (splits * sums)  # per rank, on average, the target's groups need
         lacking = wanted - self.held if not self.partial else (0.0 if kept else wanted)
         elements = max(self.smallest * (self.reduce - keep), lacking)
-        collectives = min(comm, exchange)
-        if collectives:  # nested splits and exchanges' messages can ask for more (the planner's)
-            collectives = fewest_collectives(layout, sbp)
-        return (ALPHA * collectives + self.itemsize * (
-            MEMORY * self.smallest * min(steps, exchange) + BETA * elements)) * (1 - 1e-9)
+        return min(comm, exchange), self.itemsize * (
+            MEMORY * self.smallest * min(steps, exchange) + BETA * elements)
 
 
 def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()) -> Choice | None:
