@@ -458,14 +458,7 @@ class _Space:
         """Whether some rank's piece of non-partial ``t`` overlaps two or more pieces of
         non-partial ``c`` it does not hold (the messages it receives in an exchange from ``c``:
         :meth:`missing`'s, without the elements)."""
-        mesh, tables = self.mesh, []
-        mine_index, their_index = self.range_index(c), self.range_index(t)
-        splits = zip(self.shape, self.split_axes(c), self.split_axes(t))
-        for d, (length, mine, theirs) in enumerate(splits):
-            if mine or theirs:
-                mine_ranges, their_ranges, counts = _overlaps(
-                    length, tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
-                tables.append((mine_ranges, mine_index[d], their_ranges, their_index[d], counts))
+        _, tables = self._overlap_tables(c, t)
         for r in range(self.placement.size):
             count, own = 1, True
             for mine_ranges, mine_at, their_ranges, their_at, counts in tables:
@@ -482,7 +475,10 @@ class _Space:
                     return True
         return False
 
-    def _count_missing(self, c: tuple, t: tuple) -> tuple[int, int, float]:
+    def _overlap_tables(self, c: tuple, t: tuple) -> tuple:
+        """(the product of the lengths of the dims neither layout splits, per dim either splits:
+        (c's ranges, each coordinate's index into them, t's ranges, the same, and per range
+        of t the non-empty ranges of c it overlaps))."""
         mesh, base, tables = self.mesh, 1, []
         mine_axes, their_axes = self.split_axes(c), self.split_axes(t)
         mine_index, their_index = self.range_index(c), self.range_index(t)
@@ -493,6 +489,10 @@ class _Space:
             mine_ranges, their_ranges, counts = _overlaps(
                 length, tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
             tables.append((mine_ranges, mine_index[d], their_ranges, their_index[d], counts))
+        return base, tables
+
+    def _count_missing(self, c: tuple, t: tuple) -> tuple[int, int, float]:
+        base, tables = self._overlap_tables(c, t)
         groups: dict = {}
         for r, key in enumerate(self.group_keys(t)):
             size = own = base
