@@ -696,8 +696,8 @@ class _Bound:
     *every* route (a minimum over the two kinds of route: axis-local steps only, or reductions
     then one exchange), so their sum is one too."""
 
-    __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "targets",
-                 "_memo", "_quick")
+    __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "copies",
+                 "targets", "_memo", "_quick")
 
     def __init__(self, src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE):
         self.src, self.dst, self.itemsize = src, dst, itemsize
@@ -709,6 +709,9 @@ class _Bound:
         there = here if dst.placement == src.placement else _space(dst.placement, dst.shape)
         self.spaces, self.on_dst = (here, there), 0 if there is here else 1
         self.target = there.codes(dst)
+        # on one placement, to a non-partial dst: the ranks that hold each element in dst
+        self.copies = 0 if self.on_dst or _P in self.target else math.prod(
+            n for n, v in zip(there.mesh, self.target) if v == _B)
         self.targets = None  # the exchanges' targets, when first needed
         self._memo: dict = {}
         self._quick: dict = {}
@@ -769,7 +772,10 @@ class _Bound:
         (elements some rank must receive, summed) / (ranks): see :func:`_lacking`. Partial
         axes of the layout must also each be reduced (unless dst keeps them), and a reduction
         along an axis of n ranks sends (n - 1) times a piece no smaller than numel / N times
-        the product of the axes still partial then; summed in any order, numel (prod - keep) / N."""
+        the product of the axes still partial then; summed in any order, numel (prod - keep) / N.
+        On one placement to a non-partial dst, each element of R summands that D ranks hold
+        in dst takes R - 1 transfers to be summed somewhere, then D - 1 to reach the others:
+        numel (R + D - 2) / N (docs/planner.md, "(c)")."""
         space = self.spaces[at]
         if at == self.on_dst:
             lacking = space.lacking(codes, self.target) / space.placement.size
@@ -778,7 +784,10 @@ class _Bound:
         if not partial:
             return lacking
         sizes = space.mesh
-        reduced = space.numel * (math.prod(sizes[a] for a in partial) - keep) / space.placement.size
+        summands = math.prod(sizes[a] for a in partial)
+        if self.copies:  # one placement, dst not partial: reduce, then deliver (docs/planner.md)
+            return space.numel * (summands + self.copies - 2) / space.placement.size
+        reduced = space.numel * (summands - keep) / space.placement.size
         return max(lacking, reduced)
 
     def exchange(self, target: Layout) -> float:

@@ -314,7 +314,8 @@ class _Cheap:
     reducing every partial axis), the memory of one step per changed axis, and β for the
     elements that must move: the reductions a partial axis needs, or what the target's pieces
     lack (summed over ranks, a layout's pieces hold numel N / s elements, s the product of its
-    split axes' sizes)."""
+    split axes' sizes), or, to a non-partial target, both: R - 1 transfers to sum R summands and
+    D - 1 to deliver to the D ranks that hold an element (docs/planner.md, "(c)")."""
 
     __slots__ = ("layout", "itemsize", "free", "partial", "smallest", "reduce", "held", "_memo",
                  "_parts")
@@ -381,7 +382,10 @@ class _Cheap:
         numel = layout.numel()
         wanted = numel / (splits * sums)  # per rank, on average, the target's groups need
         lacking = wanted - self.held if not self.partial else (0.0 if kept else wanted)
-        elements = max(self.smallest * (self.reduce - keep), lacking)
+        if self.partial and sums == 1:  # reduce, then deliver to every copy (plan._Bound)
+            elements = self.smallest * (self.reduce + layout.placement.size / splits - 2)
+        else:
+            elements = max(self.smallest * (self.reduce - keep), lacking)
         return min(comm, exchange), self.itemsize * (
             MEMORY * self.smallest * min(steps, exchange) + BETA * elements)
 

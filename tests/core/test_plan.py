@@ -368,6 +368,31 @@ def test_lower_bound_never_exceeds_the_cost():
                     assert lower_bound(src, dst) == 0.0
 
 
+def test_bounds_count_the_reduction_and_the_delivery_and_stay_below_the_cost():
+    # every element of a partial sum over R summands reaching D ranks whole takes R - 1
+    # transfers to be summed somewhere and D - 1 more to reach the others: the bound counts
+    # both (it used to count the larger), and stays below the cost on uneven grids and shapes
+    from globaltensor.ops.choose import _Cheap
+    from globaltensor.steps import BETA
+    src, dst = lay(GRID_2D, (P, P), (256, 1024)), lay(GRID_2D, (B, B), (256, 1024))
+    beta = BETA * 4 * 256 * 1024  # the whole tensor once, in seconds
+    assert lower_bound(src, dst) > 1.49 * beta and _Cheap(src, 4, ()).bound(dst.sbp) > 1.49 * beta
+    assert plan(src, dst).cost() < 1.51 * beta + 5 * ALPHA  # the ring's reduce-scatters and gathers
+    rng = random.Random(11)
+    for mesh in ([[0, 1, 2], [3, 4, 5]], [[0, 1], [2, 3], [4, 5]], [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]):
+        placement = gt.placement("cpu", mesh)
+        for shape in [(5, 7), (6, 4), (1, 3), (64, 48)]:
+            for _ in range(40):
+                a = (P,) + tuple(rng.choice(VALUES) for _ in range(placement.ndim - 1))
+                b = tuple(rng.choice([S(0), S(1), B]) for _ in range(placement.ndim))
+                if rng.random() < 0.3:
+                    a, b = a[::-1], b[::-1]
+                src, dst = lay(placement, a, shape), lay(placement, b, shape)
+                cost = plan(src, dst).cost()
+                assert lower_bound(src, dst) <= cost, (mesh, shape, a, b)
+                assert _Cheap(src, 4, ()).bound(dst.sbp) <= cost, (mesh, shape, a, b)
+
+
 # The search's own arithmetic (plan._Space: layouts as int codes, per-dim tables) against the
 # Layout / Step values it stands for: the same steps in the same order, the same costs to the
 # bit, the same elements lacking and missing, on even, uneven, empty and 7-dim shapes.
