@@ -250,7 +250,7 @@ class _Space:
 
     __slots__ = ("placement", "shape", "mesh", "numel", "cpu", "values", "order", "_max", "_steps",
                  "_layouts", "_lacking", "_splits",
-                 "_missing", "_index", "_groups", "_group_held")
+                 "_missing", "_index", "_groups", "_group_held", "_three", "_one")
 
     def __init__(self, placement, shape):
         self.placement, self.shape, self.mesh = placement, shape, placement.shape
@@ -260,6 +260,7 @@ class _Space:
         self.order = tuple(range(len(shape))) + (_B, _P)  # the order of _values: S(0).., B, P
         self._max, self._steps, self._layouts, self._lacking, self._splits = {}, {}, {}, {}, {}
         self._missing, self._index, self._groups, self._group_held = {}, {}, {}, {}
+        self._three, self._one = {}, {}
 
     def codes(self, layout: Layout) -> tuple:
         return tuple(v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
@@ -475,6 +476,50 @@ class _Space:
                     return True
         return False
 
+    def one_message(self, c: tuple, t: tuple) -> bool:
+        """Whether no rank receives two or more messages in an exchange from non-partial ``c``
+        to non-partial ``t``: per dim, the ranges overlapping a range of t depend on disjoint
+        axes, so the most pieces of c one piece of t overlaps is the product over dims of the
+        most ranges of c one range of t overlaps; under 2 none does, from 3 on some rank
+        does whichever piece it holds, and at exactly 2 the ranks are counted one by one."""
+        key = (c, t)
+        found = self._one.get(key)
+        if found is None:
+            mesh, most = self.mesh, 1
+            for length, mine, theirs in zip(self.shape, self.split_axes(c), self.split_axes(t)):
+                if mine or theirs:
+                    most *= _most_overlaps(length, tuple(mesh[a] for a in mine),
+                                           tuple(mesh[a] for a in theirs))
+            found = self._one[key] = most < 2 or (most == 2 and not self.receives_two(c, t))
+        return found
+
+    def two_or_three(self, c: tuple, t: tuple) -> int:
+        """The fewest collectives (2 or 3) of a route from non-partial ``c`` through one
+        exchange into non-partial ``t``, when every such route takes two or more: 3 unless
+        the exchange straight from ``c`` has some rank receive at most 2 messages, or one
+        collective leads to a layout whose exchange sends each rank one. A collective changes
+        one axis; the free steps around it only cut pieces finer (a local slice) or make a
+        partial sum that another collective must reduce, and a finer source never lowers a
+        rank's messages (each piece it needed is cut into parts it still needs): so the
+        layouts that differ from ``c`` on one axis, by any value but P, cover every route
+        with one collective."""
+        key = (c, t)
+        found = self._three.get(key)
+        if found is None:
+            found = 2 if self.missing(c, t)[1] < 3 else 3
+            values = (_B,) + tuple(range(len(self.shape)))
+            for a, v in enumerate(c):
+                if found == 2:
+                    break
+                if self.mesh[a] == 1:
+                    continue
+                for w in values:
+                    if w != v and self.one_message(c[:a] + (w,) + c[a + 1:], t):
+                        found = 2
+                        break
+            self._three[key] = found
+        return found
+
     def _overlap_tables(self, c: tuple, t: tuple) -> tuple:
         """(the product of the lengths of the dims neither layout splits, per dim either splits:
         (c's ranges, each coordinate's index into them, t's ranges, the same, and per range
@@ -645,26 +690,28 @@ def _local_counts(codes: tuple, target: tuple, sizes) -> tuple[int, int]:
 
 
 def _fewest_messages(space: _Space, codes: tuple, targets) -> int:
-    """Collectives (at most 2) of a route from non-partial ``codes`` through an exchange into
-    one of ``targets`` (dst and, for a partial dst, its cores): after a collective, 2; else the
+    """Collectives (at most 2: :meth:`_Space.two_or_three` tells 3) of a route from
+    non-partial ``codes`` through an exchange into one of ``targets`` (dst and, for a partial
+    dst, its cores): after a collective, 2; else the
     exchange leaves a layout reached by local slices only (a zero-fill leaves a partial sum,
     which an exchange cannot take), whose pieces each lie in the piece of ``codes`` their rank
     holds: a rank receives one message per piece of ``codes`` its target piece overlaps and it
     does not hold (each such piece holds a part of the target only finer pieces not its own
     can send), so at least as many as it would from ``codes`` (:meth:`_Space.missing`).
-    Worked out only where it can reach 2: per dim, the ranges overlapping a target's range
-    depend on disjoint axes, so the most pieces one target piece overlaps is the product over
-    dims of the most ranges one range overlaps; under 2, no rank receives 2 messages, and from
-    3 on, some rank receives 2 or more whichever piece it holds."""
+    Worked out as :meth:`_Space.one_message` does (for a partial target, the cheapest
+    partial coordinate of each box counts: :meth:`_Space.missing`)."""
     mesh, mine = space.mesh, space.split_axes(codes)
     for target in targets:
+        if _P not in target:
+            if space.one_message(codes, target):
+                return 1
+            continue
         most = 1
         for length, axes, their_axes in zip(space.shape, mine, space.split_axes(target)):
             if axes or their_axes:
                 most *= _most_overlaps(length, tuple(mesh[a] for a in axes),
                                        tuple(mesh[a] for a in their_axes))
-        if most < 2 or (most == 2 and not (space.missing(codes, target)[1] >= 2 if _P in target
-                                             else space.receives_two(codes, target))):
+        if most < 2 or (most == 2 and space.missing(codes, target)[1] < 2):
             return 1
     return 2
 
@@ -746,13 +793,19 @@ class _Bound:
             lat_local, steps_local = self._local(codes, sizes)
             keep = math.prod(sizes[a] for a in partial if self.target[a] == _P)
         steps_exchange = lat_exchange = len(partial) + 1 if at == 0 else math.inf
+        deeper = False  # the exchange's count may be 3 (worked out by the full bound alone)
         if lat_exchange == 1 and lat_local > 1 and self.on_dst == 0:
             lat_exchange = self._messages(codes)
-        return min(lat_local, lat_exchange), min(steps_local, steps_exchange), partial, keep
+            deeper = lat_exchange == 2 and lat_local > 2 and len(self.targets) == 1
+        return (min(lat_local, lat_exchange), min(steps_local, steps_exchange), partial, keep,
+                deeper)
 
     def _bound(self, at: int, codes: tuple) -> float:
         found = self._quick.get((at, codes))
-        latency, steps, partial, keep = found if found is not None else self._counts(at, codes)
+        latency, steps, partial, keep, deeper = found if found is not None else self._counts(at, codes)
+        if deeper:
+            latency = min(self._local(codes, self.spaces[0].mesh)[0],
+                          self.spaces[0].two_or_three(codes, self.target))
         return (ALPHA * latency + BETA * self.itemsize * self._elements(at, codes, partial, keep)
                 + self.memory * steps)
 

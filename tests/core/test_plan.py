@@ -346,6 +346,27 @@ def test_seven_dim_plans_on_a_2x2x2_grid_cost_what_the_exhaustive_search_finds()
     assert lower_bound(src, dst) > 1.9 * ALPHA
 
 
+def test_routes_through_an_exchange_are_counted_up_to_three_collectives():
+    # every axis splits a dim the view cannot keep: three all_to_alls, or two and an
+    # exchange; the exchange alone has ranks receive 3 messages, and no single collective
+    # leaves a layout one message away, so the bound says 3 α, as the plan costs
+    placement = gt.placement("cpu", [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    shape = (4, 6, 2, 4, 6, 1, 1)
+    src, dst = lay(placement, (S(4), S(3), S(1)), shape), lay(placement, (S(0), S(0), S(2)), shape)
+    new, _ = _same_cost(src, dst)
+    assert new.collectives() == 3 and 2.99 * ALPHA < lower_bound(src, dst) <= new.cost()
+    rng = random.Random(3)  # and the bound stays below the cost on non-partial pairs
+    for mesh, shapes in (([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], [shape, (8, 10, 4, 6, 1, 1, 1), (5, 3, 7)]),
+                         ([[0, 1, 2], [3, 4, 5]], [(5, 7, 1), (6, 4, 3)])):
+        placement = gt.placement("cpu", mesh)
+        for shape in shapes:
+            values = [S(d) for d in range(len(shape))] + [B]
+            for _ in range(8):
+                a, b = (tuple(rng.choice(values) for _ in range(placement.ndim)) for _ in range(2))
+                src, dst = lay(placement, a, shape), lay(placement, b, shape)
+                assert lower_bound(src, dst) <= reference_plan(src, dst).cost() * (1 + 1e-12)
+
+
 @pytest.mark.parametrize("src_ranks, dst_ranks", [
     ([0, 1], [2, 3]), ([0, 1, 2], [1, 3]), ([0], [0, 1, 2, 3]), ([[0, 1], [2, 3]], [0, 1, 2, 3]),
     ([0, 1, 2, 3], [[0, 1], [2, 3]]), ([[0, 1], [2, 3]], [[4, 5], [6, 7]]),
