@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from .._cache import Bounded
 from ..errors import GlobalTensorError
 from ..layout import Layout, _trusted
-from ..plan import cost_above, fewest_collectives, lower_bound, plan
+from ..plan import _most_overlaps, cost_above, fewest_collectives, lower_bound, plan
 from ..sbp import Broadcast, PartialSum, SbpValue, Split
 from ..steps import ALPHA, BETA, MEMORY
 from .signature import KEEP, B, P, Call, Rule, rows_for
@@ -317,8 +317,8 @@ class _Cheap:
     split axes' sizes), or, to a non-partial target, both: R - 1 transfers to sum R summands and
     D - 1 to deliver to the D ranks that hold an element (docs/planner.md, "(c)")."""
 
-    __slots__ = ("layout", "itemsize", "free", "partial", "smallest", "reduce", "held", "_memo",
-                 "_parts")
+    __slots__ = ("layout", "itemsize", "free", "partial", "smallest", "reduce", "held", "cuts",
+                 "_memo", "_parts")
 
     def __init__(self, layout: Layout, itemsize: int, free):
         self.layout, self.itemsize, self.free = layout, itemsize, free
@@ -329,12 +329,14 @@ class _Cheap:
         # elements per rank, on average, that ranks hold of the value (none while partial)
         splits = math.prod(n for n, v in zip(mesh, layout.sbp) if isinstance(v, Split))
         self.held = 0.0 if self.partial else layout.numel() / splits
+        self.cuts = _cuts(layout.sbp, mesh, layout.ndim)
         self._memo: dict = {}
         self._parts: dict = {}
 
     def quick(self, sbp) -> float:
-        """:meth:`bound` with one collective per axis that needs one (or one exchange): no
-        nested splits' round trips, no exchange's second message. Lower, and cheaper: the
+        """:meth:`bound` with one collective per axis that needs one (or one exchange, two
+        messages only where pieces overlap three or more: :meth:`_overlaps`): no nested
+        splits' round trips, no rank-by-rank count of messages. Lower, and cheaper: the
         signature choice orders candidates by it first and refines only those that come
         first."""
         collectives, rest = self._split(sbp)
@@ -354,6 +356,15 @@ class _Cheap:
         if found is None:
             found = self._parts[sbp] = self._count(sbp)
         return found
+
+    def _overlaps(self, sbp, mesh) -> int:
+        """The most pieces of the layout that one piece of ``sbp`` overlaps: a product over
+        dims (see plan._Space.one_message)."""
+        most = 1
+        for length, mine, theirs in zip(self.layout.shape, self.cuts, _cuts(sbp, mesh, len(self.cuts))):
+            if mine or theirs:
+                most *= _most_overlaps(length, mine, theirs)
+        return most
 
     def _count(self, sbp) -> tuple:
         """(collectives, the memory and β terms) of the bound on moving to ``sbp``."""
@@ -379,6 +390,8 @@ class _Cheap:
                 steps += 1
                 comm += not isinstance(v, Broadcast) and not isinstance(w, PartialSum)
         exchange = len(self.partial) + 1
+        if exchange == 1 and comm > 1 and self._overlaps(sbp, mesh) > 2:
+            exchange = 2  # some rank receives two messages (plan._Space.one_message)
         numel = layout.numel()
         wanted = numel / (splits * sums)  # per rank, on average, the target's groups need
         lacking = wanted - self.held if not self.partial else (0.0 if kept else wanted)
@@ -388,6 +401,15 @@ class _Cheap:
             elements = max(self.smallest * (self.reduce - keep), lacking)
         return min(comm, exchange), self.itemsize * (
             MEMORY * self.smallest * min(steps, exchange) + BETA * elements)
+
+
+def _cuts(sbp, mesh, ndim) -> tuple:
+    """Per tensor dim, the sizes of the axes (of size > 1) splitting it, outermost first."""
+    cuts = [()] * ndim
+    for v, n in zip(sbp, mesh):
+        if isinstance(v, Split) and n > 1:
+            cuts[v.dim] += (n,)
+    return tuple(cuts)
 
 
 def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()) -> Choice | None:

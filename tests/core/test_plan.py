@@ -414,6 +414,17 @@ def test_bounds_count_the_reduction_and_the_delivery_and_stay_below_the_cost():
                 assert _Cheap(src, 4, ()).bound(dst.sbp) <= cost, (mesh, shape, a, b)
 
 
+def test_the_choice_first_bound_counts_two_messages_where_pieces_overlap_three():
+    # (S(0), S(0), S(1)) -> (S(2), S(3), S(0)) changes every axis; one exchange would do it,
+    # but each target piece overlaps 4 pieces of the source: its ranks receive 2+ messages
+    from globaltensor.ops.choose import _Cheap
+    placement = gt.placement("cpu", [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
+    src = lay(placement, (S(0), S(0), S(1)), (4, 2, 4, 4))
+    dst = lay(placement, (S(2), S(3), S(0)), (4, 2, 4, 4))
+    cheap = _Cheap(src, 4, ())
+    assert 1.99 * ALPHA < cheap.quick(dst.sbp) <= cheap.bound(dst.sbp) <= plan(src, dst).cost()
+
+
 # The search's own arithmetic (plan._Space: layouts as int codes, per-dim tables) against the
 # Layout / Step values it stands for: the same steps in the same order, the same costs to the
 # bit, the same elements lacking and missing, on even, uneven, empty and 7-dim shapes.
