@@ -744,7 +744,7 @@ class _Bound:
     then one exchange), so their sum is one too."""
 
     __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "copies",
-                 "targets", "_memo", "_quick")
+                 "targets", "small", "_memo", "_quick")
 
     def __init__(self, src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE):
         self.src, self.dst, self.itemsize = src, dst, itemsize
@@ -760,6 +760,9 @@ class _Bound:
         self.copies = 0 if self.on_dst or _P in self.target else math.prod(
             n for n, v in zip(there.mesh, self.target) if v == _B)
         self.targets = None  # the exchanges' targets, when first needed
+        # where sending the whole tensor costs less than 20 α, α decides: the full bound counts
+        # an exchange route's third collective (elsewhere the count costs more than it saves)
+        self.small = BETA * itemsize * dst.numel() < 20 * ALPHA
         self._memo: dict = {}
         self._quick: dict = {}
 
@@ -803,7 +806,7 @@ class _Bound:
     def _bound(self, at: int, codes: tuple) -> float:
         found = self._quick.get((at, codes))
         latency, steps, partial, keep, deeper = found if found is not None else self._counts(at, codes)
-        if deeper:
+        if deeper and self.small:
             latency = min(self._local(codes, self.spaces[0].mesh)[0],
                           self.spaces[0].two_or_three(codes, self.target))
         return (ALPHA * latency + BETA * self.itemsize * self._elements(at, codes, partial, keep)
