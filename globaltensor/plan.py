@@ -496,7 +496,7 @@ class _Space:
     def two_or_three(self, c: tuple, t: tuple) -> int:
         """The fewest collectives (2 or 3) of a route from non-partial ``c`` through one
         exchange into non-partial ``t``, when every such route takes two or more: 3 unless
-        the exchange straight from ``c`` has some rank receive at most 2 messages, or one
+        the exchange straight from ``c`` has every rank receive at most 2 messages, or one
         collective leads to a layout whose exchange sends each rank one. A collective changes
         one axis; the free steps around it only cut pieces finer (a local slice) or make a
         partial sum that another collective must reduce, and a finer source never lowers a
