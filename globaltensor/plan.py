@@ -485,13 +485,18 @@ class _Space:
         key = (c, t)
         found = self._one.get(key)
         if found is None:
-            mesh, most = self.mesh, 1
-            for length, mine, theirs in zip(self.shape, self.split_axes(c), self.split_axes(t)):
-                if mine or theirs:
-                    most *= _most_overlaps(length, tuple(mesh[a] for a in mine),
-                                           tuple(mesh[a] for a in theirs))
+            most = self._most_overlaps(c, t)
             found = self._one[key] = most < 2 or (most == 2 and not self.receives_two(c, t))
         return found
+
+    def _most_overlaps(self, c: tuple, t: tuple) -> int:
+        """The most pieces of ``c`` one piece of ``t`` overlaps (see :meth:`one_message`)."""
+        mesh, most = self.mesh, 1
+        for length, mine, theirs in zip(self.shape, self.split_axes(c), self.split_axes(t)):
+            if mine or theirs:
+                most *= _most_overlaps(length, tuple(mesh[a] for a in mine),
+                                       tuple(mesh[a] for a in theirs))
+        return most
 
     def two_or_three(self, c: tuple, t: tuple) -> int:
         """The fewest collectives (2 or 3) of a route from non-partial ``c`` through one
@@ -506,19 +511,26 @@ class _Space:
         key = (c, t)
         found = self._three.get(key)
         if found is None:
-            found = 2 if self.missing(c, t)[1] < 3 else 3
-            values = (_B,) + tuple(range(len(self.shape)))
-            for a, v in enumerate(c):
-                if found == 2:
-                    break
-                if self.mesh[a] == 1:
-                    continue
-                for w in values:
-                    if w != v and self.one_message(c[:a] + (w,) + c[a + 1:], t):
-                        found = 2
-                        break
-            self._three[key] = found
+            found = self._three[key] = (
+                2 if self.missing(c, t)[1] < 3 or self._one_after_one(c, t) else 3)
         return found
+
+    def _one_after_one(self, c: tuple, t: tuple) -> bool:
+        """Whether a layout one axis away from ``c`` (any value but P) has an exchange into
+        ``t`` that sends each rank one message: the per-dim product first, for all of them,
+        and the rank-by-rank count only where it says exactly 2."""
+        values, pending = (_B,) + tuple(range(len(self.shape))), []
+        for a, v in enumerate(c):
+            if self.mesh[a] > 1:
+                for w in values:
+                    if w != v:
+                        n = c[:a] + (w,) + c[a + 1:]
+                        most = self._most_overlaps(n, t)
+                        if most < 2:
+                            return True
+                        if most == 2:
+                            pending.append(n)
+        return any(not self.receives_two(n, t) for n in pending)
 
     def _overlap_tables(self, c: tuple, t: tuple) -> tuple:
         """(the product of the lengths of the dims neither layout splits, per dim either splits:
