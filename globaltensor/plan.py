@@ -712,17 +712,12 @@ def _fewest_messages(space: _Space, codes: tuple, targets) -> int:
     can send), so at least as many as it would from ``codes`` (:meth:`_Space.missing`).
     Worked out as :meth:`_Space.one_message` does (for a partial target, the cheapest
     partial coordinate of each box counts: :meth:`_Space.missing`)."""
-    mesh, mine = space.mesh, space.split_axes(codes)
     for target in targets:
         if _P not in target:
             if space.one_message(codes, target):
                 return 1
             continue
-        most = 1
-        for length, axes, their_axes in zip(space.shape, mine, space.split_axes(target)):
-            if axes or their_axes:
-                most *= _most_overlaps(length, tuple(mesh[a] for a in axes),
-                                       tuple(mesh[a] for a in their_axes))
+        most = space._most_overlaps(codes, target)
         if most < 2 or (most == 2 and space.missing(codes, target)[1] < 2):
             return 1
     return 2
@@ -808,10 +803,11 @@ class _Bound:
             lat_local, steps_local = self._local(codes, sizes)
             keep = math.prod(sizes[a] for a in partial if self.target[a] == _P)
         steps_exchange = lat_exchange = len(partial) + 1 if at == 0 else math.inf
-        deeper = False  # the exchange's count may be 3 (worked out by the full bound alone)
+        deeper = 0  # lat_local where the exchange's count may be 3 (for the full bound alone)
         if lat_exchange == 1 and lat_local > 1 and self.on_dst == 0:
             lat_exchange = self._messages(codes)
-            deeper = lat_exchange == 2 and lat_local > 2 and len(self.targets) == 1
+            if lat_exchange == 2 and lat_local > 2 and len(self.targets) == 1:
+                deeper = lat_local
         return (min(lat_local, lat_exchange), min(steps_local, steps_exchange), partial, keep,
                 deeper)
 
@@ -819,8 +815,7 @@ class _Bound:
         found = self._quick.get((at, codes))
         latency, steps, partial, keep, deeper = found if found is not None else self._counts(at, codes)
         if deeper and self.small:
-            latency = min(self._local(codes, self.spaces[0].mesh)[0],
-                          self.spaces[0].two_or_three(codes, self.target))
+            latency = min(deeper, self.spaces[0].two_or_three(codes, self.target))
         return (ALPHA * latency + BETA * self.itemsize * self._elements(at, codes, partial, keep)
                 + self.memory * steps)
 
