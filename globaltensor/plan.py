@@ -250,7 +250,7 @@ class _Space:
 
     __slots__ = ("placement", "shape", "mesh", "numel", "cpu", "values", "order", "_max", "_steps",
                  "_layouts", "_lacking", "_splits",
-                 "_missing", "_index", "_groups", "_group_held", "_three", "_one")
+                 "_missing", "_index", "_groups", "_group_held", "_three", "_one", "_two", "_overlap_factors")
 
     def __init__(self, placement, shape):
         self.placement, self.shape, self.mesh = placement, shape, placement.shape
@@ -260,7 +260,7 @@ class _Space:
         self.order = tuple(range(len(shape))) + (_B, _P)  # the order of _values: S(0).., B, P
         self._max, self._steps, self._layouts, self._lacking, self._splits = {}, {}, {}, {}, {}
         self._missing, self._index, self._groups, self._group_held = {}, {}, {}, {}
-        self._three, self._one = {}, {}
+        self._three, self._one, self._two, self._overlap_factors = {}, {}, {}, {}
 
     def codes(self, layout: Layout) -> tuple:
         return tuple(v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
@@ -459,6 +459,13 @@ class _Space:
         """Whether some rank's piece of non-partial ``t`` overlaps two or more pieces of
         non-partial ``c`` it does not hold (the messages it receives in an exchange from ``c``:
         :meth:`missing`'s, without the elements)."""
+        key = (c, t)
+        found = self._two.get(key)
+        if found is None:
+            found = self._two[key] = self._receives_two(c, t)
+        return found
+
+    def _receives_two(self, c: tuple, t: tuple) -> bool:
         _, tables = self._overlap_tables(c, t)
         for r in range(self.placement.size):
             count, own = 1, True
@@ -491,12 +498,20 @@ class _Space:
 
     def _most_overlaps(self, c: tuple, t: tuple) -> int:
         """The most pieces of ``c`` one piece of ``t`` overlaps (see :meth:`one_message`)."""
-        mesh, most = self.mesh, 1
-        for length, mine, theirs in zip(self.shape, self.split_axes(c), self.split_axes(t)):
-            if mine or theirs:
-                most *= _most_overlaps(length, tuple(mesh[a] for a in mine),
-                                       tuple(mesh[a] for a in theirs))
-        return most
+        return math.prod(self._dim_overlaps(c, t))
+
+    def _dim_overlaps(self, c: tuple, t: tuple) -> tuple:
+        """Per dim, the most ranges of ``c`` one range of ``t`` overlaps (1 where neither
+        splits it): the factors of :meth:`_most_overlaps`."""
+        key = (c, t)
+        found = self._overlap_factors.get(key)
+        if found is None:
+            mesh = self.mesh
+            found = self._overlap_factors[key] = tuple(
+                _most_overlaps(length, tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
+                if mine or theirs else 1
+                for length, mine, theirs in zip(self.shape, self.split_axes(c), self.split_axes(t)))
+        return found
 
     def two_or_three(self, c: tuple, t: tuple) -> int:
         """The fewest collectives (2 or 3) of a route from non-partial ``c`` through one
@@ -517,19 +532,35 @@ class _Space:
 
     def _one_after_one(self, c: tuple, t: tuple) -> bool:
         """Whether a layout one axis away from ``c`` (any value but P) has an exchange into
-        ``t`` that sends each rank one message: the per-dim product first, for all of them,
-        and the rank-by-rank count only where it says exactly 2."""
+        ``t`` that sends each rank one message: the per-dim product first, for all of them
+        (a change on one axis changes the factors of the dims it leaves and enters only), and
+        the rank-by-rank count only where it says exactly 2."""
         values, pending = (_B,) + tuple(range(len(self.shape))), []
+        mesh, shape = self.mesh, self.shape
+        factors, mine, theirs = self._dim_overlaps(c, t), self.split_axes(c), self.split_axes(t)
+
+        def factor(d, axes):  # dim d's factor with c's split axes of d replaced by ``axes``
+            if not axes and not theirs[d]:
+                return 1
+            return _most_overlaps(shape[d], tuple(mesh[b] for b in axes),
+                                  tuple(mesh[b] for b in theirs[d]))
+
         for a, v in enumerate(c):
-            if self.mesh[a] > 1:
+            if mesh[a] > 1:
+                left = factor(v, tuple(b for b in mine[v] if b != a)) if v >= 0 else None
                 for w in values:
-                    if w != v:
-                        n = c[:a] + (w,) + c[a + 1:]
-                        most = self._most_overlaps(n, t)
-                        if most < 2:
-                            return True
-                        if most == 2:
-                            pending.append(n)
+                    if w == v:
+                        continue
+                    changed = {v: left} if v >= 0 else {}
+                    if w >= 0:  # dim w gains axis a, in axis order
+                        changed[w] = factor(w, tuple(sorted(mine[w] + (a,))))
+                    most = 1
+                    for d, f in enumerate(factors):
+                        most *= changed.get(d, f)
+                    if most < 2:
+                        return True
+                    if most == 2:
+                        pending.append(c[:a] + (w,) + c[a + 1:])
         return any(not self.receives_two(n, t) for n in pending)
 
     def _overlap_tables(self, c: tuple, t: tuple) -> tuple:

@@ -17,7 +17,8 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from .._cache import Bounded
+import numpy as np
+
 from ..errors import GlobalTensorError
 from ..layout import Layout, _trusted
 from ..plan import _most_overlaps, cost_above, fewest_collectives, lower_bound, plan
@@ -81,7 +82,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
 
     Rows that cannot stand on an axis are dropped per axis (an input asked to become P, a split
     of a dim the input lacks, a fixed input or result changed); each remaining candidate gets a
-    bound on its cost worked out per axis in microseconds (:class:`_Cheap`), and candidates are
+    bound on its cost worked out per axis, for all at once (:class:`_Table`), and candidates are
     costed in the order of their bounds: first a finer bound (``plan.lower_bound``), then the
     plans themselves, until the next bound cannot beat the best found. The result is the
     candidate the exhaustive loop (:func:`reference_choose`) picks: the least (cost, partial-sum
@@ -100,27 +101,33 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
         return MOVES if _first(rule, call, layouts, options) is not None else None
     if stay is not None:
         options = _costing_nothing(options, layouts, mesh, free)
-    cheap = [_cheap(layout, n, free[i] if free else ()) for i, (layout, n) in
-             enumerate(zip(layouts, itemsizes))]
-    heap = []
-    kernelled = any(o[1].kernel for opts in options for o in opts)
-    for combo, changed, partials in _enumerate(options, layouts, mesh):
-        if kernelled and len({r.kernel for _, r, _, _ in combo if r.kernel}) > 1:
-            continue
-        resolved = tuple(zip(*(values for _, _, _, values in combo)))
-        bound = sum(c.quick(sbp) for c, sbp in zip(cheap, resolved))
-        order = tuple(index for index, _, _, _ in combo)
-        heap.append((bound, partials, changed, order, -1, combo, resolved))  # -1: quick bound
-    heapq.heapify(heap)
+    if not all(options):
+        return None  # some axis has no row that can stand there
+    table = _Table(options, layouts, itemsizes, free, mesh)
+    order, heap, taken = table.order, [], 0
     best, best_key = None, None
-    while heap:
-        bound, partials, changed, order, terms, combo, resolved = heapq.heappop(heap)
-        if best_key is not None and (bound, partials, changed, order) >= best_key:
+    while True:  # the candidates in table order, merged with those queued again (the heap)
+        if taken < len(order):
+            index = int(order[taken])
+            first = (table.bound[index], table.partials[index], table.changed[index], index)
+            if heap and heap[0][:4] < first:
+                entry = heapq.heappop(heap)
+            else:
+                taken += 1
+                entry = first + (-1, None, None)  # -1: the table's bound
+        elif heap:
+            entry = heapq.heappop(heap)
+        else:
             break
+        bound, partials, changed, index, terms, combo, resolved = entry
+        if best_key is not None and (bound, partials, changed, index) >= best_key:
+            break
+        if combo is None:
+            combo, resolved = table.candidate(index)
         if terms == -1:  # first the per-axis bound with the planner's count of collectives
-            refined = sum(c.bound(sbp) for c, sbp in zip(cheap, resolved))
+            refined = table.refined(index, resolved)
             if refined > bound:
-                heapq.heappush(heap, (refined, partials, changed, order, 0, combo, resolved))
+                heapq.heappush(heap, (refined, partials, changed, index, 0, combo, resolved))
                 continue
             terms = 0  # 0: no term yet
         rows = tuple(r for _, r, _, _ in combo)
@@ -138,38 +145,15 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
             continue  # a move that would invent a partial sum
         if any(not exact for _, exact, _, _ in terms):
             total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
-            heapq.heappush(heap, (max(bound, total), partials, changed, order, terms, combo,
+            heapq.heappush(heap, (max(bound, total), partials, changed, index, terms, combo,
                                   resolved))
             continue
         cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
-        key = (cost, partials, changed, order)
+        key = (cost, partials, changed, index)
         if best_key is None or key < best_key:
             kernels = {r.kernel for r in rows if r.kernel}
             best, best_key = Choice(targets, outs, kernels.pop() if kernels else None, cost), key
     return best
-
-
-def _enumerate(options, layouts, mesh):
-    """Every candidate of ``options`` (one option per axis, in product order), with the inputs
-    it changes and the partial-sum entries of its results (as :func:`_partials` counts them),
-    both summed from per-axis facts: an input changes if some axis changes it."""
-    uniform = len({len(o[1].outs) for opts in options for o in opts}) == 1
-    per_axis = []
-    for axis, opts in enumerate(options):
-        own = [layout.sbp[axis] for layout in layouts]
-        per_axis.append([(o, sum(1 << i for i, (r, w) in enumerate(zip(o[3], own)) if r != w),
-                          sum(isinstance(v, PartialSum) for v in o[1].outs) if mesh[axis] > 1 else 0)
-                         for o in opts])
-    for entry in itertools.product(*per_axis):
-        combo = tuple(o for o, _, _ in entry)
-        mask = 0
-        for _, m, _ in entry:
-            mask |= m
-        if uniform:  # every row has as many results: per axis, its own
-            partials = sum(p for _, _, p in entry)
-        else:
-            partials = _partials(outs_of(tuple(r for _, r, _, _ in combo)), mesh)
-        yield combo, mask.bit_count(), partials
 
 
 def _partials(outs, mesh) -> int:
@@ -295,121 +279,178 @@ def _axis_options(rule: Rule, layouts, axis: int, fixed, free) -> list:
     return options
 
 
-_CHEAPS = Bounded(4096)
+class _Table:
+    """Every candidate of ``options`` (one option per axis; candidate ``index`` is its place in
+    product order, the last axis fastest), with, as arrays over them all: its bound, the
+    partial-sum entries of its results (as :func:`_partials` counts them) and the inputs it
+    changes, all worked out from per-axis facts; ``order`` lists the candidates by
+    (bound, partial sums, inputs changed, index), leaving out those mixing two kernels.
+
+    The bound, per input, is the planner's (plan._Bound) with one collective per axis that
+    needs one (or one exchange, two messages only where pieces overlap three or more:
+    :func:`_quick_terms`): α per collective, the memory of one step per changed axis, and β
+    for the elements that must move. :meth:`refined` puts in the planner's count of
+    collectives (plan.fewest_collectives: nested splits' round trips, an exchange's messages
+    rank by rank) for a candidate that comes first. A lone candidate gets no bound (0): it
+    is costed whatever its bound."""
+
+    __slots__ = ("options", "layouts", "counts", "bound", "partials", "changed", "order",
+                 "collectives", "rest")
+
+    def __init__(self, options, layouts, itemsizes, free, mesh):
+        self.options, self.layouts = options, layouts
+        self.counts = counts = tuple(len(opts) for opts in options)
+        size = math.prod(counts)
+        if size == 1:
+            kernels = {o[1].kernel for opts in options for o in opts if o[1].kernel}
+            self.order = [0] if len(kernels) <= 1 else []
+            self.bound, self.partials, self.changed = [0.0], [0], [0]
+            self.collectives, self.rest = [[0]] * len(layouts), [[0.0]] * len(layouts)
+            return
+        grid = np.indices(counts).reshape(len(counts), -1)  # per axis, each candidate's option
+        # per axis, per option: each input's target code, the inputs it changes, how many
+        # results it has, which are partial sums, the kernel it names (0: none)
+        kernels = sorted({o[1].kernel for opts in options for o in opts if o[1].kernel})
+        most = max(len(o[1].outs) for opts in options for o in opts)
+        facts = []
+        for a, opts in enumerate(options):
+            own = [layout.sbp[a] for layout in layouts]
+            rows = [[_code(v) for v in o[3]]
+                    + [sum(1 << i for i, (r, w) in enumerate(zip(o[3], own)) if r != w),
+                       len(o[1].outs),
+                       1 + kernels.index(o[1].kernel) if o[1].kernel else 0]
+                    + [mesh[a] > 1 and (len(o[1].outs) == 1 or k < len(o[1].outs)) and isinstance(
+                        o[1].outs[k if len(o[1].outs) > 1 else 0], PartialSum) for k in range(most)]
+                    for o in opts]
+            facts.append(np.array(rows, dtype=np.int64).T[:, grid[a]])
+        facts = np.stack(facts)  # (axis, fact, candidate)
+        m = len(layouts)
+        self.collectives, self.rest = [], []
+        bound = np.zeros(size)
+        for i, (layout, n) in enumerate(zip(layouts, itemsizes)):
+            collectives, rest = _quick_terms(layout, n, free[i] if free else (), facts[:, i])
+            bound += ALPHA * collectives + rest
+            self.collectives.append(collectives.tolist())
+            self.rest.append(rest.tolist())
+        bound *= 1 - 1e-9
+        mask = np.bitwise_or.reduce(facts[:, m], axis=0)
+        changed = sum((mask >> i) & 1 for i in range(m))
+        outs = facts[:, m + 1].max(axis=0)  # a row of one result stands for all of them
+        partials = sum(np.where(k < outs, facts[:, m + 3 + k].sum(axis=0), 0) for k in range(most))
+        index = np.arange(size)
+        if kernels:  # at most one kernel per candidate
+            named = facts[:, m + 2]
+            lowest = np.where(named > 0, named, len(kernels) + 1).min(axis=0)
+            index = index[(lowest > len(kernels)) | (lowest == named.max(axis=0))]
+        self.order = index[np.lexsort((index, changed[index], partials[index], bound[index]))]
+        self.bound, self.partials, self.changed = bound.tolist(), partials.tolist(), changed.tolist()
+
+    def candidate(self, index: int) -> tuple:
+        """(the option of each axis, each input's resolved target sbp) of candidate ``index``."""
+        combo = []
+        for opts, count in zip(reversed(self.options), reversed(self.counts)):
+            index, k = divmod(index, count)
+            combo.append(opts[k])
+        combo.reverse()
+        return tuple(combo), tuple(zip(*(values for _, _, _, values in combo)))
+
+    def refined(self, index: int, resolved) -> float:
+        """The candidate's bound with the planner's count of collectives for each move."""
+        total = 0.0
+        for layout, collectives, rest, sbp in zip(self.layouts, self.collectives, self.rest, resolved):
+            if collectives[index]:
+                total += ALPHA * fewest_collectives(layout, sbp)
+            total += rest[index]
+        return total * (1 - 1e-9)
 
 
-def _cheap(layout: Layout, itemsize: int, free) -> "_Cheap":
-    """The :class:`_Cheap` of an input, kept: the ops of a step see the same layouts again."""
-    key = (layout, itemsize, free)
-    found = _CHEAPS.get(key)
-    if found is None:
-        found = _CHEAPS.put(key, _Cheap(layout, itemsize, free))
-    return found
+def _code(v) -> int:
+    """An sbp value as the planner's int code: S(d) is d, B is -1, P is -2 (plan._Space)."""
+    return v.dim if isinstance(v, Split) else (-1 if isinstance(v, Broadcast) else -2)
 
 
-class _Cheap:
-    """A bound on moving one input to a target sbp, from per-axis facts (see plan._Bound):
-    α per collective every plan needs (plan.fewest_collectives: one per axis that needs one,
-    with nested splits' round trips, or one exchange, two with several messages, after
-    reducing every partial axis), the memory of one step per changed axis, and β for the
-    elements that must move: the reductions a partial axis needs, or what the target's pieces
-    lack (summed over ranks, a layout's pieces hold numel N / s elements, s the product of its
-    split axes' sizes), or, to a non-partial target, both: R - 1 transfers to sum R summands and
-    D - 1 to deliver to the D ranks that hold an element (docs/planner.md, "(c)")."""
+def move_bounds(layout: Layout, itemsize: int, sbp, free=()) -> tuple[float, float]:
+    """The two bounds :class:`_Table` puts on moving ``layout`` to ``sbp`` (resolved): the
+    first stage's and the refined one (with the planner's count of collectives)."""
+    collectives, rest = _quick_terms(layout, itemsize, free,
+                                     np.array([[_code(v)] for v in sbp], dtype=np.int64))
+    collectives, rest = int(collectives[0]), float(rest[0])
+    refined = ALPHA * fewest_collectives(layout, tuple(sbp)) if collectives else 0.0
+    return (ALPHA * collectives + rest) * (1 - 1e-9), (refined + rest) * (1 - 1e-9)
 
-    __slots__ = ("layout", "itemsize", "free", "partial", "smallest", "reduce", "held", "cuts",
-                 "_memo", "_parts")
 
-    def __init__(self, layout: Layout, itemsize: int, free):
-        self.layout, self.itemsize, self.free = layout, itemsize, free
-        mesh = layout.placement.shape
-        self.partial = [a for a, v in enumerate(layout.sbp) if isinstance(v, PartialSum) and mesh[a] > 1]
-        self.smallest = layout.numel() / layout.placement.size
-        self.reduce = math.prod(mesh[a] for a in self.partial)
-        # elements per rank, on average, that ranks hold of the value (none while partial)
-        splits = math.prod(n for n, v in zip(mesh, layout.sbp) if isinstance(v, Split))
-        self.held = 0.0 if self.partial else layout.numel() / splits
-        self.cuts = _cuts(layout.sbp, mesh, layout.ndim)
-        self._memo: dict = {}
-        self._parts: dict = {}
-
-    def quick(self, sbp) -> float:
-        """:meth:`bound` with one collective per axis that needs one (or one exchange, two
-        messages only where pieces overlap three or more: :meth:`_overlaps`): no nested
-        splits' round trips, no rank-by-rank count of messages. Lower, and cheaper: the
-        signature choice orders candidates by it first and refines only those that come
-        first."""
-        collectives, rest = self._split(sbp)
-        return (ALPHA * collectives + rest) * (1 - 1e-9)
-
-    def bound(self, sbp) -> float:
-        found = self._memo.get(sbp)
-        if found is None:
-            collectives, rest = self._split(sbp)
-            if collectives:  # nested splits and exchanges' messages can ask for more (the planner's)
-                collectives = fewest_collectives(self.layout, sbp)
-            found = self._memo[sbp] = (ALPHA * collectives + rest) * (1 - 1e-9)
-        return found
-
-    def _split(self, sbp) -> tuple:
-        found = self._parts.get(sbp)
-        if found is None:
-            found = self._parts[sbp] = self._count(sbp)
-        return found
-
-    def _overlaps(self, sbp, mesh) -> int:
-        """The most pieces of the layout that one piece of ``sbp`` overlaps: a product over
-        dims (see plan._Space.one_message)."""
-        most = 1
-        for length, mine, theirs in zip(self.layout.shape, self.cuts, _cuts(sbp, mesh, len(self.cuts))):
-            if mine or theirs:
-                most *= _most_overlaps(length, mine, theirs)
-        return most
-
-    def _count(self, sbp) -> tuple:
-        """(collectives, the memory and β terms) of the bound on moving to ``sbp``."""
-        layout = self.layout
-        if sbp == layout.sbp or any(sbp == f.sbp for f in self.free):
-            return 0, 0.0
-        mesh = layout.placement.shape
-        comm = steps = 0
-        keep = splits = sums = 1
-        kept = True  # every partial axis stays partial
-        for a, (v, w) in enumerate(zip(layout.sbp, sbp)):
-            if mesh[a] == 1:
-                continue
-            if isinstance(w, Split):
-                splits *= mesh[a]
-            elif isinstance(w, PartialSum):
-                sums *= mesh[a]
-            if isinstance(v, PartialSum) and isinstance(w, PartialSum):
-                keep *= mesh[a]
-                continue
-            kept = kept and not isinstance(v, PartialSum)
-            if v != w:
-                steps += 1
-                comm += not isinstance(v, Broadcast) and not isinstance(w, PartialSum)
-        exchange = len(self.partial) + 1
-        if exchange == 1 and comm > 1 and self._overlaps(sbp, mesh) > 2:
-            exchange = 2  # some rank receives two messages (plan._Space.one_message)
-        numel = layout.numel()
+def _quick_terms(layout: Layout, itemsize: int, free, codes) -> tuple:
+    """(collectives, the memory and β terms) of the bound on moving ``layout`` to the target
+    sbp of each candidate, ``codes`` holding the targets' codes (:func:`_code`), one row per
+    axis: α per collective every plan needs on the axes that need one (the planner's count,
+    plan.fewest_collectives, can be more), or one exchange after reducing every partial
+    axis, two where some target piece overlaps three or more input pieces
+    (plan._Space.one_message, without its rank-by-rank count); the memory of one step per
+    changed axis; β for the reductions a partial axis needs, or what the target's pieces
+    lack (summed over ranks, a layout's pieces hold numel N / s elements, s the product of
+    its split axes' sizes), or, to a non-partial target, both: R - 1 transfers to sum R
+    summands and D - 1 to deliver to the D ranks that hold an element (docs/planner.md,
+    "(c)"). Both 0 for a target that is the layout's own sbp or one of ``free``'s."""
+    mesh = layout.placement.shape
+    own = [_code(v) for v in layout.sbp]
+    partial = [a for a, v in enumerate(own) if v == -2 and mesh[a] > 1]
+    numel, ranks = layout.numel(), layout.placement.size
+    smallest = numel / ranks
+    big = [a for a, n in enumerate(mesh) if n > 1]
+    w = codes[big]
+    v = np.array([own[a] for a in big], dtype=np.int64)[:, None]
+    n = np.array([mesh[a] for a in big], dtype=np.int64)[:, None]
+    split, summed, from_p = w >= 0, w == -2, v == -2
+    splits = np.where(split, n, 1).prod(axis=0)
+    sums = np.where(summed, n, 1).prod(axis=0)
+    changes = w != v
+    steps = changes.sum(axis=0)  # from P, every change but to P is a reduction
+    comm = (changes & (from_p | ((v >= 0) & ~summed))).sum(axis=0)  # from B: slices, zero-fills
+    if partial:
+        exchange = len(partial) + 1
+        reduce = math.prod(mesh[a] for a in partial)
+        keep = np.where(from_p & summed, n, 1).prod(axis=0)
+        kept = ~(from_p & ~summed).any(axis=0)  # every partial axis stays partial
         wanted = numel / (splits * sums)  # per rank, on average, the target's groups need
-        lacking = wanted - self.held if not self.partial else (0.0 if kept else wanted)
-        if self.partial and sums == 1:  # reduce, then deliver to every copy (plan._Bound)
-            elements = self.smallest * (self.reduce + layout.placement.size / splits - 2)
-        else:
-            elements = max(self.smallest * (self.reduce - keep), lacking)
-        return min(comm, exchange), self.itemsize * (
-            MEMORY * self.smallest * min(steps, exchange) + BETA * elements)
+        elements = np.where(sums == 1, smallest * (reduce + ranks / splits - 2),
+                            np.maximum(smallest * (reduce - keep), np.where(kept, 0.0, wanted)))
+    else:
+        exchange = np.ones_like(comm)
+        several = comm > 1
+        if several.any():  # some rank receives two messages (plan._Space.one_message)
+            exchange = np.where(several & (_overlap_products(layout, codes) > 2), 2, 1)
+        held = numel / math.prod(m for m, c in zip(mesh, own) if c >= 0)
+        elements = np.maximum(numel / (splits * sums) - held, 0.0)
+    collectives = np.minimum(comm, exchange)
+    rest = itemsize * (MEMORY * smallest * np.minimum(steps, exchange) + BETA * elements)
+    same = np.zeros(codes.shape[1], dtype=bool)
+    for sbp in (layout.sbp,) + tuple(f.sbp for f in free):
+        same |= (codes == np.array([_code(x) for x in sbp], dtype=np.int64)[:, None]).all(axis=0)
+    return np.where(same, 0, collectives), np.where(same, 0.0, rest)
 
 
-def _cuts(sbp, mesh, ndim) -> tuple:
-    """Per tensor dim, the sizes of the axes (of size > 1) splitting it, outermost first."""
-    cuts = [()] * ndim
-    for v, n in zip(sbp, mesh):
+def _overlap_products(layout: Layout, codes) -> np.ndarray:
+    """Per candidate, the most pieces of ``layout`` one piece of its target overlaps: the
+    product over dims of plan._most_overlaps, each dim's from the axes splitting it (a
+    bitmask of them, in axis order), worked out for the (dim, mask) pairs that occur."""
+    mesh = layout.placement.shape
+    mine = [()] * layout.ndim
+    for v, n in zip(layout.sbp, mesh):
         if isinstance(v, Split) and n > 1:
-            cuts[v.dim] += (n,)
-    return tuple(cuts)
+            mine[v.dim] += (n,)
+    axes = [a for a, n in enumerate(mesh) if n > 1]
+    width = 1 << len(axes)
+    weights = np.array([1 << k for k in range(len(axes))], dtype=np.int64)[:, None]
+    dims = np.arange(layout.ndim, dtype=np.int64)[:, None, None]
+    masks = ((codes[axes][None] == dims) * weights).sum(axis=1)  # (dim, candidate)
+    keys = masks + np.arange(layout.ndim, dtype=np.int64)[:, None] * width
+    table = np.ones(layout.ndim * width, dtype=np.int64)
+    for key in np.flatnonzero(np.bincount(keys.ravel(), minlength=table.size)).tolist():
+        d, m = divmod(key, width)
+        if mine[d] or m:
+            table[key] = _most_overlaps(layout.shape[d], mine[d],
+                                        tuple(mesh[a] for k, a in enumerate(axes) if m >> k & 1))
+    return table[keys].prod(axis=0)
 
 
 def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()) -> Choice | None:

@@ -61,3 +61,48 @@ def test_choice_is_the_one_the_exhaustive_loop_picks(grid):
             assert new == ref, (call.op, layouts, grads, free)
             checked += new is not None
     assert checked > 40
+
+
+@pytest.mark.parametrize("grid", ["[2,2]", "[2,3]", "[2,2,2]"])
+def test_the_candidate_table_holds_each_candidates_facts_and_a_bound_below_its_cost(grid):
+    # choose._Table works out every candidate's facts as arrays over the whole product; each
+    # must equal what the candidate itself says (its results' partial sums, the inputs it
+    # changes, one kernel at most), and its bound must stay below the candidate's cost
+    from globaltensor.ops.choose import (_Table, _axis_options, _candidate_cost, _partials,
+                                         _targets, outs_of)
+    from globaltensor.ops.signature import rows_for
+    rng = random.Random("table" + grid)
+    placement = gt.placement("cpu", GRIDS[grid])
+    mesh = placement.shape
+    checked = 0
+    for call, _ in CALLS:
+        rule = rows_for(call)
+        for _ in range(3):
+            layouts = tuple(_random_layout(rng, placement, s) for s in call.shapes)
+            itemsizes = tuple(rng.choice([2, 4, 8]) for _ in layouts)
+            grads = tuple(rng.random() < 0.5 for _ in layouts)
+            options = [_axis_options(rule, layouts, a, (), ()) for a in range(len(mesh))]
+            if not all(options):
+                continue
+            table = _Table(options, layouts, itemsizes, (), mesh)
+            listed = set(int(i) for i in table.order)
+            size = int(np.prod([len(o) for o in options]))
+            for index in range(size):
+                combo, resolved = table.candidate(index)
+                rows = tuple(r for _, r, _, _ in combo)
+                kernels = {r.kernel for r in rows if r.kernel}
+                assert (index in listed) == (len(kernels) <= 1), (call.op, index)
+                if index not in listed or size == 1:
+                    continue
+                outs = outs_of(rows)
+                assert table.partials[index] == _partials(outs, mesh)
+                assert table.changed[index] == sum(
+                    1 for layout, sbp in zip(layouts, resolved) if layout.sbp != sbp)
+                targets = _targets(layouts, resolved)
+                cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, ())
+                refined = table.refined(index, resolved)  # (summed in another order: rounding)
+                assert table.bound[index] <= refined * (1 + 1e-12) and refined <= cost, (call.op, index)
+                checked += 1
+            keys = [(table.bound[i], table.partials[i], table.changed[i], i) for i in table.order]
+            assert keys == sorted(keys)
+    assert checked > 100
