@@ -250,7 +250,7 @@ class _Space:
 
     __slots__ = ("placement", "shape", "mesh", "numel", "cpu", "values", "order", "_max", "_steps",
                  "_layouts", "_lacking", "_splits",
-                 "_missing", "_index", "_groups", "_group_held", "_three", "_one", "_two", "_overlap_factors")
+                 "_missing", "_index", "_groups", "_group_held", "_three", "_reduced", "_one", "_two", "_overlap_factors")
 
     def __init__(self, placement, shape):
         self.placement, self.shape, self.mesh = placement, shape, placement.shape
@@ -260,7 +260,7 @@ class _Space:
         self.order = tuple(range(len(shape))) + (_B, _P)  # the order of _values: S(0).., B, P
         self._max, self._steps, self._layouts, self._lacking, self._splits = {}, {}, {}, {}, {}
         self._missing, self._index, self._groups, self._group_held = {}, {}, {}, {}
-        self._three, self._one, self._two, self._overlap_factors = {}, {}, {}, {}
+        self._three, self._reduced, self._one, self._two, self._overlap_factors = {}, {}, {}, {}, {}
 
     def codes(self, layout: Layout) -> tuple:
         return tuple(v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
@@ -528,6 +528,20 @@ class _Space:
         if found is None:
             found = self._three[key] = (
                 2 if self.missing(c, t)[1] < 3 or self._one_after_one(c, t) else 3)
+        return found
+
+    def after_reducing(self, c: tuple, t: tuple) -> int:
+        """The fewest collectives (1 or 2) of a route from partial ``c`` through one exchange
+        into non-partial ``t``, besides one reduction per partial axis: an exchange takes no
+        partial sums, so every partial axis is reduced first, each leaving a value that is
+        not P; 1 only if for some such values the exchange sends each rank one message (a
+        further collective, or a second message, makes 2; see :func:`_fewest_messages`)."""
+        key = (c, t)
+        found = self._reduced.get(key)
+        if found is None:
+            options = [(v,) if v != _P else (_B,) + tuple(range(len(self.shape))) for v in c]
+            found = self._reduced[key] = 1 if any(
+                self.one_message(r, t) for r in itertools.product(*options)) else 2
         return found
 
     def _one_after_one(self, c: tuple, t: tuple) -> bool:
@@ -834,11 +848,13 @@ class _Bound:
             lat_local, steps_local = self._local(codes, sizes)
             keep = math.prod(sizes[a] for a in partial if self.target[a] == _P)
         steps_exchange = lat_exchange = len(partial) + 1 if at == 0 else math.inf
-        deeper = 0  # lat_local where the exchange's count may be 3 (for the full bound alone)
+        deeper = 0  # lat_local where the exchange's count may be higher (for the full bound alone)
         if lat_exchange == 1 and lat_local > 1 and self.on_dst == 0:
             lat_exchange = self._messages(codes)
             if lat_exchange == 2 and lat_local > 2 and len(self.targets) == 1:
                 deeper = lat_local
+        elif partial and lat_local > lat_exchange and self.on_dst == 0 and _P not in self.target:
+            deeper = lat_local  # the exchange after the reductions may need two messages
         return (min(lat_local, lat_exchange), min(steps_local, steps_exchange), partial, keep,
                 deeper)
 
@@ -846,7 +862,9 @@ class _Bound:
         found = self._quick.get((at, codes))
         latency, steps, partial, keep, deeper = found if found is not None else self._counts(at, codes)
         if deeper and self.small:
-            latency = min(deeper, self.spaces[0].two_or_three(codes, self.target))
+            space = self.spaces[0]
+            latency = min(deeper, len(partial) + space.after_reducing(codes, self.target) if partial
+                          else space.two_or_three(codes, self.target))
         return (ALPHA * latency + BETA * self.itemsize * self._elements(at, codes, partial, keep)
                 + self.memory * steps)
 
