@@ -780,6 +780,8 @@ def fewest_collectives(src: Layout, sbp: tuple) -> int:
     sizes = space.mesh
     local = _local_counts(codes, target, sizes)[0]
     partial = sum(1 for v, n in zip(codes, sizes) if v == _P and n > 1)
+    if partial and local > partial + 1 and _P not in target:
+        return min(local, partial + space.after_reducing(codes, target))
     if partial or local < 2:
         return min(local, partial + 1)
     options = [(v,) if v != _P else (_B,) + tuple(range(len(space.shape))) for v in target]

@@ -8,7 +8,7 @@ import pytest
 import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
-from globaltensor.plan import _local_step, lower_bound, plan, reference_plan
+from globaltensor.plan import _local_step, fewest_collectives, lower_bound, plan, reference_plan
 from globaltensor.steps import (ALPHA, AllGather, AllGatherV, AllReduce, AllToAll, Exchange,
                                 LocalSlice, ReduceScatter, ZeroFill, holds_full)
 
@@ -275,6 +275,7 @@ def test_routes_from_a_partial_sum_through_an_exchange_count_its_messages():
     src, dst = lay(placement, (P, S(3), S(2)), shape), lay(placement, (S(1), B, S(0)), shape)
     new, _ = _same_cost(src, dst)
     assert new.collectives() == 3 and 2.99 * ALPHA < lower_bound(src, dst) <= new.cost()
+    assert fewest_collectives(src, dst.sbp) == 3  # the signature choice's count agrees
     rng = random.Random(4)  # and the bound stays below the cost from partial sums
     for mesh, shapes in (([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], [shape, (4, 6, 2, 4, 6, 1, 1), (5, 3, 7)]),
                          ([[0, 1, 2], [3, 4, 5]], [(5, 7, 1), (6, 4, 3)])):
@@ -400,6 +401,7 @@ def test_routes_from_a_partial_sum_through_an_exchange_count_its_messages():
     src, dst = lay(placement, (P, S(3), S(2)), shape), lay(placement, (S(1), B, S(0)), shape)
     new, _ = _same_cost(src, dst)
     assert new.collectives() == 3 and 2.99 * ALPHA < lower_bound(src, dst) <= new.cost()
+    assert fewest_collectives(src, dst.sbp) == 3  # the signature choice's count agrees
     rng = random.Random(4)  # and the bound stays below the cost from partial sums
     for mesh, shapes in (([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], [shape, (4, 6, 2, 4, 6, 1, 1), (5, 3, 7)]),
                          ([[0, 1, 2], [3, 4, 5]], [(5, 7, 1), (6, 4, 3)])):
