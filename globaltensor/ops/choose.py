@@ -93,7 +93,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
                 f"internal: a rule for {call.op} gave rows for {len(r.ins)} inputs, the "
                 f"call has {len(layouts)} global tensor inputs; please report this")
     mesh = layouts[0].placement.shape
-    options = [_axis_options(rule, layouts, axis, fixed, free) for axis in range(len(mesh))]
+    options = _options(rule, layouts, len(mesh), fixed, free)
     stay = _stay(rule, call, layouts, options)
     if stay is not None and not _partials(stay.outs, mesh):
         return stay  # (one leaving partial sums may tie with one that resolves them: search)
@@ -252,31 +252,50 @@ def _exact_one(terms, layouts, targets, itemsizes, outs, best=None):
     return terms[:k] + ((cost, exact, i, backward),) + terms[k + 1:]
 
 
-def _axis_options(rule: Rule, layouts, axis: int, fixed, free) -> list:
-    """(index, row, sbp per input) for the rows that can stand on ``axis``: none asks an input
-    to become P (unless a free layout of it is P there), splits a dim it lacks, or changes a
-    fixed input (or, for an in-place op, its result)."""
-    options = []
+def _options(rule: Rule, layouts, naxes: int, fixed, free) -> list:
+    """Per placement axis, (index, row, sbp per input, resolved sbp per input) for the rows
+    that can stand on it: none asks an input to become P (unless a free layout of it is P
+    there), splits a dim it lacks, or changes a fixed input (or, for an in-place op, its
+    result). A row's values are checked and resolved once for all axes (all but KEEP, which
+    stands for each axis' own value)."""
+    ndims = [layout.ndim for layout in layouts]
+    prepared = []
     for index, row in enumerate(rule.rows):
-        values, resolved = [], []
-        for i, (layout, v) in enumerate(zip(layouts, row.ins)):
-            own = layout.sbp[axis]
-            v = own if v is KEEP else v
-            if isinstance(v, Split) and not -layout.ndim <= v.dim < layout.ndim:
-                break
-            r = v.resolve(layout.ndim) if isinstance(v, Split) else v
-            if isinstance(r, PartialSum) and not isinstance(own, PartialSum) and not (
-                    free and any(isinstance(f.sbp[axis], PartialSum) for f in free[i])):
-                break
-            if i in fixed and r != own:
-                break
-            values.append(v)
-            resolved.append(r)
+        entries = []
+        for v, ndim in zip(row.ins, ndims):
+            if v is KEEP:
+                entries.append(None)
+            elif isinstance(v, Split):
+                if not -ndim <= v.dim < ndim:
+                    break  # a split of a dim the input lacks
+                entries.append((v, Split(v.dim % ndim) if v.dim < 0 else v))
+            else:
+                entries.append((v, v))
         else:
-            if fixed and row.outs[0] != layouts[fixed[0]].sbp[axis]:
+            prepared.append((index, row, entries))
+    per_axis = []
+    for axis in range(naxes):
+        own = [layout.sbp[axis] for layout in layouts]
+        partial = [isinstance(o, PartialSum) or bool(free) and any(
+            isinstance(f.sbp[axis], PartialSum) for f in free[i]) for i, o in enumerate(own)]
+        result = layouts[fixed[0]].sbp[axis] if fixed else None
+        options = []
+        for index, row, entries in prepared:
+            if fixed and row.outs[0] != result:
                 continue
-            options.append((index, row, tuple(values), tuple(resolved)))
-    return options
+            values, resolved = [], []
+            for i, entry in enumerate(entries):
+                v, r = (own[i], own[i]) if entry is None else entry
+                if isinstance(r, PartialSum) and not partial[i]:
+                    break
+                if i in fixed and r != own[i]:
+                    break
+                values.append(v)
+                resolved.append(r)
+            else:
+                options.append((index, row, tuple(values), tuple(resolved)))
+        per_axis.append(options)
+    return per_axis
 
 
 class _Table:

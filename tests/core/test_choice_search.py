@@ -68,7 +68,7 @@ def test_the_candidate_table_holds_each_candidates_facts_and_a_bound_below_its_c
     # choose._Table works out every candidate's facts as arrays over the whole product; each
     # must equal what the candidate itself says (its results' partial sums, the inputs it
     # changes, one kernel at most), and its bound must stay below the candidate's cost
-    from globaltensor.ops.choose import (_Table, _axis_options, _candidate_cost, _partials,
+    from globaltensor.ops.choose import (_Table, _candidate_cost, _options, _partials,
                                          _targets, outs_of)
     from globaltensor.ops.signature import rows_for
     rng = random.Random("table" + grid)
@@ -81,7 +81,7 @@ def test_the_candidate_table_holds_each_candidates_facts_and_a_bound_below_its_c
             layouts = tuple(_random_layout(rng, placement, s) for s in call.shapes)
             itemsizes = tuple(rng.choice([2, 4, 8]) for _ in layouts)
             grads = tuple(rng.random() < 0.5 for _ in layouts)
-            options = [_axis_options(rule, layouts, a, (), ()) for a in range(len(mesh))]
+            options = _options(rule, layouts, len(mesh), (), ())
             if not all(options):
                 continue
             table = _Table(options, layouts, itemsizes, (), mesh)
