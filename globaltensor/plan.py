@@ -195,6 +195,11 @@ _B, _P = -1, -2
 _GATHER, _GATHERV, _ALL_TO_ALL, _ZERO_FILL, _SLICE, _ALL_REDUCE, _REDUCE_SCATTER = range(7)
 
 
+def code(v) -> int:
+    """An sbp value as the search's int code: S(d) is d, B is -1, P is -2 (see :class:`_Space`)."""
+    return v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
+
+
 @memo(4096)
 def _ranges(length: int, ns: tuple) -> tuple:
     """The [lo, hi) ranges of a dim of ``length`` split in turn into ``ns`` pieces (nested, the
@@ -263,8 +268,7 @@ class _Space:
         self._three, self._reduced, self._one, self._two, self._overlap_factors = {}, {}, {}, {}, {}
 
     def codes(self, layout: Layout) -> tuple:
-        return tuple(v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
-                     for v in layout.sbp)
+        return tuple(code(v) for v in layout.sbp)
 
     def layout(self, codes: tuple) -> Layout:
         found = self._layouts.get(codes)
@@ -775,8 +779,7 @@ def fewest_collectives(src: Layout, sbp: tuple) -> int:
     exchange. The signature choice bounds candidates with it."""
     space = _space(src.placement, src.shape)
     codes = space.codes(src)
-    target = tuple(v.dim if isinstance(v, Split) else (_B if isinstance(v, Broadcast) else _P)
-                   for v in sbp)
+    target = tuple(code(v) for v in sbp)
     sizes = space.mesh
     local = _local_counts(codes, target, sizes)[0]
     partial = sum(1 for v, n in zip(codes, sizes) if v == _P and n > 1)

@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import GlobalTensorError
 from ..layout import Layout, _trusted
-from ..plan import _most_overlaps, cost_above, fewest_collectives, lower_bound, plan
+from ..plan import _most_overlaps, code as _code, cost_above, fewest_collectives, lower_bound, plan
 from ..sbp import Broadcast, PartialSum, SbpValue, Split
 from ..steps import ALPHA, BETA, MEMORY
 from .signature import KEEP, B, P, Call, Rule, rows_for
@@ -381,11 +381,6 @@ class _Table:
                 total += ALPHA * fewest_collectives(layout, sbp)
             total += rest[index]
         return total * (1 - 1e-9)
-
-
-def _code(v) -> int:
-    """An sbp value as the planner's int code: S(d) is d, B is -1, P is -2 (plan._Space)."""
-    return v.dim if isinstance(v, Split) else (-1 if isinstance(v, Broadcast) else -2)
 
 
 def move_bounds(layout: Layout, itemsize: int, sbp, free=()) -> tuple[float, float]:
