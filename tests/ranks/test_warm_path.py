@@ -135,3 +135,34 @@ def test_cache_is_bounded(monkeypatch):
     expected = [_full((n, 4)).sum().item() for n in range(2, 10) for _ in range(2)]
     assert run_ranks(body, 4, timeout=60) == [expected] * 4
     assert len(convert._MOVES) <= 3
+
+
+def test_kept_meta_results_tell_scalar_types_shapes_and_dtypes_apart():
+    """dispatch.outputs keeps each op's meta result per (op, arguments' shapes, dtypes and
+    values): arguments equal as Python values but promoting differently (1, 1.0, True), or
+    tensors differing only in shape or dtype, must not share one. Rank 2 is outside the
+    placement: its results are made from the meta result alone."""
+    from globaltensor.dispatch import outputs
+
+    pair = gt.placement("cpu", [0, 1])
+
+    def body(rank):
+        outputs._RESULTS.clear()
+        ints = gt.tensor(torch.arange(8).reshape(4, 2), placement=pair, sbp=S(0))
+        results = [ints + 1, ints + 1.0, ints + True, ints * 2, ints * 2.5]
+        floats = gt.tensor(torch.ones(4, 2), placement=pair, sbp=S(0))
+        wide = gt.tensor(torch.ones(4, 3), placement=pair, sbp=S(0))
+        halves = gt.tensor(torch.ones(4, 2, dtype=torch.float16), placement=pair, sbp=S(0))
+        results += [floats + 1, wide + 1, halves + 1, floats.sum(0), floats.sum(1),
+                    floats.sum(1, keepdim=True)]
+        return ([(r.dtype, tuple(r.shape), r.to_local().dtype, r.to_local().dim())
+                 for r in results], len(outputs._RESULTS))
+
+    expect = [(torch.int64, (4, 2)), (torch.float32, (4, 2)), (torch.int64, (4, 2)),
+              (torch.int64, (4, 2)), (torch.float32, (4, 2)), (torch.float32, (4, 2)),
+              (torch.float32, (4, 3)), (torch.float16, (4, 2)), (torch.float32, (2,)),
+              (torch.float32, (4,)), (torch.float32, (4, 1))]
+    for got, kept in run_ranks(body, 3, timeout=60):
+        assert [g[:2] for g in got] == expect
+        assert [(g[2], g[3]) for g in got] == [(d, len(s)) for d, s in expect]  # the pieces too
+        assert kept > 0  # the results were kept, and still told apart
