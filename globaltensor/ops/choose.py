@@ -259,41 +259,43 @@ def _options(rule: Rule, layouts, naxes: int, fixed, free) -> list:
     result). A row's values are checked and resolved once for all axes (all but KEEP, which
     stands for each axis' own value)."""
     ndims = [layout.ndim for layout in layouts]
-    prepared = []
+    prepared = []  # (index, row, values, resolved, inputs asked to be P, KEEP inputs)
     for index, row in enumerate(rule.rows):
-        entries = []
-        for v, ndim in zip(row.ins, ndims):
+        values, resolved, partial, keeps = [], [], 0, []
+        for i, (v, ndim) in enumerate(zip(row.ins, ndims)):
             if v is KEEP:
-                entries.append(None)
+                keeps.append(i)
+                r = None
             elif isinstance(v, Split):
                 if not -ndim <= v.dim < ndim:
                     break  # a split of a dim the input lacks
-                entries.append((v, Split(v.dim % ndim) if v.dim < 0 else v))
+                r = Split(v.dim % ndim) if v.dim < 0 else v
             else:
-                entries.append((v, v))
+                r = v
+                if isinstance(v, PartialSum):
+                    partial |= 1 << i
+            values.append(v)
+            resolved.append(r)
         else:
-            prepared.append((index, row, entries))
+            prepared.append((index, row, tuple(values), tuple(resolved), partial, keeps))
     per_axis = []
     for axis in range(naxes):
-        own = [layout.sbp[axis] for layout in layouts]
-        partial = [isinstance(o, PartialSum) or bool(free) and any(
-            isinstance(f.sbp[axis], PartialSum) for f in free[i]) for i, o in enumerate(own)]
+        own = tuple(layout.sbp[axis] for layout in layouts)
+        can_be_p = sum(1 << i for i, o in enumerate(own) if isinstance(o, PartialSum) or bool(free)
+                       and any(isinstance(f.sbp[axis], PartialSum) for f in free[i]))
         result = layouts[fixed[0]].sbp[axis] if fixed else None
         options = []
-        for index, row, entries in prepared:
-            if fixed and row.outs[0] != result:
+        for index, row, values, resolved, partial, keeps in prepared:
+            if partial & ~can_be_p or fixed and row.outs[0] != result:
                 continue
-            values, resolved = [], []
-            for i, entry in enumerate(entries):
-                v, r = (own[i], own[i]) if entry is None else entry
-                if isinstance(r, PartialSum) and not partial[i]:
-                    break
-                if i in fixed and r != own[i]:
-                    break
-                values.append(v)
-                resolved.append(r)
-            else:
-                options.append((index, row, tuple(values), tuple(resolved)))
+            if keeps:  # KEEP stands for the axis' own value
+                values, resolved = list(values), list(resolved)
+                for i in keeps:
+                    values[i] = resolved[i] = own[i]
+                values, resolved = tuple(values), tuple(resolved)
+            if fixed and any(resolved[i] != own[i] for i in fixed):
+                continue
+            options.append((index, row, values, resolved))
         per_axis.append(options)
     return per_axis
 
