@@ -255,7 +255,8 @@ class _Space:
 
     __slots__ = ("placement", "shape", "mesh", "numel", "cpu", "values", "order", "_max", "_steps",
                  "_layouts", "_lacking", "_splits",
-                 "_missing", "_index", "_groups", "_group_held", "_three", "_reduced", "_one", "_two", "_overlap_factors")
+                 "_missing", "_index", "_groups", "_group_held", "_three", "_reduced", "_one", "_two", "_overlap_factors",
+                 "_sizes")
 
     def __init__(self, placement, shape):
         self.placement, self.shape, self.mesh = placement, shape, placement.shape
@@ -266,6 +267,7 @@ class _Space:
         self._max, self._steps, self._layouts, self._lacking, self._splits = {}, {}, {}, {}, {}
         self._missing, self._index, self._groups, self._group_held = {}, {}, {}, {}
         self._three, self._reduced, self._one, self._two, self._overlap_factors = {}, {}, {}, {}, {}
+        self._sizes = {}
 
     def codes(self, layout: Layout) -> tuple:
         return tuple(code(v) for v in layout.sbp)
@@ -510,11 +512,12 @@ class _Space:
         key = (c, t)
         found = self._overlap_factors.get(key)
         if found is None:
-            mesh = self.mesh
-            found = self._overlap_factors[key] = tuple(
-                _most_overlaps(length, tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
-                if mine or theirs else 1
-                for length, mine, theirs in zip(self.shape, self.split_axes(c), self.split_axes(t)))
+            shape, factors = self.shape, [1] * len(self.shape)
+            mine, theirs = self.split_sizes(c), self.split_sizes(t)
+            for d in {v for v in c if v >= 0} | {v for v in t if v >= 0}:
+                if mine[d] or theirs[d]:
+                    factors[d] = _most_overlaps(shape[d], mine[d], theirs[d])
+            found = self._overlap_factors[key] = tuple(factors)
         return found
 
     def two_or_three(self, c: tuple, t: tuple) -> int:
@@ -555,13 +558,12 @@ class _Space:
         the rank-by-rank count only where it says exactly 2."""
         values, pending = (_B,) + tuple(range(len(self.shape))), []
         mesh, shape = self.mesh, self.shape
-        factors, mine, theirs = self._dim_overlaps(c, t), self.split_axes(c), self.split_axes(t)
+        factors, mine, theirs = self._dim_overlaps(c, t), self.split_axes(c), self.split_sizes(t)
 
         def factor(d, axes):  # dim d's factor with c's split axes of d replaced by ``axes``
             if not axes and not theirs[d]:
                 return 1
-            return _most_overlaps(shape[d], tuple(mesh[b] for b in axes),
-                                  tuple(mesh[b] for b in theirs[d]))
+            return _most_overlaps(shape[d], tuple(mesh[b] for b in axes), theirs[d])
 
         for a, v in enumerate(c):
             if mesh[a] > 1:
@@ -585,15 +587,14 @@ class _Space:
         """(the product of the lengths of the dims neither layout splits, per dim either splits:
         (c's ranges, each coordinate's index into them, t's ranges, the same, and per range
         of t the non-empty ranges of c it overlaps))."""
-        mesh, base, tables = self.mesh, 1, []
-        mine_axes, their_axes = self.split_axes(c), self.split_axes(t)
+        base, tables = 1, []
+        mine_sizes, their_sizes = self.split_sizes(c), self.split_sizes(t)
         mine_index, their_index = self.range_index(c), self.range_index(t)
-        for d, (length, mine, theirs) in enumerate(zip(self.shape, mine_axes, their_axes)):
+        for d, (length, mine, theirs) in enumerate(zip(self.shape, mine_sizes, their_sizes)):
             if not mine and not theirs:
                 base *= length
                 continue
-            mine_ranges, their_ranges, counts = _overlaps(
-                length, tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
+            mine_ranges, their_ranges, counts = _overlaps(length, mine, theirs)
             tables.append((mine_ranges, mine_index[d], their_ranges, their_index[d], counts))
         return base, tables
 
@@ -662,6 +663,15 @@ class _Space:
                 if v >= 0 and n > 1:
                     found[v] += (a,)
             found = self._splits[codes] = tuple(found)
+        return found
+
+    def split_sizes(self, codes: tuple) -> tuple:
+        """Per tensor dim, the sizes of :meth:`split_axes`' axes."""
+        found = self._sizes.get(codes)
+        if found is None:
+            mesh = self.mesh
+            found = self._sizes[codes] = tuple(tuple(mesh[a] for a in axes)
+                                               for axes in self.split_axes(codes))
         return found
 
 
