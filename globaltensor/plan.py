@@ -565,18 +565,25 @@ class _Space:
                 return 1
             return _most_overlaps(shape[d], tuple(mesh[b] for b in axes), theirs[d])
 
+        def product(skip):  # the factors of the dims not in ``skip``
+            most = 1
+            for d, f in enumerate(factors):
+                if d not in skip:
+                    most *= f
+            return most
+
         for a, v in enumerate(c):
             if mesh[a] > 1:
-                left = factor(v, tuple(b for b in mine[v] if b != a)) if v >= 0 else None
+                left = factor(v, tuple(b for b in mine[v] if b != a)) if v >= 0 else 1
+                kept = product((v,)) * left  # dim v loses axis a
                 for w in values:
                     if w == v:
                         continue
-                    changed = {v: left} if v >= 0 else {}
-                    if w >= 0:  # dim w gains axis a, in axis order
-                        changed[w] = factor(w, tuple(sorted(mine[w] + (a,))))
-                    most = 1
-                    for d, f in enumerate(factors):
-                        most *= changed.get(d, f)
+                    most = kept
+                    if w >= 0:  # dim w gains axis a, in axis order (kept holds w's old factor)
+                        f = factors[w]
+                        most = (kept // f if f else product((v, w)) * left) * factor(
+                            w, tuple(sorted(mine[w] + (a,))))
                     if most < 2:
                         return True
                     if most == 2:
