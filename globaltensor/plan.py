@@ -255,7 +255,7 @@ class _Space:
 
     __slots__ = ("placement", "shape", "mesh", "numel", "cpu", "values", "order", "_max", "_steps",
                  "_layouts", "_lacking", "_splits",
-                 "_missing", "_index", "_groups", "_group_held", "_three", "_reduced", "_one", "_two", "_overlap_factors",
+                 "_missing", "_rank_tables", "_groups", "_group_held", "_three", "_reduced", "_one", "_two", "_overlap_factors",
                  "_sizes")
 
     def __init__(self, placement, shape):
@@ -265,7 +265,7 @@ class _Space:
         self.values = tuple(Split(d) for d in range(len(shape))) + (partial_sum, broadcast)
         self.order = tuple(range(len(shape))) + (_B, _P)  # the order of _values: S(0).., B, P
         self._max, self._steps, self._layouts, self._lacking, self._splits = {}, {}, {}, {}, {}
-        self._missing, self._index, self._groups, self._group_held = {}, {}, {}, {}
+        self._missing, self._rank_tables, self._groups, self._group_held = {}, {}, {}, {}
         self._three, self._reduced, self._one, self._two, self._overlap_factors = {}, {}, {}, {}, {}
         self._sizes = {}
 
@@ -475,15 +475,12 @@ class _Space:
         _, tables = self._overlap_tables(c, t)
         for r in range(self.placement.size):
             count, own = 1, True
-            for mine_ranges, mine_at, their_ranges, their_at, counts in tables:
-                j = their_at[r]
-                lo, hi = their_ranges[j]
-                if lo == hi:
+            for table in tables:
+                length, overlap, k = table[r]
+                if not length:
                     break  # an empty piece receives nothing
-                count *= counts[j]
-                if own:
-                    lo2, hi2 = mine_ranges[mine_at[r]]
-                    own = max(lo, lo2) < min(hi, hi2)
+                count *= k
+                own = own and overlap > 0
             else:
                 if count - own >= 2:
                     return True
@@ -592,17 +589,14 @@ class _Space:
 
     def _overlap_tables(self, c: tuple, t: tuple) -> tuple:
         """(the product of the lengths of the dims neither layout splits, per dim either splits:
-        (c's ranges, each coordinate's index into them, t's ranges, the same, and per range
-        of t the non-empty ranges of c it overlaps))."""
+        :meth:`_rank_table`)."""
         base, tables = 1, []
-        mine_sizes, their_sizes = self.split_sizes(c), self.split_sizes(t)
-        mine_index, their_index = self.range_index(c), self.range_index(t)
-        for d, (length, mine, theirs) in enumerate(zip(self.shape, mine_sizes, their_sizes)):
+        for d, (length, mine, theirs) in enumerate(zip(self.shape, self.split_axes(c),
+                                                       self.split_axes(t))):
             if not mine and not theirs:
                 base *= length
-                continue
-            mine_ranges, their_ranges, counts = _overlaps(length, mine, theirs)
-            tables.append((mine_ranges, mine_index[d], their_ranges, their_index[d], counts))
+            else:
+                tables.append(self._rank_table(d, mine, theirs))
         return base, tables
 
     def _count_missing(self, c: tuple, t: tuple) -> tuple[int, int, float]:
@@ -611,13 +605,11 @@ class _Space:
         for r, key in enumerate(self.group_keys(t)):
             size = own = base
             count = 1
-            for mine_ranges, mine_at, their_ranges, their_at, counts in tables:
-                j = their_at[r]
-                lo, hi = their_ranges[j]
-                lo2, hi2 = mine_ranges[mine_at[r]]
-                size *= hi - lo
-                own *= max(0, min(hi, hi2) - max(lo, lo2))
-                count *= counts[j]
+            for table in tables:
+                length, overlap, k = table[r]
+                size *= length
+                own *= overlap
+                count *= k
             missing = size - own if size else 0
             others = count - (own > 0) if missing else 0
             total, most, region = groups.get(key, (0, 0, 0.0))
@@ -625,22 +617,27 @@ class _Space:
                            max(region, missing / others if others else 0.0))
         return _least(groups)
 
-    def range_index(self, codes: tuple) -> tuple:
-        """Per tensor dim, per coordinate (row-major), the index of its range of that dim in
-        :func:`_ranges` order."""
-        found = self._index.get(codes)
+    def _rank_table(self, d: int, mine: tuple, theirs: tuple) -> tuple:
+        """Per coordinate (row-major), for dim ``d`` split by the axes ``mine`` in one layout
+        and ``theirs`` in another: (the length of its range in theirs, the length that range
+        shares with its range in mine, how many non-empty ranges of mine the range in theirs
+        overlaps). Kept per (dim, axes): layouts that split a dim alike share it."""
+        key = (d, mine, theirs)
+        found = self._rank_tables.get(key)
         if found is None:
-            mesh, coords = self.mesh, grid_coords(self.placement)
-            found = []
-            for axes in self.split_axes(codes):
-                at = []
-                for coord in coords:
-                    i = 0
-                    for a in axes:
-                        i = i * mesh[a] + coord[a]
-                    at.append(i)
-                found.append(tuple(at))
-            found = self._index[codes] = tuple(found)
+            mesh = self.mesh
+            mine_ranges, their_ranges, counts = _overlaps(
+                self.shape[d], tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
+            rows = []
+            for coord in grid_coords(self.placement):
+                i = j = 0
+                for a in mine:
+                    i = i * mesh[a] + coord[a]
+                for a in theirs:
+                    j = j * mesh[a] + coord[a]
+                (lo, hi), (lo2, hi2) = their_ranges[j], mine_ranges[i]
+                rows.append((hi - lo, max(0, min(hi, hi2) - max(lo, lo2)), counts[j]))
+            found = self._rank_tables[key] = tuple(rows)
         return found
 
     def group_keys(self, codes: tuple) -> tuple:
