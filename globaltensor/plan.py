@@ -744,6 +744,7 @@ def _space(placement, shape) -> _Space:
 # --------------------------------------------------------------------------- lower bounds
 
 
+@memo(16384)
 def _local_counts(codes: tuple, target: tuple, sizes) -> tuple[int, int]:
     """Collectives and steps every route of axis-local steps from ``codes`` to ``target``
     takes: a collective on each axis going S -> B, S(i) -> S(j), P -> B or P -> S (only
