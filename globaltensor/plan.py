@@ -630,12 +630,8 @@ class _Space:
                 self.shape[d], tuple(mesh[a] for a in mine), tuple(mesh[a] for a in theirs))
             rows = []
             for coord in grid_coords(self.placement):
-                i = j = 0
-                for a in mine:
-                    i = i * mesh[a] + coord[a]
-                for a in theirs:
-                    j = j * mesh[a] + coord[a]
-                (lo, hi), (lo2, hi2) = their_ranges[j], mine_ranges[i]
+                j = _radix(coord, theirs, mesh)
+                (lo, hi), (lo2, hi2) = their_ranges[j], mine_ranges[_radix(coord, mine, mesh)]
                 rows.append((hi - lo, max(0, min(hi, hi2) - max(lo, lo2)), counts[j]))
             found = self._rank_tables[key] = tuple(rows)
         return found
@@ -679,6 +675,15 @@ class _Space:
         return found
 
 
+def _radix(coord, axes, sizes) -> int:
+    """The index of ``coord``'s range in a dim split by ``axes`` in turn (the first outermost):
+    its coordinates on those axes as one mixed-radix number (see :func:`_ranges`)."""
+    i = 0
+    for a in axes:
+        i = i * sizes[a] + coord[a]
+    return i
+
+
 def _nests(mine: tuple, theirs: tuple) -> bool:
     """The nested ranges of one dim cut by the axes ``mine`` and by ``theirs`` (outermost
     first) sum their overlaps, over the coordinates of both, to the dim's length: when the
@@ -703,12 +708,8 @@ def _held(sizes: tuple, dims: tuple) -> int:
     for coord in itertools.product(*(range(n) for n in sizes)):
         product = 1
         for mine_ranges, mine, their_ranges, theirs in tables:
-            i = j = 0
-            for k in mine:
-                i = i * sizes[k] + coord[k]
-            for k in theirs:
-                j = j * sizes[k] + coord[k]
-            (lo, hi), (lo2, hi2) = mine_ranges[i], their_ranges[j]
+            (lo, hi) = mine_ranges[_radix(coord, mine, sizes)]
+            (lo2, hi2) = their_ranges[_radix(coord, theirs, sizes)]
             lo, hi = max(lo, lo2), min(hi, hi2)
             if hi <= lo:
                 product = 0
