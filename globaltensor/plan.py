@@ -526,7 +526,9 @@ class _Space:
         partial sum that another collective must reduce, and a finer source never lowers a
         rank's messages (each piece it needed is cut into parts it still needs): so the
         layouts that differ from ``c`` on one axis, by any value but P, cover every route
-        with one collective."""
+        with one collective, where that collective is a step of its own: one on axis a can
+        neither take nor leave a dim a later axis splits (those splits stay until another
+        collective, and slices only add splits), so such changes are not counted."""
         key = (c, t)
         found = self._three.get(key)
         if found is None:
@@ -571,10 +573,14 @@ class _Space:
 
         for a, v in enumerate(c):
             if mesh[a] > 1:
+                # the dims later axes split: a collective on axis a cannot take or leave them
+                later = {u for u, n in zip(c[a + 1:], mesh[a + 1:]) if u >= 0 and n > 1}
+                if v in later:
+                    continue
                 left = factor(v, tuple(b for b in mine[v] if b != a)) if v >= 0 else 1
                 kept = product((v,)) * left  # dim v loses axis a
                 for w in values:
-                    if w == v:
+                    if w == v or w in later:
                         continue
                     most = kept
                     if w >= 0:  # dim w gains axis a, in axis order (kept holds w's old factor)

@@ -355,6 +355,11 @@ def test_routes_through_an_exchange_are_counted_up_to_three_collectives():
     src, dst = lay(placement, (S(4), S(3), S(1)), shape), lay(placement, (S(0), S(0), S(2)), shape)
     new, _ = _same_cost(src, dst)
     assert new.collectives() == 3 and 2.99 * ALPHA < lower_bound(src, dst) <= new.cost()
+    # changing axis 0 from S(3) to S(0) would leave a layout one message away, but axis 2
+    # splits dim 0 after it, so no single collective can: 3 α again (it used to say 2)
+    src, dst = lay(placement, (S(3), S(1), S(0)), shape), lay(placement, (S(0), S(2), S(0)), shape)
+    new, _ = _same_cost(src, dst)  # an all_to_all, then an exchange of two messages a rank
+    assert new.cost() > 3 * ALPHA and 2.99 * ALPHA < lower_bound(src, dst) <= new.cost()
     # and the bound stays below the cost on non-partial pairs
     _bounds_stay_below_the_cost(random.Random(3), [shape, (8, 10, 4, 6, 1, 1, 1), (5, 3, 7)], 8, ())
 
