@@ -340,7 +340,7 @@ class _Space:
             return found
         mesh, out = self.mesh, []
         for axis, old in enumerate(codes):
-            later = {v for v, n in zip(codes[axis + 1:], mesh[axis + 1:]) if v >= 0 and n > 1}
+            later = _later_splits(codes, mesh, axis)
             for new in self.order:
                 if new == old:
                     continue
@@ -573,14 +573,13 @@ class _Space:
 
         for a, v in enumerate(c):
             if mesh[a] > 1:
-                # the dims later axes split: a collective on axis a cannot take or leave them
-                later = {u for u, n in zip(c[a + 1:], mesh[a + 1:]) if u >= 0 and n > 1}
+                later = _later_splits(c, mesh, a)  # a step on axis a cannot take or leave them
                 if v in later:
                     continue
                 left = factor(v, tuple(b for b in mine[v] if b != a)) if v >= 0 else 1
                 kept = product((v,)) * left  # dim v loses axis a
                 for w in values:
-                    if w == v or w in later:
+                    if w == v or _kind(v, w, later) is None:
                         continue
                     most = kept
                     if w >= 0:  # dim w gains axis a, in axis order (kept holds w's old factor)
@@ -723,6 +722,12 @@ def _held(sizes: tuple, dims: tuple) -> int:
             product *= hi - lo
         total += product
     return total
+
+
+def _later_splits(codes: tuple, mesh, axis: int) -> set:
+    """The dims split by the axes after ``axis`` (of size > 1): a step on ``axis`` can
+    neither take nor leave a split of them (:func:`_kind`)."""
+    return {v for v, n in zip(codes[axis + 1:], mesh[axis + 1:]) if v >= 0 and n > 1}
 
 
 def _kind(old: int, new: int, later: set):
