@@ -2,7 +2,7 @@
 
     python benchmarks/planning.py [--pairs 200] [--calls 40] [--repeats 3] [--reference]
                                   [--transformer [--transformer-grids 2x2,2x2x2] [--no-dtensor] [--dtensor-nd]]
-                                  [--grids 3,4,5] [--choice-grids 3,4]
+                                  [--grids 3,4,5] [--choice-grids 3,4] [--wide-grids 4x4,2x3x4,...]
 
 Pure core only, no communication (the transformer step excepted, see below). "Cold" means every
 cache of the package is emptied first (``_cache.clear_all()``: plans, boxes, bounds, exchanges),
@@ -17,7 +17,10 @@ says nothing about the planner. Reported per grid: median, 90th percentile and m
 - signature choice: ``ops.choose`` for ``mm`` and ``add`` on ``--calls`` seeded pairs of input
   layouts (each input requiring grad or not at random), and for the einsum of issue 14
   ("pqrs,tuqvr->pstuv"): the choices of every aten op of its decomposition, replayed on meta
-  tensors, each op's inputs laid out as the choices before it made them.
+  tensors, each op's inputs laid out as the choices before it made them; then the same
+  choices again with every plan already known (caches kept: the part that is not search).
+- ``--wide-grids``: plan() and the choice for ``mm`` on other grids (more or wider axes, uneven
+  sizes), beyond the targets.
 - ``--transformer``: the first training step of the transformer block of
   tests/ranks/test_transformer.py against its later steps, on 2x2 (data x tensor parallel) and
   2x2x2 (data x data x tensor) grids, in processes (gt.spawn, real gloo; 8 processes on this
@@ -60,7 +63,11 @@ SHAPES = [(1024, 1024), (4096, 512), (64, 48), (13, 17), (5, 7)]
 
 
 def grid(ndim: int) -> gt.Placement:
-    return gt.placement("cpu", np.arange(2 ** ndim).reshape([2] * ndim).tolist())
+    return grid_of((2,) * ndim)
+
+
+def grid_of(shape) -> gt.Placement:
+    return gt.placement("cpu", np.arange(math.prod(shape)).reshape(shape).tolist())
 
 
 def cold(fn, repeats: int) -> float:
@@ -69,6 +76,16 @@ def cold(fn, repeats: int) -> float:
     for _ in range(repeats):
         clear_all()
         gc.collect()
+        start = time.perf_counter()
+        fn()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def warm(fn, repeats: int) -> float:
+    """Seconds of the fastest of ``repeats`` runs of ``fn()``, caches kept."""
+    best = float("inf")
+    for _ in range(repeats):
         start = time.perf_counter()
         fn()
         best = min(best, time.perf_counter() - start)
@@ -85,9 +102,9 @@ def summary(times) -> str:
 # --------------------------------------------------------------------------- plan()
 
 
-def pairs(ndim: int, count: int):
+def pairs(ndim: int, count: int, placement=None):
     rng = random.Random(1000 + ndim)
-    placement = grid(ndim)
+    placement = placement or grid(ndim)
     for _ in range(count):
         a, b = (tuple(rng.choice(VALUES) for _ in range(ndim)) for _ in range(2))
         shape = rng.choice(SHAPES)
@@ -191,6 +208,31 @@ def bench_choices(ndims, count, repeats):
             times.append(cold(lambda: replay(placement, inputs, calls, ls), repeats))
         print(f"choose einsum     {'x'.join(['2'] * ndim):<10} {summary(times)}  "
               f"({len(calls)} aten ops)", flush=True)
+        rng, times = random.Random(3000 + ndim), []
+        for _ in range(count):  # the same samples again, every plan already known
+            ls = layouts_for(rng, placement, [tuple(t.shape) for t in inputs])
+            clear_all()
+            replay(placement, inputs, calls, ls)
+            times.append(warm(lambda: replay(placement, inputs, calls, ls), repeats))
+        print(f"  plans known     {'x'.join(['2'] * ndim):<10} {summary(times)}  "
+              f"(the same choices with their plans cached: the part that is not search)",
+              flush=True)
+
+
+def bench_wide(shapes, count, repeats):
+    """plan() and the choice for ``mm`` on grids with more or wider axes than the targets'
+    (uneven sizes among them): not targets, a look at how planning grows beyond them."""
+    mm = Call("mm.default", ((1024, 512), (512, 2048)), (Ref(0), Ref(1)))
+    for shape in shapes:
+        placement, name = grid_of(shape), "x".join(map(str, shape))
+        sample = list(pairs(len(shape), count, placement))
+        times = [cold(lambda: plan(src, dst), repeats) for src, dst in sample]
+        print(f"plan()            {name:<10} {summary(times)}", flush=True)
+        rng, times = random.Random(2000 + len(shape)), []
+        for _ in range(max(count // 5, 1)):
+            ls = layouts_for(rng, placement, mm.shapes)
+            times.append(cold(lambda: choose(mm, ls, (4,) * len(ls)), repeats))
+        print(f"choose mm         {name:<10} {summary(times)}", flush=True)
 
 
 # --------------------------------------------------------------------------- transformer
@@ -349,6 +391,9 @@ def main(argv=None):
     ap.add_argument("--grids", default="3,4,5", help="placement ndims for plan() (2 ranks each)")
     ap.add_argument("--choice-grids", default="3,4")
     ap.add_argument("--reference", action="store_true")
+    ap.add_argument("--wide-grids", default="",
+                    help="also plan() and choose mm on these grids, e.g. 4x4,2x3x4,4x4x4,2x2x4x4 "
+                         "(not targets; --pairs pairs and --pairs/5 mm calls per grid)")
     ap.add_argument("--transformer", action="store_true",
                     help="also time the transformer block's first training step (processes)")
     ap.add_argument("--transformer-grids", default="2x2,2x2x2")
@@ -361,6 +406,8 @@ def main(argv=None):
     torch.set_num_threads(1)
     bench_plans([int(g) for g in args.grids.split(",") if g], args.pairs, args.repeats, args.reference)
     bench_choices([int(g) for g in args.choice_grids.split(",") if g], args.calls, args.repeats)
+    bench_wide([tuple(int(n) for n in g.split("x")) for g in args.wide_grids.split(",") if g],
+               args.pairs, args.repeats)
     if args.transformer:
         grids = [tuple(int(n) for n in g.split("x")) for g in args.transformer_grids.split(",") if g]
         bench_transformer(grids, args.steps, not args.no_dtensor, args.dtensor_nd)
