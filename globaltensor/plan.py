@@ -545,10 +545,61 @@ class _Space:
         key = (c, t)
         found = self._reduced.get(key)
         if found is None:
-            options = [(v,) if v != _P else (_B,) + tuple(range(len(self.shape))) for v in c]
-            found = self._reduced[key] = 1 if any(
-                self.one_message(r, t) for r in itertools.product(*options)) else 2
+            values = (_B,) + tuple(range(len(self.shape)))
+            options = [(v,) if v != _P else values for v in c]
+            if _P in t:
+                if c.count(_P) == 1 and t.count(_P) == 1 and self.numel:
+                    found = self._reduced_one(c, t)
+                else:
+                    targets = [t] + list(itertools.product(*((v,) if v != _P else values
+                                                             for v in t)))
+                    found = 1 if any(_fewest_messages(self, r, targets) == 1
+                                     for r in itertools.product(*options)) else 2
+            else:
+                found = 1 if any(self.one_message(r, t) for r in itertools.product(*options)) else 2
+            self._reduced[key] = found
         return found
+
+    def _reduced_one(self, c: tuple, t: tuple) -> int:
+        """:meth:`after_reducing` for one partial axis in ``c`` and one in ``t``: per value
+        the reduction leaves (B or S(v)) and per core of ``t`` (B or S(w) there), the per-dim
+        product of overlaps changes only at dims v and w, so it is worked out from the factors
+        of the two layouts with B on both axes; the rank-by-rank count only where it is 2."""
+        pc, pt = c.index(_P), t.index(_P)
+        c0, t0 = c[:pc] + (_B,) + c[pc + 1:], t[:pt] + (_B,) + t[pt + 1:]
+        mesh, shape = self.mesh, self.shape
+        factors = self._dim_overlaps(c0, t0)
+        mine, theirs = self.split_axes(c0), self.split_axes(t0)
+        dims = range(len(shape))
+
+        def factor(d, v, w):  # dim d's factor with axis pc added to c's splits (v == d), pt to t's
+            m = tuple(sorted(mine[d] + (pc,))) if v == d and mesh[pc] > 1 else mine[d]
+            th = tuple(sorted(theirs[d] + (pt,))) if w == d and mesh[pt] > 1 else theirs[d]
+            if not m and not th:
+                return 1
+            return _most_overlaps(shape[d], tuple(mesh[b] for b in m), tuple(mesh[b] for b in th))
+
+        base = math.prod(factors)  # every factor is 1 or more (no dim is empty here)
+        gained = {v: factor(v, v, _B) for v in dims}  # dim v split by pc too
+        given = {w: factor(w, _B, w) for w in dims}  # dim w split by pt too
+        pending = []
+        for v in (_B,) + tuple(dims):
+            left = base if v == _B else base // factors[v] * gained[v]
+            for w in (_B,) + tuple(dims):
+                if w == _B:
+                    most = left
+                elif w == v:
+                    most = base // factors[v] * factor(v, v, w)
+                else:
+                    most = left // factors[w] * given[w]
+                if most < 2:
+                    return 1
+                if most == 2:
+                    r = c[:pc] + (v,) + c[pc + 1:]
+                    pending.append((r, t[:pt] + (w,) + t[pt + 1:]))
+                    if w == _B:
+                        pending.append((r, t))
+        return 1 if any(_fewest_messages(self, r, (k,)) == 1 for r, k in pending) else 2
 
     def _one_after_one(self, c: tuple, t: tuple) -> bool:
         """Whether a layout one axis away from ``c`` (any value but P) has an exchange into
@@ -810,7 +861,7 @@ def fewest_collectives(src: Layout, sbp: tuple) -> int:
     sizes = space.mesh
     local = _local_counts(codes, target, sizes)[0]
     partial = sum(1 for v, n in zip(codes, sizes) if v == _P and n > 1)
-    if partial and local > partial + 1 and _P not in target:
+    if partial and local > partial + 1:
         return min(local, partial + space.after_reducing(codes, target))
     if partial or local < 2:
         return min(local, partial + 1)
@@ -885,7 +936,7 @@ class _Bound:
             lat_exchange = self._messages(codes)
             if lat_exchange == 2 and lat_local > 2 and len(self.targets) == 1:
                 deeper = lat_local
-        elif partial and lat_local > lat_exchange and self.on_dst == 0 and _P not in self.target:
+        elif partial and lat_local > lat_exchange and self.on_dst == 0:
             deeper = lat_local  # the exchange after the reductions may need two messages
         return (min(lat_local, lat_exchange), min(steps_local, steps_exchange), partial, keep,
                 deeper)

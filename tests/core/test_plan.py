@@ -3,6 +3,7 @@ placement changes, caching and the describe() text. Pure: no ranks, no communica
 import itertools
 import random
 
+import numpy as np
 import pytest
 
 import globaltensor as gt
@@ -163,6 +164,23 @@ def test_no_plan_holds_the_full_tensor_unless_the_target_does(shape):
                 continue
             for step in plan(src, dst).steps[:-1]:
                 assert not holds_full(step.after), plan(src, dst).describe()
+
+
+def test_routes_from_a_partial_sum_into_a_partial_target_count_the_exchange_into_its_cores():
+    # dst keeps the partial axis; an exchange route still reduces it first (an exchange takes
+    # no partial sums), then exchanges into dst or one of its cores (B or S(d) there, made
+    # partial again for free): here no reduction and no core gets one message per rank, so
+    # 1 + 2 collectives, as the plan costs, where the bound used to say 1 + 1
+    placement = gt.placement("cpu", np.arange(16).reshape(2, 2, 2, 2).tolist())
+    shape = (4, 6, 2, 4, 6, 1, 1)
+    src = lay(placement, (S(1), P, S(1), S(3)), shape)
+    dst = lay(placement, (S(0), P, S(0), S(2)), shape)
+    cost = plan(src, dst).cost()
+    assert plan(src, dst).collectives() == 3 and 2.99 * ALPHA < lower_bound(src, dst) <= cost
+    assert fewest_collectives(src, dst.sbp) == 3
+    # and the bound stays below the cost into partial targets
+    _bounds_stay_below_the_cost(random.Random(5), [(4, 2, 4, 4), (4, 6, 2, 4, 6, 1, 1), (5, 3, 7)],
+                                12, (P, P), (P,))
 
 
 @pytest.mark.parametrize("src_ranks, dst_ranks", [
@@ -364,9 +382,10 @@ def test_routes_through_an_exchange_are_counted_up_to_three_collectives():
     _bounds_stay_below_the_cost(random.Random(3), [shape, (8, 10, 4, 6, 1, 1, 1), (5, 3, 7)], 8, ())
 
 
-def _bounds_stay_below_the_cost(rng, shapes_3d, count, partial):
+def _bounds_stay_below_the_cost(rng, shapes_3d, count, partial, partial_dst=()):
     """lower_bound <= the exhaustive search's cost on random pairs on 2x2x2 (``shapes_3d``)
-    and 2x3, sources drawing P with the weights of ``partial`` (targets never P)."""
+    and 2x3, sources drawing P with the weights of ``partial`` (targets with those of
+    ``partial_dst``)."""
     for mesh, shapes in (([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], shapes_3d),
                          ([[0, 1, 2], [3, 4, 5]], [(5, 7, 1), (6, 4, 3)])):
         placement = gt.placement("cpu", mesh)
@@ -374,7 +393,7 @@ def _bounds_stay_below_the_cost(rng, shapes_3d, count, partial):
             values = [S(d) for d in range(len(shape))] + [B]
             for _ in range(count):
                 a = tuple(rng.choice(values + list(partial)) for _ in range(placement.ndim))
-                b = tuple(rng.choice(values) for _ in range(placement.ndim))
+                b = tuple(rng.choice(values + list(partial_dst)) for _ in range(placement.ndim))
                 src, dst = lay(placement, a, shape), lay(placement, b, shape)
                 assert lower_bound(src, dst) <= reference_plan(src, dst).cost() * (1 + 1e-12)
 
