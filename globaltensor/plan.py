@@ -538,10 +538,13 @@ class _Space:
 
     def after_reducing(self, c: tuple, t: tuple) -> int:
         """The fewest collectives (1 or 2) of a route from partial ``c`` through one exchange
-        into non-partial ``t``, besides one reduction per partial axis: an exchange takes no
-        partial sums, so every partial axis is reduced first, each leaving a value that is
-        not P; 1 only if for some such values the exchange sends each rank one message (a
-        further collective, or a second message, makes 2; see :func:`_fewest_messages`)."""
+        into ``t``, besides one reduction per partial axis: an exchange takes no partial
+        sums, so every partial axis is reduced first (a partial axis ``t`` keeps too, made
+        partial again after the exchange by a free zero-fill), each leaving a value that is
+        not P; 1 only if for some such values the exchange into ``t`` (or, for a partial
+        ``t``, into one of its cores: each partial axis B or S(d)) sends each rank one
+        message (a further collective, or a second message, makes 2; see
+        :func:`_fewest_messages`)."""
         key = (c, t)
         found = self._reduced.get(key)
         if found is None:
