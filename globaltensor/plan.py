@@ -517,6 +517,15 @@ class _Space:
             found = self._overlap_factors[key] = tuple(factors)
         return found
 
+    def _factor(self, d: int, mine: tuple, theirs: tuple) -> int:
+        """Dim ``d``'s factor of :meth:`_dim_overlaps` for layouts splitting it by the axes
+        ``mine`` and ``theirs`` (outermost first)."""
+        if not mine and not theirs:
+            return 1
+        mesh = self.mesh
+        return _most_overlaps(self.shape[d], tuple(mesh[b] for b in mine),
+                              tuple(mesh[b] for b in theirs))
+
     def two_or_three(self, c: tuple, t: tuple) -> int:
         """The fewest collectives (2 or 3) of a route from non-partial ``c`` through one
         exchange into non-partial ``t``, when every such route takes two or more: 3 unless
@@ -570,17 +579,15 @@ class _Space:
         of the two layouts with B on both axes; the rank-by-rank count only where it is 2."""
         pc, pt = c.index(_P), t.index(_P)
         c0, t0 = c[:pc] + (_B,) + c[pc + 1:], t[:pt] + (_B,) + t[pt + 1:]
-        mesh, shape = self.mesh, self.shape
+        mesh = self.mesh
         factors = self._dim_overlaps(c0, t0)
         mine, theirs = self.split_axes(c0), self.split_axes(t0)
-        dims = range(len(shape))
+        dims = range(len(self.shape))
 
         def factor(d, v, w):  # dim d's factor with axis pc added to c's splits (v == d), pt to t's
             m = tuple(sorted(mine[d] + (pc,))) if v == d and mesh[pc] > 1 else mine[d]
             th = tuple(sorted(theirs[d] + (pt,))) if w == d and mesh[pt] > 1 else theirs[d]
-            if not m and not th:
-                return 1
-            return _most_overlaps(shape[d], tuple(mesh[b] for b in m), tuple(mesh[b] for b in th))
+            return self._factor(d, m, th)
 
         base = math.prod(factors)  # every factor is 1 or more (no dim is empty here)
         gained = {v: factor(v, v, _B) for v in dims}  # dim v split by pc too
@@ -610,13 +617,11 @@ class _Space:
         (a change on one axis changes the factors of the dims it leaves and enters only), and
         the rank-by-rank count only where it says exactly 2."""
         values, pending = (_B,) + tuple(range(len(self.shape))), []
-        mesh, shape = self.mesh, self.shape
-        factors, mine, theirs = self._dim_overlaps(c, t), self.split_axes(c), self.split_sizes(t)
+        mesh = self.mesh
+        factors, mine, theirs = self._dim_overlaps(c, t), self.split_axes(c), self.split_axes(t)
 
         def factor(d, axes):  # dim d's factor with c's split axes of d replaced by ``axes``
-            if not axes and not theirs[d]:
-                return 1
-            return _most_overlaps(shape[d], tuple(mesh[b] for b in axes), theirs[d])
+            return self._factor(d, axes, theirs[d])
 
         def product(skip):  # the factors of the dims not in ``skip``
             most = 1
