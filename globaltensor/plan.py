@@ -549,106 +549,83 @@ class _Space:
         """The fewest collectives (1 or 2) of a route from partial ``c`` through one exchange
         into ``t``, besides one reduction per partial axis: an exchange takes no partial
         sums, so every partial axis is reduced first (a partial axis ``t`` keeps too, made
-        partial again after the exchange by a free zero-fill), each leaving a value that is
-        not P; 1 only if for some such values the exchange into ``t`` (or, for a partial
-        ``t``, into one of its cores: each partial axis B or S(d)) sends each rank one
-        message (a further collective, or a second message, makes 2; see
-        :func:`_fewest_messages`)."""
+        partial again after the exchange by a free zero-fill); 1 only if the exchange from
+        ``c`` with every partial axis reduced to B sends each rank one message into ``t`` (or,
+        for a partial ``t``, into one of its cores: each partial axis B or S(d)). B is the
+        coarsest value a reduction leaves: P -> S(d) on axis a needs no later axis splitting d
+        (:func:`_kind`), so a is innermost and cuts each range of d finer, as a free slice after
+        an all_reduce would; and a finer source never lowers a rank's messages (each piece it
+        needed is cut into parts it still needs). A further collective, or a second message,
+        makes 2 (see :func:`_fewest_messages`)."""
         key = (c, t)
         found = self._reduced.get(key)
         if found is None:
-            values = (_B,) + tuple(range(len(self.shape)))
-            options = [(v,) if v != _P else values for v in c]
+            reduced = tuple(_B if v == _P else v for v in c)
             if _P in t:
-                if c.count(_P) == 1 and t.count(_P) == 1 and self.numel:
-                    found = self._reduced_one(c, t)
+                if t.count(_P) == 1 and self.numel:
+                    found = self._reduced_one(reduced, t)
                 else:
+                    values = (_B,) + tuple(range(len(self.shape)))
                     targets = [t] + list(itertools.product(*((v,) if v != _P else values
                                                              for v in t)))
-                    found = 1 if any(_fewest_messages(self, r, targets) == 1
-                                     for r in itertools.product(*options)) else 2
+                    found = _fewest_messages(self, reduced, targets)
             else:
-                found = 1 if any(self.one_message(r, t) for r in itertools.product(*options)) else 2
+                found = 1 if self.one_message(reduced, t) else 2
             self._reduced[key] = found
         return found
 
-    def _reduced_one(self, c: tuple, t: tuple) -> int:
-        """:meth:`after_reducing` for one partial axis in ``c`` and one in ``t``: per value
-        the reduction leaves (B or S(v)) and per core of ``t`` (B or S(w) there), the per-dim
-        product of overlaps changes only at dims v and w, so it is worked out from the factors
-        of the two layouts with B on both axes; the rank-by-rank count only where it is 2."""
-        pc, pt = c.index(_P), t.index(_P)
-        c0, t0 = c[:pc] + (_B,) + c[pc + 1:], t[:pt] + (_B,) + t[pt + 1:]
+    def _reduced_one(self, r: tuple, t: tuple) -> int:
+        """:meth:`after_reducing` into a ``t`` with one partial axis, from ``r`` (its source with
+        every partial axis reduced to B): per core of ``t`` (B or S(w) on that axis) the per-dim
+        product of overlaps changes only at dim w, so it is worked out from the factors of
+        ``r`` and ``t`` with B there; the rank-by-rank count only where it is 2."""
+        pt = t.index(_P)
+        t0 = t[:pt] + (_B,) + t[pt + 1:]
         mesh = self.mesh
-        factors = self._dim_overlaps(c0, t0)
-        mine, theirs = self.split_axes(c0), self.split_axes(t0)
-        dims = range(len(self.shape))
-
-        def factor(d, v, w):  # dim d's factor with axis pc added to c's splits (v == d), pt to t's
-            m = tuple(sorted(mine[d] + (pc,))) if v == d and mesh[pc] > 1 else mine[d]
-            th = tuple(sorted(theirs[d] + (pt,))) if w == d and mesh[pt] > 1 else theirs[d]
-            return self._factor(d, m, th)
-
+        factors = self._dim_overlaps(r, t0)
+        mine, theirs = self.split_axes(r), self.split_axes(t0)
         base = math.prod(factors)  # every factor is 1 or more (no dim is empty here)
-        gained = {v: factor(v, v, _B) for v in dims}  # dim v split by pc too
-        given = {w: factor(w, _B, w) for w in dims}  # dim w split by pt too
         pending = []
-        for v in (_B,) + tuple(dims):
-            left = base if v == _B else base // factors[v] * gained[v]
-            for w in (_B,) + tuple(dims):
+        for w in (_B,) + tuple(range(len(self.shape))):
+            if w == _B:
+                most = base
+            else:  # dim w split by pt too
+                th = tuple(sorted(theirs[w] + (pt,))) if mesh[pt] > 1 else theirs[w]
+                most = base // factors[w] * self._factor(w, mine[w], th)
+            if most < 2:
+                return 1
+            if most == 2:
+                pending.append(t[:pt] + (w,) + t[pt + 1:])
                 if w == _B:
-                    most = left
-                elif w == v:
-                    most = base // factors[v] * factor(v, v, w)
-                else:
-                    most = left // factors[w] * given[w]
-                if most < 2:
-                    return 1
-                if most == 2:
-                    r = c[:pc] + (v,) + c[pc + 1:]
-                    pending.append((r, t[:pt] + (w,) + t[pt + 1:]))
-                    if w == _B:
-                        pending.append((r, t))
-        return 1 if any(_fewest_messages(self, r, (k,)) == 1 for r, k in pending) else 2
+                    pending.append(t)
+        return 1 if any(_fewest_messages(self, r, (k,)) == 1 for k in pending) else 2
 
     def _one_after_one(self, c: tuple, t: tuple) -> bool:
-        """Whether a layout one axis away from ``c`` (any value but P) has an exchange into
-        ``t`` that sends each rank one message: the per-dim product first, for all of them
-        (a change on one axis changes the factors of the dims it leaves and enters only), and
-        the rank-by-rank count only where it says exactly 2."""
-        values, pending = (_B,) + tuple(range(len(self.shape))), []
+        """Whether one collective leads from non-partial ``c`` to a layout whose exchange into
+        ``t`` sends each rank one message. Per axis a that splits some dim v no later axis
+        splits (otherwise no step on a is legal), the coarsest layout a collective there
+        leaves is ``c`` with B on a: an all_to_all to S(x), or a zero-fill reduced to S(x),
+        needs no later axis splitting x, so it cuts that layout's ranges of x finer, and the
+        free steps around the collective are slices, which cut finer too (a collective on
+        a B axis leaves a layout finer than ``c``, which :meth:`two_or_three` asks first).
+        Finer never lowers a rank's messages, so those layouts are enough: the per-dim
+        product first (dim v loses axis a), the rank-by-rank count only where it says 2."""
         mesh = self.mesh
-        factors, mine, theirs = self._dim_overlaps(c, t), self.split_axes(c), self.split_axes(t)
-
-        def factor(d, axes):  # dim d's factor with c's split axes of d replaced by ``axes``
-            return self._factor(d, axes, theirs[d])
-
-        def product(skip):  # the factors of the dims not in ``skip``
-            most = 1
-            for d, f in enumerate(factors):
-                if d not in skip:
-                    most *= f
-            return most
-
+        factors, mine = self._dim_overlaps(c, t), self.split_axes(c)
+        theirs = self.split_axes(t)
+        base = math.prod(factors)
+        pending = []
         for a, v in enumerate(c):
-            if mesh[a] > 1:
-                later = _later_splits(c, mesh, a)  # a step on axis a cannot take or leave them
-                if v in later:
-                    continue
-                left = factor(v, tuple(b for b in mine[v] if b != a)) if v >= 0 else 1
-                kept = product((v,)) * left  # dim v loses axis a
-                for w in values:
-                    if w == v or _kind(v, w, later) is None:
-                        continue
-                    most = kept
-                    if w >= 0:  # dim w gains axis a, in axis order (kept holds w's old factor)
-                        f = factors[w]
-                        most = (kept // f if f else product((v, w)) * left) * factor(
-                            w, tuple(sorted(mine[w] + (a,))))
-                    if most < 2:
-                        return True
-                    if most == 2:
-                        pending.append(c[:a] + (w,) + c[a + 1:])
+            if v < 0 or mesh[a] == 1 or v in _later_splits(c, mesh, a):
+                continue
+            f = factors[v]
+            left = self._factor(v, tuple(b for b in mine[v] if b != a), theirs[v])
+            most = base // f * left if f else math.prod(
+                x for d, x in enumerate(factors) if d != v) * left
+            if most < 2:
+                return True
+            if most == 2:
+                pending.append(c[:a] + (_B,) + c[a + 1:])
         return any(not self.receives_two(n, t) for n in pending)
 
     def _overlap_tables(self, c: tuple, t: tuple) -> tuple:

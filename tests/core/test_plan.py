@@ -9,7 +9,8 @@ import pytest
 import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
-from globaltensor.plan import _local_step, fewest_collectives, lower_bound, plan, reference_plan
+from globaltensor.plan import (_B, _P, _SLICE, _ZERO_FILL, _fewest_messages, _local_step, _space,
+                              fewest_collectives, lower_bound, plan, reference_plan)
 from globaltensor.steps import (ALPHA, AllGather, AllGatherV, AllReduce, AllToAll, Exchange,
                                 LocalSlice, ReduceScatter, ZeroFill, holds_full)
 
@@ -411,6 +412,49 @@ def test_routes_from_a_partial_sum_into_a_partial_target_count_the_exchange_into
     # and the bound stays below the cost into partial targets
     _bounds_stay_below_the_cost(random.Random(5), [(4, 2, 4, 4), (4, 6, 2, 4, 6, 1, 1), (5, 3, 7)],
                                 12, (P, P), (P,))
+
+
+def _reached(space, codes, collectives):
+    """The non-partial layouts that legal steps reach from ``codes`` with exactly
+    ``collectives`` collectives and any free steps (slices, zero-fills) around them."""
+    seen, stack = {(codes, 0)}, [(codes, 0)]
+    while stack:
+        c, k = stack.pop()
+        for _, axis, _, kind, after in space.steps(c):
+            used = k + (kind not in (_SLICE, _ZERO_FILL) and space.mesh[axis] > 1)
+            if used <= collectives and (after, used) not in seen:
+                seen.add((after, used))
+                stack.append((after, used))
+    return {c for c, k in seen if k == collectives and _P not in c}
+
+
+@pytest.mark.parametrize("mesh, shapes", [
+    ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], [(5, 3, 7), (6, 1, 4), (4, 6, 2, 4, 6, 1, 1)]),
+    ([[0, 1, 2], [3, 4, 5]], [(5, 7, 1), (7, 3)]),
+])
+def test_exchange_route_counts_are_what_legal_routes_reach(mesh, shapes):
+    # the bound's exchange counts look only at the coarsest layout a collective or a
+    # reduction leaves (B on its axis; anything else it can leave cuts those pieces finer,
+    # which never lowers a rank's messages): they must say exactly what enumerating every
+    # legal route says, uneven and nested splits included
+    placement, rng = gt.placement("cpu", mesh), random.Random(6)
+    for shape in shapes:
+        space = _space(placement, shape)
+        values = tuple(range(len(shape))) + (_B,)
+        for _ in range(25):
+            c = tuple(rng.choice(values) for _ in range(placement.ndim))
+            t = tuple(rng.choice(values) for _ in range(placement.ndim))
+            if not space.one_message(c, t):  # two_or_three asks only then
+                brute = any(space.one_message(n, t) for n in _reached(space, c, 1))
+                assert space._one_after_one(c, t) == brute, (shape, c, t)
+            p = tuple(_P if rng.random() < 0.4 else v for v in c)
+            if _P not in p:
+                continue
+            q = tuple(_P if rng.random() < 0.3 else v for v in t)
+            targets = [q] + list(itertools.product(*((v,) if v != _P else values for v in q)))
+            brute = any(_fewest_messages(space, n, targets) == 1 if _P in q
+                        else space.one_message(n, q) for n in _reached(space, p, p.count(_P)))
+            assert space.after_reducing(p, q) == (1 if brute else 2), (shape, p, q)
 
 
 @pytest.mark.parametrize("src_ranks, dst_ranks", [
