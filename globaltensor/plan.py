@@ -864,7 +864,7 @@ class _Bound:
     then one exchange), so their sum is one too."""
 
     __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "copies",
-                 "targets", "small", "_memo", "_quick")
+                 "targets", "small", "_memo", "_quick", "_deep")
 
     def __init__(self, src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE):
         self.src, self.dst, self.itemsize = src, dst, itemsize
@@ -885,6 +885,7 @@ class _Bound:
         self.small = BETA * itemsize * dst.numel() < 20 * ALPHA
         self._memo: dict = {}
         self._quick: dict = {}
+        self._deep: dict = {}
 
     def key(self, layout: Layout) -> tuple:
         """The search's key of a layout on src's or dst's placement."""
@@ -926,14 +927,38 @@ class _Bound:
         return (min(lat_local, lat_exchange), min(steps_local, steps_exchange), partial, keep,
                 deeper)
 
+    def deeper(self, key) -> float | None:
+        """The α and memory terms of ``self(key)`` with the exchange route's deeper count
+        (:meth:`_latency`), where there is one to ask (else None): the search's second look
+        at a layout, before the elements' term."""
+        counts = self._quick.get(key)
+        if counts is None:
+            counts = self._quick[key] = self._counts(*key)
+        if not (counts[4] and self.small):
+            return None
+        return (ALPHA * self._latency(key[1], counts) + self.memory * counts[1]) * (1 - 1e-9)
+
+    def _latency(self, codes: tuple, counts) -> int:
+        """Collectives every route takes: the first-stage count, or where an exchange route
+        may take more than it says (``deeper``, tensors α decides), its count of two or three
+        (from a partial layout, the reductions and then one or two)."""
+        latency, _, partial, _, deeper = counts
+        if deeper and self.small:
+            found = self._deep.get(codes)
+            if found is None:
+                space = self.spaces[0]
+                found = self._deep[codes] = min(
+                    deeper, len(partial) + space.after_reducing(codes, self.target) if partial
+                    else space.two_or_three(codes, self.target))
+            latency = found
+        return latency
+
     def _bound(self, at: int, codes: tuple) -> float:
         found = self._quick.get((at, codes))
-        latency, steps, partial, keep, deeper = found if found is not None else self._counts(at, codes)
-        if deeper and self.small:
-            space = self.spaces[0]
-            latency = min(deeper, len(partial) + space.after_reducing(codes, self.target) if partial
-                          else space.two_or_three(codes, self.target))
-        return (ALPHA * latency + BETA * self.itemsize * self._elements(at, codes, partial, keep)
+        counts = found if found is not None else self._counts(at, codes)
+        _, steps, partial, keep, _ = counts
+        return (ALPHA * self._latency(codes, counts)
+                + BETA * self.itemsize * self._elements(at, codes, partial, keep)
                 + self.memory * steps)
 
     def _messages(self, codes: tuple) -> int:
@@ -1193,7 +1218,7 @@ _SEARCH_LOCK = threading.RLock()
 # the kinds of entry in the search's queue: a layout reached (its key with the bound from it,
 # or with one inherited from the step before, not yet worked out), an exchange costed only by
 # the bound on any exchange into its target, one costed by the bound from its source
-_NODE, _GUESSED, _QUICK, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2, 3, 4
+_NODE, _GUESSED, _QUICK, _DEEPER, _EXCHANGE, _EXCHANGE_FROM = 0, 1, 2, 3, 4, 5
 
 
 class _Search:
@@ -1264,7 +1289,7 @@ class _Search:
                     return None
                 entry = pop(heap)
                 f, _, _, kind, cost, node, path, target = entry
-                if kind <= _QUICK:
+                if kind <= _DEEPER:
                     if cost > best[node] or len(path) > lengths[node]:
                         continue  # a cheaper or shorter route reached it since
                     if kind == _GUESSED:  # first its α and memory terms: often enough to wait
@@ -1273,7 +1298,13 @@ class _Search:
                             push(heap, (cost + h, entry[1], entry[2], _QUICK) + entry[4:])
                             continue
                         kind = _QUICK
-                    if kind == _QUICK:
+                    if kind == _QUICK:  # then the exchange route's deeper count, if any
+                        h = bound.deeper(node)
+                        if h is not None and cost + h > f:
+                            push(heap, (cost + h, entry[1], entry[2], _DEEPER) + entry[4:])
+                            continue
+                        kind = _DEEPER
+                    if kind == _DEEPER:
                         h = bound(node)
                         if cost + h > f:
                             push(heap, (cost + h, entry[1], entry[2], _NODE) + entry[4:])
