@@ -546,8 +546,9 @@ class _Space:
         return found
 
     def after_reducing(self, c: tuple, t: tuple) -> int:
-        """The fewest collectives (1 or 2) of a route from partial ``c`` through one exchange
-        into ``t``, besides one reduction per partial axis: an exchange takes no partial
+        """The fewest collectives (1 or 2) of a route from ``c`` through one exchange into
+        ``t``, besides one reduction per partial axis of ``c`` (from a non-partial ``c``,
+        :func:`_fewest_messages` into ``t`` or its cores): an exchange takes no partial
         sums, so every partial axis is reduced first (a partial axis ``t`` keeps too, made
         partial again after the exchange by a free zero-fill); 1 only if the exchange from
         ``c`` with every partial axis reduced to B sends each rank one message into ``t`` (or,
@@ -864,7 +865,7 @@ class _Bound:
     then one exchange), so their sum is one too."""
 
     __slots__ = ("src", "dst", "itemsize", "union", "memory", "spaces", "on_dst", "target", "copies",
-                 "targets", "small", "_memo", "_quick", "_deep")
+                 "small", "_memo", "_quick", "_deep")
 
     def __init__(self, src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE):
         self.src, self.dst, self.itemsize = src, dst, itemsize
@@ -879,7 +880,6 @@ class _Bound:
         # on one placement, to a non-partial dst: the ranks that hold each element in dst
         self.copies = 0 if self.on_dst or _P in self.target else math.prod(
             n for n, v in zip(there.mesh, self.target) if v == _B)
-        self.targets = None  # the exchanges' targets, when first needed
         # where sending the whole tensor costs less than 20 α, α decides: the full bound counts
         # an exchange route's third collective (elsewhere the count costs more than it saves)
         self.small = BETA * itemsize * dst.numel() < 20 * ALPHA
@@ -920,7 +920,7 @@ class _Bound:
         deeper = 0  # lat_local where the exchange's count may be higher (for the full bound alone)
         if lat_exchange == 1 and lat_local > 1 and self.on_dst == 0:
             lat_exchange = self._messages(codes)
-            if lat_exchange == 2 and lat_local > 2 and len(self.targets) == 1:
+            if lat_exchange == 2 and lat_local > 2 and _P not in self.target:
                 deeper = lat_local
         elif partial and lat_local > lat_exchange and self.on_dst == 0:
             deeper = lat_local  # the exchange after the reductions may need two messages
@@ -962,10 +962,9 @@ class _Bound:
                 + self.memory * steps)
 
     def _messages(self, codes: tuple) -> int:
-        if self.targets is None:
-            space = self.spaces[0]
-            self.targets = [self.target] + [key[1] for _, key in _core_keys(space, self.target, 0)]
-        return _fewest_messages(self.spaces[0], codes, self.targets)
+        """:func:`_fewest_messages` from non-partial ``codes`` into dst or one of its cores:
+        :meth:`_Space.after_reducing` with nothing to reduce (kept per pair in the space)."""
+        return self.spaces[0].after_reducing(codes, self.target)
 
     def _local(self, codes: tuple, sizes) -> tuple[int, int]:
         return _local_counts(codes, self.target, sizes)
