@@ -847,12 +847,9 @@ def fewest_collectives(src: Layout, sbp: tuple) -> int:
     sizes = space.mesh
     local = _local_counts(codes, target, sizes)[0]
     partial = sum(1 for v, n in zip(codes, sizes) if v == _P and n > 1)
-    if partial and local > partial + 1:
-        return min(local, partial + space.after_reducing(codes, target))
-    if partial or local < 2:
-        return min(local, partial + 1)
-    options = [(v,) if v != _P else (_B,) + tuple(range(len(space.shape))) for v in target]
-    return min(local, _fewest_messages(space, codes, itertools.product(*options)))
+    if local <= partial + 1:
+        return local
+    return min(local, partial + space.after_reducing(codes, target))
 
 
 class _Bound:
