@@ -401,7 +401,9 @@ def _quick_terms(layout: Layout, itemsize: int, free, codes) -> tuple:
     axis: α per collective every plan needs on the axes that need one (the planner's count,
     plan.fewest_collectives, can be more), or one exchange after reducing every partial
     axis, two where some target piece overlaps three or more input pieces
-    (plan._Space.one_message, without its rank-by-rank count); the memory of one step per
+    (plan._Space.one_message, without its rank-by-rank count; from a partial layout, into a
+    non-partial target, the pieces the reductions leave with B there, the coarsest they can:
+    plan._Space.after_reducing); the memory of one step per
     changed axis; β for the reductions a partial axis needs, or what the target's pieces
     lack (summed over ranks, a layout's pieces hold numel N / s elements, s the product of
     its split axes' sizes), or, to a non-partial target, both: R - 1 transfers to sum R
@@ -424,6 +426,10 @@ def _quick_terms(layout: Layout, itemsize: int, free, codes) -> tuple:
     comm = (changes & (from_p | ((v >= 0) & ~summed))).sum(axis=0)  # from B: slices, zero-fills
     if partial:
         exchange = len(partial) + 1
+        several = (comm > exchange) & (sums == 1)  # into a non-partial target, where it counts
+        if several.any():  # the exchange after the reductions (plan._Space.after_reducing)
+            exchange = np.where(several & (_overlap_products(layout, codes) > 2), exchange + 1,
+                                exchange)
         reduce = math.prod(mesh[a] for a in partial)
         keep = np.where(from_p & summed, n, 1).prod(axis=0)
         kept = ~(from_p & ~summed).any(axis=0)  # every partial axis stays partial

@@ -513,6 +513,13 @@ def test_the_choice_first_bound_counts_two_messages_where_pieces_overlap_three()
     dst = lay(placement, (S(2), S(3), S(0)), (4, 2, 4, 4))
     quick, refined = move_bounds(src, 4, dst.sbp)
     assert 1.99 * ALPHA < quick <= refined <= plan(src, dst).cost()
+    # from a partial sum the same holds after the reductions: (P, S(3), S(3)) reduced to B on
+    # axis 0 (the coarsest a reduction leaves) has target pieces of (S(1), S(2), B) overlap 4
+    # of its pieces, so 1 reduction + 2, or three axis-local collectives: 3 α (it said 2)
+    src = lay(placement, (P, S(3), S(3)), (4, 2, 4, 4))
+    dst = lay(placement, (S(1), S(2), B), (4, 2, 4, 4))
+    quick, refined = move_bounds(src, 4, dst.sbp)
+    assert 2.99 * ALPHA < quick <= refined <= plan(src, dst).cost()
 
 
 # The search's own arithmetic (plan._Space: layouts as int codes, per-dim tables) against the
