@@ -608,9 +608,11 @@ class _Space:
         leaves is ``c`` with B on a: an all_to_all to S(x), or a zero-fill reduced to S(x),
         needs no later axis splitting x, so it cuts that layout's ranges of x finer, and the
         free steps around the collective are slices, which cut finer too (a collective on
-        a B axis leaves a layout finer than ``c``, which :meth:`two_or_three` asks first).
-        Finer never lowers a rank's messages, so those layouts are enough: the per-dim
-        product first (dim v loses axis a), the rank-by-rank count only where it says 2."""
+        a B axis, after a free slice or zero-fill there, leaves ``c`` or a layout finer
+        than it, none one message away when :meth:`two_or_three` is asked: every route then
+        takes two or more). Finer never lowers a rank's messages, so those layouts are
+        enough: the per-dim product first (dim v loses axis a), the rank-by-rank count only
+        where it says 2."""
         mesh = self.mesh
         factors, mine = self._dim_overlaps(c, t), self.split_axes(c)
         theirs = self.split_axes(t)
