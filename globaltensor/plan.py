@@ -900,10 +900,15 @@ class _Bound:
     def quick(self, key) -> float:
         """The α and memory terms of ``self(key)`` alone (a few microseconds; the elements'
         term counts pieces rank by rank): a bound too, the search's first look at a layout."""
+        counts = self._counts_of(key)
+        return (ALPHA * counts[0] + self.memory * counts[1]) * (1 - 1e-9)
+
+    def _counts_of(self, key) -> tuple:
+        """:meth:`_counts` of ``key``, kept."""
         counts = self._quick.get(key)
         if counts is None:
             counts = self._quick[key] = self._counts(*key)
-        return (ALPHA * counts[0] + self.memory * counts[1]) * (1 - 1e-9)
+        return counts
 
     def _counts(self, at: int, codes: tuple) -> tuple:
         """(collectives, steps) every route from the layout takes, its partial axes, and the
@@ -930,9 +935,7 @@ class _Bound:
         """The α and memory terms of ``self(key)`` with the exchange route's deeper count
         (:meth:`_latency`), where there is one to ask (else None): the search's second look
         at a layout, before the elements' term."""
-        counts = self._quick.get(key)
-        if counts is None:
-            counts = self._quick[key] = self._counts(*key)
+        counts = self._counts_of(key)
         if not (counts[4] and self.small):
             return None
         return (ALPHA * self._latency(key[1], counts) + self.memory * counts[1]) * (1 - 1e-9)
@@ -953,8 +956,7 @@ class _Bound:
         return latency
 
     def _bound(self, at: int, codes: tuple) -> float:
-        found = self._quick.get((at, codes))
-        counts = found if found is not None else self._counts(at, codes)
+        counts = self._counts_of((at, codes))
         _, steps, partial, keep, _ = counts
         return (ALPHA * self._latency(codes, counts)
                 + BETA * self.itemsize * self._elements(at, codes, partial, keep)
