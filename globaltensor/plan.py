@@ -575,6 +575,17 @@ class _Space:
             self._reduced[key] = found
         return found
 
+    def after_reducing_deeper(self, c: tuple, t: tuple) -> int:
+        """:meth:`after_reducing`, counted up to 3 into a non-partial ``t``: where it says 2,
+        :meth:`two_or_three` from ``c`` with every partial axis reduced to B. The reductions
+        leave that layout or a finer one (see :meth:`after_reducing`), and a collective then
+        leaves a layout no coarser than the one it leaves from there, so a finer layout needs
+        no fewer collectives and messages (the argument of :meth:`two_or_three`)."""
+        found = self.after_reducing(c, t)
+        if found == 2 and _P not in t:
+            found = self.two_or_three(tuple(_B if v == _P else v for v in c), t)
+        return found
+
     def _reduced_one(self, r: tuple, t: tuple) -> int:
         """:meth:`after_reducing` into a ``t`` with one partial axis, from ``r`` (its source with
         every partial axis reduced to B): per core of ``t`` (B or S(w) on that axis) the per-dim
@@ -851,7 +862,9 @@ def fewest_collectives(src: Layout, sbp: tuple) -> int:
     partial = sum(1 for v, n in zip(codes, sizes) if v == _P and n > 1)
     if local <= partial + 1:
         return local
-    return min(local, partial + space.after_reducing(codes, target))
+    if local <= partial + 2 or not partial:
+        return min(local, partial + space.after_reducing(codes, target))
+    return min(local, partial + space.after_reducing_deeper(codes, target))
 
 
 class _Bound:
@@ -950,8 +963,8 @@ class _Bound:
             if found is None:
                 space = self.spaces[0]
                 found = self._deep[codes] = min(
-                    deeper, len(partial) + space.after_reducing(codes, self.target) if partial
-                    else space.two_or_three(codes, self.target))
+                    deeper, len(partial) + space.after_reducing_deeper(codes, self.target)
+                    if partial else space.two_or_three(codes, self.target))
             latency = found
         return latency
 

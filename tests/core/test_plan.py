@@ -397,6 +397,34 @@ def test_routes_from_a_partial_sum_through_an_exchange_count_its_messages():
     _bounds_stay_below_the_cost(random.Random(4), [shape, (4, 6, 2, 4, 6, 1, 1), (5, 3, 7)], 12, (P, P))
 
 
+def test_routes_from_a_partial_sum_count_up_to_three_collectives_after_the_reductions():
+    # on 2x2x2x2 (the einsum's bmm): one partial axis, then every piece of a dim of length 1
+    # goes to one rank, which needs 7 pieces; no single collective after the reduction leaves
+    # a layout one message away, so the exchange route takes 1 + 3 collectives, as many as the
+    # axis-local one (the count used to stop at 1 + 2)
+    from globaltensor.ops.choose import move_bounds
+    placement = gt.placement("cpu", np.arange(16).reshape(2, 2, 2, 2).tolist())
+    shape = (1, 24, 48)
+    for a, b in [((S(1), S(2), P, S(1)), (B, B, B, S(0))),
+                 ((S(1), P, S(2), S(1)), (B, B, B, S(0)))]:
+        src, dst = lay(placement, a, shape), lay(placement, b, shape)
+        new, ref = _same_cost(src, dst)
+        assert ref.collectives() == 4 and fewest_collectives(src, dst.sbp) == 4
+        assert 3.99 * ALPHA < lower_bound(src, dst) <= ref.cost()
+        quick, refined = move_bounds(src, 4, dst.sbp)
+        assert 3.99 * ALPHA < refined <= ref.cost()
+    # and the counts stay bounds from partial sums on that grid
+    rng = random.Random(14)
+    values = [S(0), S(1), S(2), B]
+    for _ in range(12):
+        a = tuple(rng.choice(values + [P]) for _ in range(4))
+        b = tuple(rng.choice(values) for _ in range(4))
+        src, dst = lay(placement, a, shape), lay(placement, b, shape)
+        cost = reference_plan(src, dst).cost()
+        assert lower_bound(src, dst) <= cost * (1 + 1e-12)
+        assert move_bounds(src, 4, dst.sbp)[1] <= cost * (1 + 1e-12)
+
+
 def test_routes_from_a_partial_sum_into_a_partial_target_count_the_exchange_into_its_cores():
     # dst keeps the partial axis; an exchange route still reduces it first (an exchange takes
     # no partial sums), then exchanges into dst or one of its cores (B or S(d) there, made
