@@ -862,9 +862,11 @@ def fewest_collectives(src: Layout, sbp: tuple) -> int:
     partial = sum(1 for v, n in zip(codes, sizes) if v == _P and n > 1)
     if local <= partial + 1:
         return local
-    if local <= partial + 2 or not partial:
-        return min(local, partial + space.after_reducing(codes, target))
-    return min(local, partial + space.after_reducing_deeper(codes, target))
+    # a third collective after the reductions matters only where the axis-local count is
+    # higher (from a non-partial layout the candidate table does not ask it: docs/planner.md)
+    deeper = partial and local > partial + 2
+    count = space.after_reducing_deeper if deeper else space.after_reducing
+    return min(local, partial + count(codes, target))
 
 
 class _Bound:
