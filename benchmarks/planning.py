@@ -18,7 +18,10 @@ says nothing about the planner. Reported per grid: median, 90th percentile and m
   layouts (each input requiring grad or not at random), and for the einsum of issue 14
   ("pqrs,tuqvr->pstuv"): the choices of every aten op of its decomposition, replayed on meta
   tensors, each op's inputs laid out as the choices before it made them; then the same
-  choices again with every plan already known (caches kept: the part that is not search).
+  choices again with every plan already known (caches kept: the part that is not search);
+  then the same samples cold with each op's answer known beforehand, only the chosen moves
+  planned (``winners_only``: the replay and those plans, the least a choice that plans what
+  it picks can take).
 - ``--wide-grids``: plan() and the choice for ``mm`` on other grids (more or wider axes, uneven
   sizes), beyond the targets.
 - ``--transformer``: the first training step of the transformer block of
@@ -158,9 +161,11 @@ def einsum_calls():
     return (x, y), rec.calls
 
 
-def replay(placement, inputs, calls, layouts):
+def replay(placement, inputs, calls, layouts, chooser=None):
     """Choose a signature for every recorded op, its inputs laid out as the choices before made
-    them (a result takes the chosen output sbp; an op without a rule gives B)."""
+    them (a result takes the chosen output sbp; an op without a rule gives B). ``chooser``
+    stands in for ``ops.choose`` (see :func:`winners_only`)."""
+    chooser = chooser or choose
     known = {id(t): l for t, l in zip(inputs, layouts)}
     for func, args, kwargs, out in calls:
         tensors, counter = [], iter(range(1000))
@@ -179,13 +184,36 @@ def replay(placement, inputs, calls, layouts):
         name = f"{func._schema.name.split('::')[1]}.{func._overloadname}"
         tags = frozenset(str(t).split(".")[-1] for t in func.tags)
         call = Call(name, tuple(l.shape for l in ins), margs, mkwargs, tags)
-        choice = choose(call, ins, (4,) * len(ins)) if ins else None
+        choice = chooser(call, ins, (4,) * len(ins)) if ins else None
         results = out if isinstance(out, (list, tuple)) else (out,)
         for k, res in enumerate(r for r in results if isinstance(r, torch.Tensor)):
             sbp = choice.outs[min(k, len(choice.outs) - 1)] if choice else (B,) * placement.ndim
             if any(v is None for v in sbp):
                 sbp = (B,) * placement.ndim
             known[id(res)] = Layout(placement, sbp, tuple(res.shape))
+
+
+def winners_only(placement, inputs, calls, layouts):
+    """A stand-in for ``ops.choose`` that knows each op's answer beforehand (recorded from a
+    real run of the same sample) and only plans the moves of the chosen candidate: the time of
+    the replay, the chosen moves' plans and nothing else, the least any choice can cost that
+    plans what it picks (it weighs no candidate and builds no table)."""
+    answers = {}
+
+    def record(call, ins, itemsizes):
+        answers[call, ins] = choice = choose(call, ins, itemsizes)
+        return choice
+    clear_all()
+    replay(placement, inputs, calls, layouts, record)
+
+    def chosen(call, ins, itemsizes):
+        choice = answers[call, ins]
+        if choice is not None:
+            for src, dst in zip(ins, choice.ins):
+                if src != dst:
+                    plan(src, dst)
+        return choice
+    return chosen
 
 
 def bench_choices(ndims, count, repeats):
@@ -216,6 +244,14 @@ def bench_choices(ndims, count, repeats):
             times.append(warm(lambda: replay(placement, inputs, calls, ls), repeats))
         print(f"  plans known     {'x'.join(['2'] * ndim):<10} {summary(times)}  "
               f"(the same choices with their plans cached: the part that is not search)",
+              flush=True)
+        rng, times = random.Random(3000 + ndim), []
+        for _ in range(count):  # the same samples, only the chosen moves planned, cold
+            ls = layouts_for(rng, placement, [tuple(t.shape) for t in inputs])
+            chosen = winners_only(placement, inputs, calls, ls)
+            times.append(cold(lambda: replay(placement, inputs, calls, ls, chosen), repeats))
+        print(f"  chosen only     {'x'.join(['2'] * ndim):<10} {summary(times)}  "
+              f"(answers known, only the chosen moves planned, cold: no candidate weighed)",
               flush=True)
 
 

@@ -51,10 +51,18 @@ def _move_cost(src: Layout, dst: Layout, itemsize: int) -> float:
 MOVES = object()
 
 
+# How much dearer than the cheapest candidate a choice may be (modelled seconds, 0.01 α = 100 ns):
+# a candidate whose bound is within this of the best found is not costed further, like a
+# branch-and-bound solver's optimality gap. Exact ties still go by the keys below.
+TOLERANCE = 0.01 * ALPHA
+
+
 def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
            fixed: tuple[int, ...] = (), grads: tuple[bool, ...] = (),
-           free: tuple = (), stay_or_moves: bool = False) -> Choice | None:
-    """The cheapest signature for ``call`` on inputs laid out as ``layouts``.
+           free: tuple = (), stay_or_moves: bool = False,
+           tolerance: float = TOLERANCE) -> Choice | None:
+    """The cheapest signature for ``call`` on inputs laid out as ``layouts``, to within
+    ``tolerance`` (:data:`TOLERANCE`; 0: the exact cheapest, as :func:`reference_choose`).
 
     ``fixed``: inputs that must keep their layout (the ``self`` of an in-place op, whose result
     must then have that layout too). ``grads``: per input, whether it will receive a gradient
@@ -73,11 +81,11 @@ def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
     if rule is None or not layouts:
         return None
     return _choose(rule, call, tuple(layouts), tuple(itemsizes), tuple(fixed), tuple(grads),
-                   tuple(free), stay_or_moves)
+                   tuple(free), stay_or_moves, tolerance)
 
 
 def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=(),
-            stay_or_moves=False) -> Choice | None:
+            stay_or_moves=False, tolerance=0.0) -> Choice | None:
     """Branch and bound over the candidates (one row per placement axis, DESIGN.md's product).
 
     Rows that cannot stand on an axis are dropped per axis (an input asked to become P, a split
@@ -120,8 +128,16 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
         else:
             break
         bound, partials, changed, index, terms, combo, resolved = entry
-        if best_key is not None and (bound, partials, changed, index) >= best_key:
-            break
+        limit = None
+        if best_key is not None:
+            if (bound, partials, changed, index) >= best_key:
+                break
+            if (partials, changed, index) < best_key[1:]:
+                limit = best_key[0]  # it would win an exact tie: costed up to the best itself
+            else:  # it must beat the best by more than the tolerance
+                limit = best_key[0] - tolerance
+                if bound >= limit:
+                    continue
         if combo is None:
             combo, resolved = table.candidate(index)
         if terms == -1:  # first the per-axis bound with the planner's count of collectives
@@ -139,8 +155,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
                 continue
             terms = _terms(layouts, targets, itemsizes, outs, grads, free)
         else:  # then the plans, the largest bound first: one may be enough to rule it out
-            terms = _exact_one(terms, layouts, targets, itemsizes, outs,
-                               best_key[0] if best_key is not None else None)
+            terms = _exact_one(terms, layouts, targets, itemsizes, outs, limit)
         if terms is None:
             continue  # a move that would invent a partial sum
         if any(not exact for _, exact, _, _ in terms):

@@ -1,6 +1,6 @@
 """The signature choice's branch and bound (issue 14) against the exhaustive loop it replaced
-(ops.choose.reference_choose): the same Choice (targets, outputs, kernel, cost) on a seeded
-sample of calls, input layouts, item sizes, gradients, free layouts and in-place ops, on grids
+(ops.choose.reference_choose): with no tolerance the same Choice (targets, outputs, kernel,
+cost), with the default one a candidate at most TOLERANCE dearer, on a seeded sample of calls, input layouts, item sizes, gradients, free layouts and in-place ops, on grids
 [2], [2, 2], [1, 2], [2, 3] and [2, 2, 2]. Pure: one process, no ranks."""
 import random
 
@@ -41,11 +41,10 @@ def _random_layout(rng, placement, shape):
     return Layout(placement, tuple(rng.choice(values) for _ in range(placement.ndim)), shape)
 
 
-@pytest.mark.parametrize("grid", list(GRIDS))
-def test_choice_is_the_one_the_exhaustive_loop_picks(grid):
+def _sample(grid):
+    """Seeded calls on ``grid``: (call, layouts, itemsizes, fixed, grads, free)."""
     rng = random.Random(grid)
     placement = gt.placement("cpu", GRIDS[grid])
-    checked = 0
     for call, inplace in CALLS:
         for _ in range(12 if placement.ndim < 3 else 6):
             layouts = tuple(_random_layout(rng, placement, s) for s in call.shapes)
@@ -55,12 +54,42 @@ def test_choice_is_the_one_the_exhaustive_loop_picks(grid):
             if rng.random() < 0.3:
                 free = tuple(frozenset({_random_layout(rng, placement, l.shape)})
                              if rng.random() < 0.5 else frozenset() for l in layouts)
-            fixed = (0,) if inplace else ()
+            yield call, layouts, itemsizes, (0,) if inplace else (), grads, free
+
+
+@pytest.mark.parametrize("grid", list(GRIDS))
+def test_choice_is_the_one_the_exhaustive_loop_picks(grid):
+    # with no tolerance, the branch and bound must land on the exhaustive loop's very choice
+    checked = 0
+    for call, layouts, itemsizes, fixed, grads, free in _sample(grid):
+        new = choose(call, layouts, itemsizes, fixed=fixed, grads=grads, free=free, tolerance=0.0)
+        ref = reference_choose(call, layouts, itemsizes, fixed=fixed, grads=grads, free=free)
+        assert new == ref, (call.op, layouts, grads, free)
+        checked += new is not None
+    assert checked > 40
+
+
+def test_choice_within_the_tolerance_costs_at_most_that_much_more():
+    # by default a candidate is not costed further once its bound is within TOLERANCE of the
+    # best: the choice is a real candidate, its cost is its own, and no candidate is cheaper
+    # by more than TOLERANCE; the exact cheapest is still the answer wherever the rest is
+    # clearly dearer
+    from globaltensor.ops.choose import TOLERANCE, _candidate_cost
+    checked, same, cheaper = 0, 0, 0
+    for grid in GRIDS:
+        for call, layouts, itemsizes, fixed, grads, free in _sample(grid):
             new = choose(call, layouts, itemsizes, fixed=fixed, grads=grads, free=free)
             ref = reference_choose(call, layouts, itemsizes, fixed=fixed, grads=grads, free=free)
-            assert new == ref, (call.op, layouts, grads, free)
-            checked += new is not None
-    assert checked > 40
+            assert (new is None) == (ref is None), (call.op, layouts)
+            if new is None:
+                continue
+            checked += 1
+            own = _candidate_cost(layouts, new.ins, itemsizes, new.outs, grads, free)
+            assert new.cost == pytest.approx(own, rel=1e-12, abs=1e-15), (call.op, layouts)
+            assert ref.cost * (1 - 1e-9) <= new.cost <= ref.cost + TOLERANCE, (call.op, layouts)
+            same += new == ref
+            cheaper += new.cost > ref.cost
+    assert checked > 250 and same > 0.9 * checked and cheaper > 0
 
 
 @pytest.mark.parametrize("grid", ["[2,2]", "[2,3]", "[2,2,2]"])
