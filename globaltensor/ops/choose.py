@@ -92,9 +92,11 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     of a dim the input lacks, a fixed input or result changed); each remaining candidate gets a
     bound on its cost worked out per axis, for all at once (:class:`_Table`), and candidates are
     costed in the order of their bounds: first a finer bound (``plan.lower_bound``), then the
-    plans themselves, until the next bound cannot beat the best found. The result is the
-    candidate the exhaustive loop (:func:`reference_choose`) picks: the least (cost, partial-sum
-    results, inputs changed, rows in product order)."""
+    plans themselves, until the next bound cannot beat the best found (by more than
+    ``tolerance``, save for a candidate that would win an exact tie). With ``tolerance`` 0 the
+    result is the candidate the exhaustive loop (:func:`reference_choose`) picks: the least
+    (cost, partial-sum results, inputs changed, rows in product order); otherwise one whose
+    cost is at most ``tolerance`` above that one's."""
     for r in rule.rows:
         if len(r.ins) != len(layouts):
             raise GlobalTensorError(
