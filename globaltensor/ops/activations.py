@@ -28,21 +28,19 @@ def plain(call: Call):
 def backward(call: Call):
     """Linear in the gradient (the first input) with the others B."""
     first = call.args[0]
-    rows = list(pointwise(call))
+    rule = pointwise(call)
     if isinstance(first, Ref) and first.index == 0:
         n = len(call.shapes)
-        rows.append(Row((P,) + (B,) * (n - 1), (P,)))
-    return tuple(rows)
+        rule = rule.plus((Row((P,) + (B,) * (n - 1), (P,)),))
+    return rule
 
 
 def rsub(call: Call):
     """``rsub(x, y, alpha) = y - alpha * x``."""
-    rows = list(pointwise(call))
+    rule = pointwise(call)
     if call.is_global("self") and call.is_global("other"):
-        rows.append(sig("P P -> P"))
-    else:
-        rows += linear_in(call, "self")
-    return tuple(rows)
+        return rule.plus((sig("P P -> P"),))
+    return rule.plus(linear_in(call, "self"))
 
 
 def glu(call: Call):

@@ -23,8 +23,8 @@ import math
 
 import torch
 
-from .signature import (B, P, S, Call, Ref, Row, broadcast_shapes, dim_of, fit, register, repeat,
-                        sig)
+from .signature import (B, P, S, Call, Ref, Row, broadcast_shapes, broadcasting, dim_of, fit,
+                        register, repeat, sig)
 
 
 def gather(call: Call):
@@ -100,15 +100,12 @@ def index_put(call: Call):
 def masked_scatter(call: Call):
     """``masked_scatter(x, mask, source)``: see the module's docstring."""
     present = tuple(call.is_global(n) for n in ("self", "mask", "source"))
-    shapes = [call.shape_of(n) or () for n in ("self", "mask")]
-    out = broadcast_shapes(shapes)
     rows = [sig("B B B -> B"), sig("P B P -> P")]
-    x = shapes[0]
-    for d in range(len(out) if present[0] else 0):
-        k = d - (len(out) - len(x))
-        if k >= 0 and x[k] == out[d]:
-            rows.append(Row((S(k), B, B), (S(d),), "mask_positions"))
-    return fit(rows, present)
+    if not present[0]:
+        return fit(rows, present)
+    out = broadcast_shapes([call.shape_of("self"), call.shape_of("mask") or ()])
+    rows += [Row((S(d), B, B), (S(d),), "mask_positions") for d in range(len(out))]
+    return broadcasting(fit(rows, present), call.shapes, inputs=(0,), frame=out)
 
 
 def masked_scatter_backward(call: Call):

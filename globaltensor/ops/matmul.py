@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-from .signature import B, P, S, Call, Row, register, table
+from .signature import B, P, S, Call, Row, broadcasting, register, table
 
 MM = table(
     "S(0) B    -> S(0)",   # rows of the left operand split: each rank computes its rows
@@ -42,13 +42,14 @@ MV = table(
 
 def addmm(call: Call):
     """``addmm(bias, m1, m2, beta, alpha) = beta * bias + alpha * (m1 @ m2)`` (nn.Linear with a
-    bias, GPT-2's Conv1D): mm's rows with the bias laid out as the output where it has that
-    dim (a (n,) or (1, n) bias stays whole for a row split), and for the partial-sum rows the
-    bias added on one rank only (kernel "addmm_partial") or given as a partial sum itself.
+    bias, GPT-2's Conv1D): mm's rows with the bias split as the output, in the output's dims
+    (the bias broadcasts against (rows, columns): a (n,) or (1, n) bias stays whole for a row
+    split), and for the partial-sum rows the bias added on one rank only (kernel
+    "addmm_partial") or given as a partial sum itself.
 
         bias         m1    m2    -> out
-        B/S(0)/S(1)  S(0)  B     -> S(0)    bias split where it has the rows
-        B/S(0)/S(1)  B     S(1)  -> S(1)    bias split where it has the columns
+        S(0)         S(0)  B     -> S(0)    bias split where it has the rows (else B)
+        S(1)         B     S(1)  -> S(1)    bias split where it has the columns (else B)
         B            S(1)  S(0)  -> P       kernel: the bias on the first rank of the axis
         B            P     B     -> P       kernel, likewise
         B            B     P     -> P       kernel, likewise
@@ -57,14 +58,9 @@ def addmm(call: Call):
         P            B     P     -> P
         B            B     B     -> B
     """
-    bias = call.shapes[0]
-
-    def along(out_dim):  # the bias's sbp for an output split along out_dim (0 rows, 1 cols)
-        k = out_dim - (2 - len(bias))  # the bias dim that lines up with it, if any
-        return S(k) if 0 <= k < len(bias) and bias[k] != 1 else B
-    return (
-        Row((along(0), S(0), B), (S(0),)),
-        Row((along(1), B, S(1)), (S(1),)),
+    rows = (
+        Row((S(0), S(0), B), (S(0),)),   # the bias in the output's dims: B where it lacks one
+        Row((S(1), B, S(1)), (S(1),)),
         Row((B, S(1), S(0)), (P,), "addmm_partial"),
         Row((B, P, B), (P,), "addmm_partial"),
         Row((B, B, P), (P,), "addmm_partial"),
@@ -73,6 +69,8 @@ def addmm(call: Call):
         Row((P, B, P), (P,)),
         Row((B, B, B), (B,)),
     )
+    frame = (call.shapes[1][0], call.shapes[2][1])
+    return broadcasting(rows, call.shapes, inputs=(0,), frame=frame)
 
 
 def _k_addmm_partial(ctx, largs, lkwargs):

@@ -13,7 +13,8 @@ import math
 import torch
 
 from ..layout import Layout
-from .signature import B, P, S, Call, Row, arg_names, fit, register, repeat, sig, with_arg
+from .signature import (B, P, S, Call, Ref, Row, arg_names, broadcast_shapes, broadcasting, fit,
+                        register, repeat, sig, with_arg)
 
 aten = torch.ops.aten
 
@@ -118,27 +119,28 @@ def nll_loss_backward(call: Call):
 
 
 def pointwise_loss(call: Call):
-    """``mse_loss(x, target, reduction)`` & co: element-wise, then reduced. A split gives a
-    split (none), a partial sum (sum) or a partial mean over the global count (mean)."""
+    """``mse_loss(x, target, reduction)`` & co: element-wise (x and target broadcast against
+    each other), then reduced. A split gives a split (none), a partial sum (sum) or a partial
+    mean over the global count (mean)."""
     reduction = call.get("reduction", 1)
-    nd = len(call.shapes[0])
+    frame = broadcast_shapes(call.shapes)
     rows = [sig("B B -> B")]
-    for d in range(nd):
+    for d in range(len(frame)):
         out = S(d) if reduction == 0 else P
         rows.append(Row((S(d), S(d)), (out,), "loss_mean" if reduction == 1 else None))
-    return tuple(rows)
+    return broadcasting(rows, call.shapes, frame=frame)
 
 
 def pointwise_loss_backward(call: Call):
     """``mse_loss_backward(grad, x, target, reduction)``: linear in grad; a mean divides by the
-    global count."""
+    global count. x and target broadcast against each other (grad has their shape, or is 0-dim)."""
     reduction = call.get("reduction", 1)
-    nd = len(call.shapes[1])
+    frame = broadcast_shapes(call.shapes[1:])
     rows = [sig("B B B -> B"), sig("P B B -> P")]
-    for d in range(nd):
+    for d in range(len(frame)):
         g = S(d) if reduction == 0 else B
         rows.append(Row((g, S(d), S(d)), (S(d),), "loss_mean" if reduction == 1 else None))
-    return tuple(rows)
+    return broadcasting(rows, call.shapes, inputs=(1, 2), frame=frame)
 
 
 # losses whose mean is over the samples (dim 0 of a (N, C) input), not over every element
@@ -195,15 +197,6 @@ def _k_sample_loss(ctx, largs, lkwargs):
     return ctx.func(*largs, **lkwargs) if empty is None else empty
 
 
-def _aligned(shape, x, d):
-    """The sbp of a tensor of ``shape`` broadcast against x (right-aligned) when x is split on
-    dim ``d``: S of its matching dim, B where it lacks the dim or has size 1 there, else None."""
-    k = d - (len(x) - len(shape))
-    if k < 0 or (shape[k] == 1 and x[d] != 1):
-        return B
-    return S(k) if shape[k] == x[d] else None
-
-
 def elementwise_loss(call: Call):
     """``binary_cross_entropy(x, target, weight, reduction)``, ``binary_cross_entropy_with_logits
     (x, target, weight, pos_weight, reduction)``, ``soft_margin_loss(x, target, reduction)``:
@@ -214,11 +207,9 @@ def elementwise_loss(call: Call):
     n = len(call.shapes)
     rows = [Row(repeat(n, B), (B,))]
     for d in range(len(x)):
-        ins = (S(d), S(d)) + tuple(_aligned(s, x, d) for s in call.shapes[2:])
-        if None not in ins:
-            out = S(d) if reduction == 0 else P
-            rows.append(Row(ins, (out,), "loss_mean" if reduction == 1 else None))
-    return tuple(rows)
+        out = S(d) if reduction == 0 else P
+        rows.append(Row(repeat(n, S(d)), (out,), "loss_mean" if reduction == 1 else None))
+    return broadcasting(rows, call.shapes, inputs=range(2, n), frame=x)
 
 
 def elementwise_loss_backward(call: Call):
@@ -230,11 +221,9 @@ def elementwise_loss_backward(call: Call):
     n = len(call.shapes)
     rows = [Row(repeat(n, B), (B,)), Row((P,) + repeat(n - 1, B), (P,))]
     for d in range(len(x)):
-        ins = (S(d) if reduction == 0 else B, S(d), S(d))
-        ins += tuple(_aligned(s, x, d) for s in call.shapes[3:])
-        if None not in ins:
-            rows.append(Row(ins, (S(d),), "loss_mean" if reduction == 1 else None))
-    return tuple(rows)
+        ins = (S(d) if reduction == 0 else B, S(d), S(d)) + repeat(n - 3, S(d))
+        rows.append(Row(ins, (S(d),), "loss_mean" if reduction == 1 else None))
+    return broadcasting(rows, call.shapes, inputs=range(3, n), frame=x)
 
 
 def sample_loss(nouts: int):
@@ -320,12 +309,30 @@ def convolution_backward(call: Call):
 
 
 def attention(nouts: int):
-    """``_scaled_dot_product_flash_attention_for_cpu`` (and its backward): batch or head split."""
+    """``_scaled_dot_product_flash_attention_for_cpu`` (and its backward): batch or head split.
+    The mask broadcasts against the scores, (batch, heads, L, S): a mask with one head (or no
+    batch dims) stays whole on a head (or batch) split."""
     def rule(call: Call):
         n = len(call.shapes)
+        first = 1 if call.packet.endswith("_backward") else 0  # grad_out comes first
+        q, k = call.shapes[first], call.shapes[first + 1]
         rows = [Row(repeat(n, B), repeat(nouts, B))]
-        return tuple(rows + [Row(repeat(n, S(d)), repeat(nouts, S(d))) for d in (0, 1)])
+        rows += [Row(repeat(n, S(d)), repeat(nouts, S(d)), "attention_pieces") for d in (0, 1)]
+        mask = call.get("attn_mask")
+        inputs = (mask.index,) if isinstance(mask, Ref) else ()
+        return broadcasting(rows, call.shapes, inputs=inputs, frame=q[:-1] + k[-2:-1])
     return rule
+
+
+def _k_attention_pieces(ctx, largs, lkwargs):
+    """Attention on a batch or head split: where an uneven split leaves this rank no batch
+    entry or no head, zeros of its (empty) output shapes; torch's CPU kernel traps (SIGFPE)
+    on a piece with no head."""
+    if ctx.coord is None:
+        return ctx.empties()
+    if any(p is not None and p.numel() == 0 for p in ctx.pieces):
+        return ctx.zeros()
+    return ctx.func(*largs, **lkwargs)
 
 
 def _bn_present(call: Call, names):
@@ -552,5 +559,6 @@ for _k in (1, 2, 3):
     register(f"adaptive_max_pool{_k}d_backward", rule=pooling_backward(_k, False))
 register("convolution", rule=convolution)
 register("convolution_backward", rule=convolution_backward)
-register("_scaled_dot_product_flash_attention_for_cpu", rule=attention(2))
+register("_scaled_dot_product_flash_attention_for_cpu", rule=attention(2),
+         kernels={"attention_pieces": _k_attention_pieces})
 register("_scaled_dot_product_flash_attention_for_cpu_backward", rule=attention(3))

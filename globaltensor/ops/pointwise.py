@@ -7,8 +7,8 @@
 """
 from __future__ import annotations
 
-from .signature import B, P, S, Call, Ref, Row, linear_in, register, register_tag, repeat, sig
-from .signature import broadcast_shapes
+from .signature import B, P, S, Call, Ref, Row, Rule, linear_in, register, register_tag, repeat, sig
+from .signature import broadcast_shapes, broadcasting
 
 # ops linear in the named inputs together: all P -> P (the other inputs must be B)
 JOINT_LINEAR = {
@@ -43,28 +43,22 @@ def _linear_rows(call: Call) -> list[Row]:
     return [row for name in EACH_LINEAR.get(call.packet, ()) for row in linear_in(call, name)]
 
 
-def pointwise(call: Call) -> tuple[Row, ...]:
-    """Element-wise ops with broadcasting: split any output dim where every input that spans it
-    is split along the same dim (inputs broadcast along it stay B)."""
+def pointwise(call: Call) -> Rule:
+    """Element-wise ops with broadcasting: any dim of the broadcast shape splits, on every input
+    that spans it (the framework keeps B an input that lacks the dim or has size 1 there)."""
     n = len(call.shapes)
     out = broadcast_shapes(call.shapes)
-    rows = [Row(repeat(n, B), (B,))]
-    for d in range(len(out)):
-        ins = []
-        for shape in call.shapes:
-            k = d - (len(out) - len(shape))
-            ins.append(S(k) if k >= 0 and shape[k] == out[d] else B)
-        rows.append(Row(tuple(ins), (S(d),)))
-    return tuple(rows + _linear_rows(call))
+    rows = [Row(repeat(n, B), (B,))] + [Row(repeat(n, S(d)), (S(d),)) for d in range(len(out))]
+    return broadcasting(rows + _linear_rows(call), call.shapes, frame=out)
 
 
-def to_copy(call: Call) -> tuple[Row, ...]:
+def to_copy(call: Call) -> Rule:
     """``.to(dtype)``: element-wise; a partial sum survives only a cast to a floating dtype."""
-    rows = pointwise(call)
+    rule = pointwise(call)
     dtype = call.get("dtype")
     if dtype is None or getattr(dtype, "is_floating_point", False) or getattr(dtype, "is_complex", False):
-        rows += (sig("P -> P"),)
-    return rows
+        rule = rule.plus((sig("P -> P"),))
+    return rule
 
 
 register("_to_copy", rule=to_copy)

@@ -71,10 +71,20 @@ class Row:
 @dataclass(frozen=True, slots=True)
 class Rule:
     """Rows plus an optional check of a whole n-D candidate: ``check(call, mesh, ins, outs)``
-    where ``ins``/``outs`` hold one sbp tuple (one entry per axis) per input/output."""
+    where ``ins``/``outs`` hold one sbp tuple (one entry per axis) per input/output.
+
+    ``frames``: per input, the shape it broadcasts against (torch's rule: dims aligned from the
+    right, a size-1 or missing dim repeats), or None. The rows' ``S(d)`` of an input with a
+    frame name the frame's dim ``d``; :func:`rows_for` turns it into the input's own dim, or
+    into B where the input has size 1 there or lacks the dim (docs/sbp.md, "Broadcasting")."""
 
     rows: tuple
     check: Callable | None = None
+    frames: tuple | None = None
+
+    def plus(self, rows) -> Rule:
+        """The same rule with ``rows`` (written like its own) appended."""
+        return Rule(self.rows + tuple(rows), self.check, self.frames)
 
 
 @memo(4096)
@@ -266,11 +276,55 @@ def rule_for(call: Call):
 
 
 def rows_for(call: Call) -> Rule | None:
+    """The rule of ``call`` with its rows in each input's own dims: frames resolved
+    (:func:`aligned`), and no row that splits a size-1 dim beside a longer one."""
     fn = rule_for(call)
     if fn is None:
         return None
     out = fn(call)
-    return out if isinstance(out, Rule) else Rule(tuple(out))
+    rule = out if isinstance(out, Rule) else Rule(tuple(out))
+    rows = rule.rows
+    if rule.frames is not None:
+        rows = tuple(Row(tuple(v if f is None else aligned(v, s, f)
+                               for v, s, f in zip(r.ins, call.shapes, rule.frames)),
+                         r.outs, r.kernel) for r in rows)
+    return Rule(tuple(r for r in rows if not splits_size_one(r, call.shapes)), rule.check)
+
+
+def aligned(value, shape, frame):
+    """The sbp of an input of ``shape`` broadcast against ``frame`` for a row value written in
+    the frame's dims: ``S(d)`` becomes S of the input's dim lined up with ``d`` from the right,
+    or B where the input lacks that dim or has size 1 there (it repeats along a longer frame
+    dim: every rank needs all of it). Other values are kept."""
+    if not isinstance(value, Split) or not frame:
+        return value
+    d = value.dim % len(frame)
+    k = d - (len(frame) - len(shape))
+    if k < 0 or (shape[k] == 1 and frame[d] != 1):
+        return B
+    return S(k)
+
+
+def splits_size_one(row: Row, shapes) -> bool:
+    """Whether ``row`` splits a dim of global size 1 of one input while it splits a longer dim
+    of another: the size-1 dim broadcasts, and the ranks past the first would get an empty
+    piece of it (torch's CPU attention reads an empty mask as no mask). Such a row is a rule
+    bug; :func:`rows_for` drops it, it never runs."""
+    sizes = set()
+    for v, shape in zip(row.ins, shapes):
+        if isinstance(v, Split) and -len(shape) <= v.dim < len(shape):
+            sizes.add(shape[v.dim])
+    return 1 in sizes and max(sizes) > 1
+
+
+def broadcasting(rows, shapes, inputs=None, frame=None) -> Rule:
+    """A rule whose ``rows`` split dims of ``frame`` (default: the broadcast shape of
+    ``shapes``) for the inputs listed in ``inputs`` (indices; default: all), the others'
+    rows being in their own dims."""
+    frame = broadcast_shapes(shapes) if frame is None else tuple(frame)
+    chosen = range(len(shapes)) if inputs is None else tuple(inputs)
+    return Rule(tuple(rows), frames=tuple(frame if i in chosen else None
+                                          for i in range(len(shapes))))
 
 
 def describe(call: Call) -> str:
@@ -300,6 +354,20 @@ class KernelContext:
     def arg(self, largs, lkwargs, name: str, default=None):
         """Local argument ``name`` of this call (see :func:`arg_value`)."""
         return arg_value(self.call.op, largs, lkwargs, name, default)
+
+    def zeros(self):
+        """Zero pieces shaped as this rank's pieces of the outputs (nested as ``outs``): the
+        result of a kernel whose pieces hold no element where torch's kernel would trap."""
+        device = next((p.device for p in self.pieces if p is not None), torch.device("cpu"))
+
+        def one(spec):
+            if spec is None:
+                return None
+            if hasattr(spec, "layout"):
+                shape = spec.layout.local_shape(self.coord)
+                return torch.zeros(shape, dtype=spec.dtype, device=device)
+            return type(spec)(one(s) for s in spec)
+        return one(self.outs)
 
     def run_unless_empty(self, largs, lkwargs, fill):
         """The op on the pieces; where the first piece has no element (an uneven split), its

@@ -3,7 +3,8 @@ full tensors (the oracle), element by element, forward and gradients.
 
 A program is drawn from a seed: inputs of random shapes and layouts (every sbp, [2] and [2, 2]
 grids, even and uneven), then steps: pointwise ops with tensors, Python scalars and 0-dim local
-tensors, matmul, reductions, views and in-place writes through them, indexing, casts, to_global to
+tensors, with partners that broadcast (size-1 dims, fewer dims; split or not), masked_fill with a
+broadcasting mask, scaled_dot_product_attention with a broadcasting bool or float mask, matmul, reductions, views and in-place writes through them, indexing, casts, to_global to
 random layouts; at the end the backward of a random scalar loss. The suite runs a few hundred
 seeded programs; more on demand, printing the seed and program of any mismatch::
 
@@ -48,11 +49,11 @@ def draw(seed: int, axes: int) -> list[tuple]:
     for _ in range(2):
         new_input((rng.randint(1, 5), rng.randint(1, 5)))
     for _ in range(rng.randint(3, 7)):
-        i = rng.randrange(len(shapes))
+        i = rng.choice([j for j, s in enumerate(shapes) if len(s) == 2])  # the matrices
         shape = shapes[i]
         kind = rng.choice(["binary", "scalar", "unary", "matmul", "reduce", "view", "write",
                            "index", "cast", "to_global", "softmax", "cat", "where", "inplace",
-                           "put"])
+                           "put", "broadcast", "mask", "attend"])
         if kind == "binary":
             same = [j for j, s in enumerate(shapes) if s == shape and j != i]
             j = rng.choice(same) if same else new_input(shape)
@@ -110,12 +111,39 @@ def draw(seed: int, axes: int) -> list[tuple]:
         elif kind == "put":
             idx = sorted({rng.randrange(shape[0]) for _ in range(rng.randint(1, 3))})
             out = ("put", "put", i, tuple(idx), round(rng.uniform(-2, 2), 2))
+        elif kind == "broadcast":  # a partner with size-1 or missing dims
+            j = new_input(rng.choice(_broadcasting(shape)))
+            out = ("broadcast", rng.choice(["add", "sub", "mul", "maximum"]), i, j,
+                   rng.random() < 0.5)  # the partner first or second
+        elif kind == "mask":
+            j = new_input(rng.choice(_broadcasting(shape)))
+            out = ("mask", "masked_fill", i, j, round(rng.uniform(-2, 2), 2))
+        elif kind == "attend":
+            out, shape = _attend(rng, new_input)
         else:
             out = ("to_global", i, _layout(rng, 2, axes, True))
         steps.append(out)
         shapes.append(shape)
     steps.append(("loss", tuple(round(rng.uniform(-1, 1), 2) for _ in shapes)))
     return steps
+
+
+def _broadcasting(shape) -> list[tuple]:
+    """Shapes that broadcast against the matrix ``shape``: size-1 dims, or fewer dims."""
+    m, n = shape
+    return [(1, n), (m, 1), (n,), (1, 1), (1,)]
+
+
+def _attend(rng, new_input) -> tuple[tuple, tuple]:
+    """scaled_dot_product_attention on new (batch, heads, L, E) inputs with a mask of a
+    broadcasting shape (bool: the float input > -3, so no row is all masked; or additive);
+    the result summed over batch and heads (an (L, E) matrix for the steps after)."""
+    b, h, length, e = (rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 4))
+    q, k, v = (new_input((b, h, length, e)) for _ in range(3))
+    masks = [(b, 1, length, length), (length, length), (1, 1, length, length),
+             (b, h, length, length), (1, h, 1, length)]
+    mask = new_input(rng.choice(masks))
+    return ("attend", q, k, v, mask, rng.random() < 0.5), (length, e)
 
 
 # --------------------------------------------------------------------------- running them
@@ -142,7 +170,8 @@ def run(steps, make, scalar) -> tuple[list, list]:
             loss.backward()
             break
         x = values[step[2] if kind in ("binary", "scalar", "unary", "reduce", "view", "write",
-                                       "softmax", "cat", "where", "inplace", "put")
+                                       "softmax", "cat", "where", "inplace", "put",
+                                       "broadcast", "mask")
                    else step[1]]
         if kind == "binary":
             y = getattr(torch, step[1])(x, values[step[3]])
@@ -192,6 +221,16 @@ def run(steps, make, scalar) -> tuple[list, list]:
         elif kind == "put":
             y = x.clone()
             y[scalar_index(x, step[3])] = step[4]
+        elif kind == "broadcast":
+            a, b = (values[step[3]], x) if step[4] else (x, values[step[3]])
+            y = getattr(torch, step[1])(a, b)
+        elif kind == "mask":
+            y = x.masked_fill(values[step[3]] > 0, step[4])
+        elif kind == "attend":
+            mask = values[step[4]]
+            y = torch.nn.functional.scaled_dot_product_attention(
+                x, values[step[2]], values[step[3]], attn_mask=mask > -3 if step[5] else mask)
+            y = y.sum((0, 1))
         else:  # to_global
             y = x.to_global(sbp=step[2]) if x.is_global else x
         values.append(y)
