@@ -12,9 +12,9 @@ from .explain import explain
 from .layout import Layout
 from .placement import Placement, placement
 from .tensor import GlobalTensor
-from .factories import (arange, empty, empty_like, full, full_like, ones, ones_like, rand,
-                        rand_like, randint, randint_like, randn, randn_like, tensor, zeros,
-                        zeros_like)
+from .factories import (arange, empty, empty_like, eye, full, full_like, hann_window, linspace,
+                        logspace, normal, ones, ones_like, rand, rand_like, randint,
+                        randint_like, randn, randn_like, randperm, tensor, zeros, zeros_like)
 from .random import manual_seed
 from .mode import global_mode
 from .spawn import spawn
@@ -37,9 +37,10 @@ __all__ = [
     "GlobalTensorError",
     "explain",
     "global_mode",
-    "arange", "empty", "empty_like", "full", "full_like", "manual_seed", "ones", "ones_like",
-    "rand", "rand_like", "randint", "randint_like", "randn", "randn_like", "tensor", "visualize",
-    "zeros", "zeros_like",
+    "arange", "empty", "empty_like", "eye", "full", "full_like", "hann_window", "linspace",
+    "logspace", "manual_seed", "normal", "ones", "ones_like", "rand", "rand_like", "randint",
+    "randint_like", "randn", "randn_like", "randperm", "tensor", "visualize", "zeros",
+    "zeros_like",
     "Layout",
     "Placement",
     "checkpoint",

@@ -1,4 +1,5 @@
-"""Factories: each rank computes only its own piece of the global tensor.
+"""Factories: each rank computes only its own piece of the global tensor (``randperm`` aside: a
+piece of a permutation depends on all of it, so every rank computes the whole permutation).
 
 ``partial_sum`` layouts: the value sits on coordinate 0 of every partial axis and the other ranks
 hold zeros, so the sum of the pieces is the value.
@@ -181,6 +182,129 @@ def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, req
     return _finish(local, layout, coord, requires_grad)
 
 
+def _checked_count(n, what: str) -> int:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise GlobalTensorError(f"{what} expects a non-negative int, found {n!r} ({type(n).__name__})")
+    return n
+
+
+def _indexed(n: int, placement, sbp, requires_grad, values) -> GlobalTensor:
+    """A 1-D global tensor of ``n`` values: ``values(index)`` computes the values at the global
+    indices of this rank's piece (a 1-D int64 tensor)."""
+    layout = _layout((n,), placement, sbp)
+    coord = layout.placement.coord_of(env.get_rank())
+    a, b = layout.box(coord)[0] if coord is not None else (0, 0)
+    local = values(torch.arange(a, b, dtype=torch.int64))
+    return _finish(local.to(device_for(layout.placement)), layout, coord, requires_grad)
+
+
+def _linspace_at(start, end, steps: int, index: torch.Tensor, dtype) -> torch.Tensor:
+    """torch's CPU linspace at ``index``: from the start up to halfway, from the end after, in
+    the dtype (float64 for an integer dtype, then truncated, as torch)."""
+    ct = dtype if (dtype.is_floating_point or dtype.is_complex) else torch.float64
+    first, last = torch.tensor(start, dtype=ct), torch.tensor(end, dtype=ct)
+    if steps == 1:
+        return first.expand(index.shape).to(dtype)
+    step = (last - first) / (steps - 1)
+    up = first + step * index.to(ct)
+    down = last - step * (steps - 1 - index).to(ct)
+    return torch.where(index < steps // 2, up, down).to(dtype)
+
+
+def linspace(start, end, steps, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """``torch.linspace``: ``steps`` values evenly spaced from ``start`` to ``end``; each rank
+    computes the values at its own indices."""
+    start = _checked_number(start, "linspace's start")
+    end = _checked_number(end, "linspace's end")
+    steps = _checked_count(steps, "linspace's steps")
+    dtype = _checked_dtype(dtype) or torch.get_default_dtype()
+    return _indexed(steps, placement, sbp, requires_grad,
+                    lambda i: _linspace_at(start, end, steps, i, dtype))
+
+
+def logspace(start, end, steps, base=10.0, *, placement=None, sbp=None, dtype=None,
+             requires_grad=False):
+    """``torch.logspace``: ``base ** linspace(start, end, steps)`` (computed in float64, then
+    cast to ``dtype``); each rank computes the values at its own indices."""
+    start = _checked_number(start, "logspace's start")
+    end = _checked_number(end, "logspace's end")
+    base = _checked_number(base, "logspace's base")
+    steps = _checked_count(steps, "logspace's steps")
+    dtype = _checked_dtype(dtype) or torch.get_default_dtype()
+    ct = torch.complex128 if dtype.is_complex else torch.float64
+    return _indexed(steps, placement, sbp, requires_grad, lambda i: torch.pow(
+        torch.tensor(base, dtype=ct), _linspace_at(start, end, steps, i, ct)).to(dtype))
+
+
+def hann_window(window_length, periodic=True, *, placement=None, sbp=None, dtype=None,
+                requires_grad=False):
+    """``torch.hann_window``: ``0.5 - 0.5 cos(2 pi n / N)``, N = window_length if periodic else
+    window_length - 1 (computed in float64, then cast; one value is [1.]); each rank computes
+    the values at its own indices."""
+    n = _checked_count(window_length, "hann_window's window_length")
+    dtype = _checked_dtype(dtype) or torch.get_default_dtype()
+    if not dtype.is_floating_point:
+        raise GlobalTensorError(
+            f"hann_window expects a floating point dtype, found {dtype}; pass e.g. "
+            f"dtype=torch.float32")
+    period = n if periodic else n - 1
+
+    def values(i):
+        if n == 1:  # a window of one value: [1.], as torch
+            return torch.ones(i.shape, dtype=dtype)
+        return (0.5 - 0.5 * torch.cos(i.to(torch.float64) * (2 * math.pi / period))).to(dtype)
+
+    return _indexed(n, placement, sbp, requires_grad, values)
+
+
+def randperm(n, *, placement=None, sbp=None, dtype=torch.int64, requires_grad=False):
+    """``torch.randperm``: a random permutation of ``range(n)``, the same for a given
+    gt.manual_seed whatever the placement or sbp. Each rank computes the whole permutation
+    (O(n log n): a piece of a permutation depends on every element) and keeps its piece."""
+    n = _checked_count(n, "randperm's n")
+    _checked_dtype(dtype)
+
+    def piece(layout, coord, dt, device):
+        return random.permutation_piece(n, layout, coord, dtype, device)
+
+    return _random(piece, (n,), placement, sbp, dtype, requires_grad)
+
+
+def normal(mean, std, size, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """``torch.normal(mean, std, size)`` with numbers ``mean`` and ``std``: N(mean, std**2), the
+    same global values for a given gt.manual_seed whatever the placement or sbp. (For tensors
+    of means or deviations, write ``mean + std * gt.randn_like(mean)``.)"""
+    if any(isinstance(v, torch.Tensor) and v.is_global for v in (mean, std)):
+        raise GlobalTensorError(
+            "gt.normal expects numbers for mean and std, found a global tensor; write "
+            "mean + std * gt.randn_like(mean) for tensors of means or deviations")
+    mean, std = _checked_number(mean, "normal's mean"), _checked_number(std, "normal's std")
+    if std < 0:
+        raise GlobalTensorError(f"normal expects std >= 0, found {std}")
+    if dtype is not None and not _checked_dtype(dtype).is_floating_point:
+        raise GlobalTensorError(
+            f"normal expects a floating point dtype, found {dtype}; pass e.g. dtype=torch.float32")
+    size = _size_sequence(size, "normal")
+
+    def piece(layout, coord, dt, device):
+        return random.normal_piece(layout, coord, torch.float64, device).mul_(std).add_(mean).to(dt)
+
+    return _random(piece, size, placement, sbp, dtype, requires_grad)
+
+
+def eye(n, m=None, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """``torch.eye(n, m)``: ones on the diagonal; each rank compares its own rows and columns."""
+    n = _checked_count(n, "eye's n")
+    m = n if m is None else _checked_count(m, "eye's m")
+    layout = _layout((n, m), placement, sbp)
+    coord = layout.placement.coord_of(env.get_rank())
+    dtype = _checked_dtype(dtype) or torch.get_default_dtype()
+    (r0, r1), (c0, c1) = layout.box(coord) if coord is not None else ((0, 0), (0, 0))
+    rows, cols = torch.arange(r0, r1).unsqueeze(1), torch.arange(c0, c1).unsqueeze(0)
+    local = (rows == cols).to(dtype).to(device_for(layout.placement))
+    return _finish(local, layout, coord, requires_grad)
+
+
 def tensor(data, *, placement=None, sbp=None, dtype=None, requires_grad=False):
     """A global tensor from the *full* data, given alike on every rank; each rank keeps its piece."""
     try:
@@ -244,5 +368,6 @@ def randint_like(x, low, high=None, *, placement=None, sbp=None, dtype=None, req
 
 
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "tensor",
+           "linspace", "logspace", "hann_window", "randperm", "normal", "eye",
            "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "full_like",
            "randint_like", "Placement"]

@@ -84,6 +84,8 @@ def new(self, *args, **kwargs):
     from .factories import empty
 
     kwargs.pop("device", None)  # a global tensor's device is its placement's
+    if not args:  # torch's x.new(): an empty tensor of shape (0,)
+        args = (0,)
     if len(args) == 1 and not isinstance(args[0], numbers.Integral):
         if isinstance(args[0], torch.Size):
             args = tuple(args[0])

@@ -98,9 +98,12 @@ def _global_index(layout: Layout, coord) -> torch.Tensor:
     return index.expand(tuple(b - a for a, b in box)) if layout.ndim else index
 
 
+def _stream_key(seed: int, stream: int) -> torch.Tensor:
+    return _mix(torch.tensor(_signed((seed + stream * 0x9E3779B97F4A7C15) & _MASK64), dtype=torch.int64))
+
+
 def _bits(layout: Layout, coord, stream: int, offset: int, seed: int) -> torch.Tensor:
-    key = _mix(torch.tensor(_signed((seed + stream * 0x9E3779B97F4A7C15) & _MASK64), dtype=torch.int64))
-    return _mix(_global_index(layout, coord) + offset + key)
+    return _mix(_global_index(layout, coord) + offset + _stream_key(seed, stream))
 
 
 def _uniform_from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -146,6 +149,19 @@ def randint_piece(low: int, high: int, layout: Layout, coord, dtype=torch.int64,
     u = _uniform_from_bits(_bits(layout, coord, 3, offset, seed), torch.float64)
     v = (low + torch.floor(u * (high - low))).clamp_(max=high - 1).to(dtype)
     return v.to(device) if device is not None else v
+
+
+def permutation_piece(n: int, layout: Layout, coord, dtype=torch.int64, device=None):
+    """The piece at ``coord`` of a global random permutation of ``range(n)``. A permutation's
+    piece depends on every element, so each rank computes the whole permutation alike, as the
+    stable argsort of ``n`` counter-based keys (global positions 0..n-1), and keeps its piece:
+    O(n log n) on every rank, the same permutation whatever the layout."""
+    seed, offset = _advance(n)
+    if coord is None:
+        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    keys = _mix(torch.arange(n, dtype=torch.int64) + offset + _stream_key(seed, 4))
+    perm = torch.argsort(keys, stable=True)[layout.slices(coord)].to(dtype)
+    return perm.to(device) if device is not None else perm
 
 
 def rand_local(layout: Layout, dtype=torch.float32, device=None, rank: int | None = None):

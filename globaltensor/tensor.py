@@ -101,8 +101,9 @@ class GlobalTensor(torch.Tensor):
         """The whole logical value on every rank of the world (collective). Differentiable as
         the identity on the logical value: every rank's gradient for it is taken as the
         gradient of the whole value (a loss computed on every rank gives the single-device
-        gradient), not as a part of it."""
-        full = _Redistribute.apply(self, _full_layout(self._layout), None, False)
+        gradient), not as a part of it. Never an alias: where the piece already is the whole
+        value (broadcast on every rank of the world), a copy; ``to_local()`` is the alias."""
+        full = _Redistribute.apply(self, _full_layout(self._layout), None, True)
         return _ToLocal.apply(full, True)
 
     def numpy(self, *, force: bool = False):
@@ -137,9 +138,15 @@ class GlobalTensor(torch.Tensor):
 
     def __reduce_ex__(self, protocol):
         raise GlobalTensorError(
-            "a GlobalTensor cannot be pickled directly; save x.full_tensor() or x.to_local() "
-            "with its placement and sbp"
-        )
+            f"a GlobalTensor (shape {list(self.shape)}, placement {self.placement!r}, sbp "
+            f"{format_sbp(self.sbp)}) cannot be pickled, so torch.save / pickle of it or of a "
+            "state_dict holding it fails. Save a checkpoint with gt.checkpoint.save(path, "
+            "model=model, optimizer=opt) or torch.distributed.checkpoint's dcp.save(state_dict, "
+            "checkpoint_id=path) (every rank writes its own pieces; docs/checkpoint.md). For "
+            "one plain file: convert a DCP checkpoint with torch.distributed.checkpoint."
+            "format_utils.dcp_to_torch_save(dcp_dir, file), or gather the values into a plain "
+            "state dict on every rank, {k: v.full_tensor() if v.is_global else v for k, v in "
+            "state_dict.items()}, and torch.save that on one rank")
 
 
 def _full_layout(layout: Layout) -> Layout:

@@ -27,12 +27,19 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp_fn=None) -> tor
 
     ``sbp_fn(name, tensor) -> sbp`` picks each tensor's sbp by its qualified name (``"0.weight"``);
     an sbp value instead of a function applies to every tensor; None (or a function returning
-    None) means broadcast. Shared parameters stay shared.
+    None) means broadcast. Shared parameters stay shared. A local tensor is taken as the *full*
+    value, except the pieces ``to_local`` left (each is taken as this rank's piece of the layout
+    it came from); a global tensor is laid out anew.
     """
     placement = check_placement(placement)
     choose = _sbp_chooser(sbp_fn, placement)
-    _each_tensor(module, lambda value, name, parameter, converted: _converted(
-        value, name, placement, choose, converted, parameter))
+    converted: dict[int, torch.Tensor] = {}
+    for sub, store, name, qualified, parameter in _slots(module):
+        piece_of = sub.__dict__.get(_PIECES, {}).get(name)
+        store[name] = _converted(store[name], qualified, placement, choose, converted, parameter,
+                                 piece_of)
+    for sub in module.modules():
+        sub.__dict__.pop(_PIECES, None)
     _refresh_flat_weights(module)
     _run_forward_in_global_mode(module, placement)
     return module
@@ -46,19 +53,32 @@ def _refresh_flat_weights(module: torch.nn.Module) -> None:
             sub._init_flat_weights()
 
 
-def to_local(module: torch.nn.Module) -> torch.nn.Module:
-    """Turn ``module``'s global parameters and buffers back into plain tensors holding their
-    *full* values (collective: every rank gets them), in place; returns it. Leaves the forward
-    out of global mode. For export, ``torch.save`` of one rank's state, or single-device tests."""
-    def local(value, name, parameter, converted):
+# a module's attribute: {name: Layout} of its tensors that to_local made pieces of that layout
+_PIECES = "_gt_pieces"
+
+
+def to_local(module: torch.nn.Module, *, full: bool = False) -> torch.nn.Module:
+    """Turn ``module``'s global parameters and buffers into plain tensors, in place; returns it.
+    Leaves the forward out of global mode.
+
+    By default each becomes this rank's *piece* (``Tensor.to_local``: no communication), as
+    OneFlow's ``Module.to_local``; the module remembers the layout of each piece, so
+    ``module.to_global(placement, sbp)`` later takes them as pieces and gives back the same
+    global values (laid out with the sbp it is given). ``full=True``: each becomes its *full*
+    value instead (collective: every rank gets them), a plain single-device module, for
+    export, ``torch.save`` of one rank's state, or single-device tests."""
+    converted: dict[int, torch.Tensor] = {}
+    for sub, store, name, _, parameter in _slots(module):
+        value = store[name]
         if not isinstance(value, GlobalTensor):
-            return value
+            continue
         if id(value) not in converted:
-            full = value.detach().full_tensor()
-            converted[id(value)] = (torch.nn.Parameter(full, requires_grad=value.requires_grad)
-                                    if parameter else full)
-        return converted[id(value)]
-    _each_tensor(module, local)
+            plain = value.detach().full_tensor() if full else value.detach().to_local()
+            converted[id(value)] = (torch.nn.Parameter(plain, requires_grad=value.requires_grad)
+                                    if parameter else plain)
+        store[name] = converted[id(value)]
+        if not full:
+            sub.__dict__.setdefault(_PIECES, {})[name] = value._layout
     _refresh_flat_weights(module)
     handles = module.__dict__.pop("_gt_global_mode", None)
     for h in handles or ():
@@ -66,17 +86,15 @@ def to_local(module: torch.nn.Module) -> torch.nn.Module:
     return module
 
 
-def _each_tensor(module, convert) -> None:
-    """Replace each parameter and buffer by ``convert(value, name, parameter, converted)``;
-    ``converted`` (by id) keeps shared tensors shared."""
-    converted: dict[int, torch.Tensor] = {}
+def _slots(module):
+    """(submodule, its _parameters or _buffers, name, qualified name, is a parameter) for
+    every parameter and buffer (shared ones once per place they appear)."""
+    out = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
-        for name, value in list(sub._parameters.items()):
-            if value is not None:
-                sub._parameters[name] = convert(value, _join(prefix, name), True, converted)
-        for name, value in list(sub._buffers.items()):
-            if value is not None:
-                sub._buffers[name] = convert(value, _join(prefix, name), False, converted)
+        for store, parameter in ((sub._parameters, True), (sub._buffers, False)):
+            out += [(sub, store, name, _join(prefix, name), parameter)
+                    for name, value in store.items() if value is not None]
+    return out
 
 
 def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -> None:
@@ -129,19 +147,21 @@ def _normalized(value, name, placement):
         raise GlobalTensorError(f"module.to_global: the sbp for {name}: {e}") from None
 
 
-def _converted(value, name, placement, choose, converted, parameter):
+def _converted(value, name, placement, choose, converted, parameter, piece_of=None):
     key = id(value)
     if key in converted:
         return converted[key]
     sbp = choose(name, value)
     if isinstance(value, GlobalTensor):  # already global: lay it out anew (the value is kept)
         g = _relaid(value.detach(), placement, sbp, name)
+    elif piece_of is not None:  # a piece to_local left: global again as it was, then laid out
+        g = _relaid(_from_piece(value.detach(), piece_of, name), placement, sbp, name)
     else:
         g = _full_to_global(value.detach(), placement, sbp, name)
     if parameter:
         # a global leaf that requires grad keeps its .grad in its own layout (grads.py)
         g = torch.nn.Parameter(g, requires_grad=value.requires_grad)
-    converted[key] = g
+    converted[key] = converted[id(g)] = g  # a shared submodule, met again, keeps it
     return g
 
 
@@ -153,6 +173,20 @@ def _full_to_global(full: torch.Tensor, placement: Placement, sbp, name) -> Glob
     except GlobalTensorError as e:
         raise GlobalTensorError(f"module.to_global: {name} of shape {list(full.shape)}: {e}") from None
     return redistribute(replicated, layout)
+
+
+def _from_piece(piece: torch.Tensor, layout: Layout, name) -> GlobalTensor:
+    """The global tensor of ``layout`` whose piece on this rank is ``piece`` (the pieces' shapes
+    are checked across the ranks)."""
+    g = piece.to_global(placement=layout.placement, sbp=layout.sbp)
+    if tuple(g.shape) != layout.shape:
+        raise GlobalTensorError(
+            f"module.to_global: {name} was made a local piece of a global tensor of shape "
+            f"{list(layout.shape)} by module.to_local(); its pieces now make shape "
+            f"{list(g.shape)}. After module.to_local() the next module.to_global() takes the "
+            f"module's tensors as pieces; keep their shapes, or use module.to_local(full=True) "
+            f"to work with full values")
+    return g
 
 
 def _relaid(value: GlobalTensor, placement: Placement, sbp, name) -> GlobalTensor:

@@ -18,7 +18,8 @@ PLAIN = ("hardswish", "log_sigmoid_forward", "masked_fill.Tensor", "masked_fill_
 # element-wise, linear in their first argument (the incoming gradient)
 BACKWARD = ("elu_backward", "hardtanh_backward", "leaky_relu_backward", "hardswish_backward",
             "softplus_backward", "hardsigmoid_backward", "softshrink_backward",
-            "hardshrink_backward", "log_sigmoid_backward", "mish_backward")
+            "hardshrink_backward", "log_sigmoid_backward", "mish_backward",
+            "rrelu_with_noise_backward")
 
 
 def plain(call: Call):

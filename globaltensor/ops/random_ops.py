@@ -3,6 +3,8 @@
     B    -> B          ``uniform_``, ``normal_``, ``rand_like``, ...: kernel "random"
     S(d) -> S(d)       each rank draws the values of its own box
     P    -> P B        ``native_dropout``: linear, with a mask drawn per global position
+    S(d) S(d) -> S(d)  ``rrelu_with_noise(x, noise)`` in training: slopes drawn per global
+                       position (the noise it writes is laid out like x)
 A P tensor cannot take fresh values (convert it first); dispatch says so.
 """
 from __future__ import annotations
@@ -54,6 +56,31 @@ def _k_dropout(ctx, largs, lkwargs):
     mask = u >= p
     scale = 0.0 if p >= 1 else 1.0 / (1.0 - p)
     return x * mask * scale, mask
+
+
+def rrelu(call: Call) -> tuple[Row, ...]:
+    """``rrelu_with_noise(x, noise, lower, upper, training)``: element-wise, x and the noise it
+    writes split alike; in training the slopes are drawn per global position."""
+    nd = len(call.shapes[0])
+    rows = [Row(repeat(len(call.shapes), B), (B,), "rrelu")]
+    return tuple(rows + [Row(repeat(len(call.shapes), S(d)), (S(d),), "rrelu") for d in range(nd)])
+
+
+def _k_rrelu(ctx, largs, lkwargs):
+    """torch's rrelu: where x <= 0 the output is x * r, r uniform in [lower, upper), and the
+    noise holds r (1 elsewhere); r depends on the global position only, so replicas agree."""
+    x, noise = largs[0], largs[1]
+    if not ctx.arg(largs, lkwargs, "training", False):
+        return ctx.empties() if ctx.coord is None else ctx.func(*largs, **lkwargs)
+    lower, upper = ctx.arg(largs, lkwargs, "lower", 0.125), ctx.arg(largs, lkwargs, "upper", 1 / 3)
+    u_dtype = x.dtype if x.dtype in (torch.float64, torch.float32) else torch.float32
+    u = random.uniform_piece(ctx.outs.layout, ctx.coord, u_dtype, x.device)
+    if ctx.coord is None:
+        return ctx.empties()
+    negative = x <= 0
+    r = (lower + (upper - lower) * u).to(x.dtype)
+    noise.copy_(torch.where(negative, r, torch.ones_like(r)))
+    return torch.where(negative, x * r, x)
 
 
 def _random_values(ctx, layout, dtype, device, largs, lkwargs):
@@ -114,3 +141,4 @@ register("uniform_", "normal_", "bernoulli_", "exponential_", "random_", rule=ra
          kernels=_KERNELS)
 register("bernoulli.default", "bernoulli.p", rule=random_functional, kernels=_KERNELS)
 register("native_dropout", rule=dropout, kernels={"dropout": _k_dropout})
+register("rrelu_with_noise", rule=rrelu, kernels={"rrelu": _k_rrelu})

@@ -61,41 +61,90 @@ def resolve_size(size, numel: int) -> tuple[int, ...]:
 
 
 def view(call: Call) -> Rule:
-    """``view(x, size)``: a split dim goes to the first dim of its group; through a merge or a
-    split of dims only when the pieces cut whole rows (even pieces)."""
+    """``view(x, size)``: a split moves within its group of dims (``view_groups``). A dim kept
+    as it is keeps any split; through a merge or a split of dims, the pieces must be the same
+    elements in the same order on both sides (``_same_pieces``): ``(8, 4)`` as (S(0), S(0))
+    viewed as ``(2, 4, 4)`` is (S(0), S(1)), and back."""
     src = call.shapes[0]
     dst = resolve_size(call.get("size", call.get("shape")), math.prod(src))
     rows = [sig("B -> B"), sig("P -> P")]
     if 0 in src:
         return Rule(tuple(rows))
     groups = view_groups(src, dst)
-    rows += [Row((S(gi[0]),), (S(gj[0]),)) for gi, gj in groups if gi and gj]
+    rows += [Row((S(i),), (S(j),)) for gi, gj in groups if gi and gj for i in gi for j in gj]
 
     def check(call, mesh, ins, outs):
-        for gi, gj in groups:
-            if not gi or not gj or (len(gi) == 1 and len(gj) == 1):
-                continue
-            k = math.prod(m for m, v in zip(mesh, ins[0]) if v == S(gi[0]))
-            if k > 1 and (src[gi[0]] % k or dst[gj[0]] % k):
-                return False
-        return True
+        return all(_same_pieces(src, dst, gi, gj, mesh, ins[0], outs[0]) for gi, gj in groups
+                   if gi and gj)
     return Rule(tuple(rows), check)
 
 
+def _same_pieces(src, dst, gi, gj, mesh, sbp_in, sbp_out) -> bool:
+    """Whether one group of a view keeps every rank's piece: the same elements, in the same
+    order, so the local view of the piece is the output's piece.
+
+    A dim kept whole as a dim (``gi``, ``gj`` of one dim each) keeps any split. Otherwise each
+    dim of the group is read as mixed-radix digits: a dim of size ``n`` split by axes of sizes
+    ``k1, k2`` (axis order, outermost first) is the digits ``(k1, k2, n/(k1 k2))``, and the
+    group's flat index is the dims' digits in order. The piece at a coordinate fixes each
+    splitting axis's digit, so it is the same set in the same order on both sides iff every
+    axis's digit has the same stride in the flat index on both sides (``_digits``). Axes of
+    size 1 cut nothing: they map to the group's first output dim."""
+    if len(gi) == 1 and len(gj) == 1:
+        return True
+    for a, n in enumerate(mesh):
+        if n == 1 and sbp_in[a] in tuple(S(i) for i in gi) and sbp_out[a] != S(gj[0]):
+            return False
+    digits_in = _digits(src, gi, mesh, sbp_in)
+    return digits_in is not None and digits_in == _digits(dst, gj, mesh, sbp_out)
+
+
+def _digits(shape, dims, mesh, sbp):
+    """{axis: its digit} for the axes (of size > 1) that split ``dims``: ``(stride, k)`` for an
+    even cut; the innermost cut of a dim may be uneven, ``(stride, k, length)``: ``k`` uneven
+    pieces of a range of ``length`` at ``stride`` (the uneven rule, layout.py). None if an
+    outer cut is uneven."""
+    digits, stride = {}, 1
+    for d in reversed(dims):
+        axes = [a for a, v in enumerate(sbp) if v == S(d) and mesh[a] > 1]
+        outer = math.prod(mesh[a] for a in axes[:-1])
+        if shape[d] % outer:
+            return None
+        length = shape[d] // outer
+        if axes and length % mesh[axes[-1]]:
+            digits[axes[-1]] = (stride, mesh[axes[-1]], length)
+            stride *= length
+            axes = axes[:-1]
+        else:
+            stride *= length // mesh[axes[-1]] if axes else length
+        for a in reversed(axes):
+            digits[a] = (stride, mesh[a])
+            stride *= mesh[a]
+    return digits
+
+
 def _rewrite_view(decision, largs, pieces):
-    """The local size: each split group's first dim takes this piece's share."""
+    """The local size: a dim kept as it is keeps the piece's size; a dim of a merge or a split
+    is its global size over the axes that cut it (``_same_pieces``), but for an uneven last cut,
+    the size of the input dim that axis cuts alike."""
     if not pieces[0].is_contiguous():
         largs[0] = pieces[0].contiguous()  # the global tensor is contiguous; its piece may not be
     out = decision.outs.layout
-    split_dims = {v.dim for v in out.sbp if isinstance(v, Split)}
-    if not split_dims:
+    if not any(isinstance(v, Split) for v in out.sbp):
         return
-    local_in = pieces[0].shape
+    local_in, mesh, sbp_in = pieces[0].shape, out.placement.shape, decision.targets[0].sbp
     size = list(out.shape)
     for gi, gj in view_groups(decision.targets[0].shape, out.shape):
-        if gj and gj[0] in split_dims:
-            rest = math.prod(out.shape[j] for j in gj[1:])
-            size[gj[0]] = math.prod(local_in[i] for i in gi) // max(rest, 1)
+        if len(gi) == 1 and len(gj) == 1:
+            size[gj[0]] = local_in[gi[0]]
+            continue
+        for j in gj:
+            axes = [a for a, v in enumerate(out.sbp) if v == S(j) and mesh[a] > 1]
+            if axes:
+                length = size[j] // math.prod(mesh[a] for a in axes[:-1])
+                last = axes[-1]
+                uneven = length % mesh[last]
+                size[j] = local_in[sbp_in[last].dim] if uneven else length // mesh[last]
     largs[1] = size
 
 

@@ -144,7 +144,7 @@ def test_nn_layers_forward_backward():
         assert grads["0.weight"][0] == (B, S(0)) and grads["3.bias"][0] == (B, B)
 
 
-def test_converting_a_global_module_again_lays_it_out_anew_and_to_local_gives_full_values():
+def test_converting_a_global_module_again_lays_it_out_anew_and_to_local_full_gives_full_values():
     ref = torch.relu(X @ W1) @ W2
 
     def body(rank):
@@ -153,7 +153,7 @@ def test_converting_a_global_module_again_lays_it_out_anew_and_to_local_gives_fu
         x = gt.tensor(X, placement=G22, sbp=(S(0), B))
         out = m(x).full_tensor()
         sbps = (m.w1.sbp, m.w2.sbp, isinstance(m.w1, torch.nn.Parameter))
-        m.to_local()
+        m.to_local(full=True)
         plain = (type(m.w1), type(m.steps), m(X))  # plain modules again, forward out of global mode
         return out, sbps, plain
 
