@@ -38,6 +38,7 @@ from .errors import GlobalTensorError
 from .layout import Layout
 from .sbp import Broadcast, normalize
 from .dispatch.adopt import active, agree_on_value, modes
+from .packed import HANDLERS
 from .tensor import GlobalTensor
 
 @contextlib.contextmanager
@@ -100,6 +101,9 @@ class GlobalMode(TorchFunctionMode):
         kwargs = kwargs or {}
         kind = _FACTORIES.get(func)
         if kind is None:  # the common case: any other torch call, run as it is
+            handler = HANDLERS.get(func)  # packed sequences (packed.py)
+            if handler is not None and _any_global(args, kwargs):
+                return handler(*args, **kwargs)
             result = func(*args, **kwargs)
             if (type(result) is torch.Tensor and result.dim() > 0 and _any_global(args, kwargs)
                     and not _called_by_us()):
