@@ -101,3 +101,22 @@ def test_safe_softmax_splits_every_dim_but_its_own_without_a_gather(dim):
 def test_safe_softmax_backward_matches_torch():
     x = gen(4, 6)
     check(lambda t: torch._safe_softmax(t, 1), [x], grids=[G2, G22])
+
+
+def test_stand_ins_over_the_bound_are_not_run_and_the_call_is_refused(monkeypatch):
+    from globaltensor.dispatch import outputs
+
+    monkeypatch.setattr(outputs, "STAND_IN_BYTES", 1024)  # A and W alone are 3 KiB and 4 KiB
+    a, w = gen(20, 16, dtype=torch.float32), gen(4, 16, 8, seed=1, dtype=torch.float32)
+    offs = torch.tensor([5, 10, 15, 20], dtype=torch.int32)
+
+    def body(rank):
+        ga, gw, go = (gt.tensor(t, placement=G2, sbp=B) for t in (a, w, offs))
+        try:
+            torch._grouped_mm(ga, gw, offs=go)
+        except GlobalTensorError as e:
+            return str(e)
+        return None
+
+    for message in run_ranks(body, 2, timeout=60):
+        assert message is not None and "BF16" in message and "STAND_IN_BYTES" in message
