@@ -2,8 +2,10 @@
 pieces of ranks outside the placement."""
 from __future__ import annotations
 
+import math
+
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from .._cache import Bounded
 from ..errors import GlobalTensorError
@@ -84,10 +86,54 @@ def _meta_result(func, args, kwargs, name):
         return result if fix is None else fix(result, args, kwargs)
     except (NotImplementedError, RuntimeError) as e:
         if isinstance(e, RuntimeError) and "meta" not in str(e).lower():
-            raise GlobalTensorError(f"{name} on global tensors: {e}{_hint(e)}") from e
+            return _real_result(func, args, kwargs, name, e)
         raise DataDependent(
             f"{name}: cannot work out the output shape without running the op (no meta "
             f"kernel: {e}); gather the inputs with x.full_tensor() and run it locally") from e
+
+
+# the most bytes of stand-ins a real run may allocate to learn an output (see _real_result)
+STAND_IN_BYTES = 1 << 30
+
+
+def _stand_in(value):
+    """A zero-filled tensor of ``value``'s global shape and dtype on its device."""
+    if isinstance(value, torch.Tensor):
+        shape = value._layout.shape if isinstance(value, GlobalTensor) else value.shape
+        return torch.zeros(shape, dtype=value.dtype, device=value.device)
+    return value
+
+
+def _stand_in_bytes(args, kwargs) -> int:
+    tensors = [v for v in tree_leaves((tuple(args), kwargs)) if isinstance(v, torch.Tensor)]
+    return sum(math.prod(v.shape) * v.dtype.itemsize for v in tensors)
+
+
+def _real_result(func, args, kwargs, name, meta_error):
+    """The meta kernel refused the call (``meta_error``), but some meta kernels are stricter
+    than the kernels that run (``_grouped_mm``'s demands bf16, its CPU kernel runs float32):
+    the op runs once on zero-filled stand-ins of the global shapes and dtypes on the inputs'
+    device, and its result (shapes and dtypes, kept as meta tensors) is the meta result. If
+    the real kernel refuses the stand-ins too, the call is refused with torch's message: the
+    same call on the full tensors fails alike."""
+    size = _stand_in_bytes(args, kwargs)
+    if size > STAND_IN_BYTES:
+        raise GlobalTensorError(
+            f"{name} on global tensors: {meta_error}{_hint(meta_error)} (torch's meta kernel "
+            f"refused the global shapes and dtypes; its real kernel was not tried on stand-ins "
+            f"of {size} bytes, over globaltensor.dispatch.outputs.STAND_IN_BYTES)") from meta_error
+    sargs, skwargs = tree_map(_stand_in, (tuple(args), kwargs))
+    try:
+        result = func(*sargs, **skwargs)
+    except Exception as error:  # noqa: BLE001 - the real kernel agrees with the meta one
+        raise GlobalTensorError(f"{name} on global tensors: {error}{_hint(error)}") from error
+    return tree_map(_as_meta, result)
+
+
+def _as_meta(value):
+    if isinstance(value, torch.Tensor):
+        return torch.empty(value.shape, dtype=value.dtype, device="meta")
+    return value
 
 
 def _hint(error) -> str:

@@ -113,7 +113,7 @@ register("amax", "amin", "argmax", "argmin", "prod", "any", "all", "logsumexp",
          rule=reduction_gather(1))
 register("max.dim", "min.dim", "var_mean.correction", "std_mean.correction",
          rule=reduction_gather(2))
-register("_softmax", "_log_softmax", rule=along_dim())
+register("_softmax", "_log_softmax", "_safe_softmax", rule=along_dim())
 register("_softmax_backward_data", "_log_softmax_backward_data", rule=softmax_backward)
 register("cumsum", rule=along_dim(linear=("self",)))
 register("cumprod", rule=along_dim())

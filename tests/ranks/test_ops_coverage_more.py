@@ -52,20 +52,35 @@ def test_to_sparse_names_the_op_and_the_way_out():
 
 
 def test_a_stride_check_says_global_tensors_are_contiguous():
-    # torch's _scaled_mm wants a column-major mat2; a global b.t() is laid out contiguously
-    from helpers import make_global
-    from globaltensor.layout import Layout
+    # torch's _grouped_mm wants 16-byte row strides: one process passes a padded (12, 6) view, a
+    # global tensor of that shape is laid out contiguously (24-byte rows) and its real kernel
+    # refuses it too (dispatch tried the stand-ins: issue 36)
+    a = torch.zeros(12, 8)[:, :6].copy_(torch.randn(12, 6))
+    w, offs = torch.randn(2, 6, 8), torch.tensor([5, 12], dtype=torch.int32)
+    assert torch._grouped_mm(a, w, offs=offs).shape == (12, 8)
 
+    def fn(rank):
+        ga, gw, go = (gt.tensor(t.contiguous(), placement=G2, sbp=B) for t in (a, w, offs))
+        torch._grouped_mm(ga, gw, offs=go)
+    for message in _errors_on_ranks(fn):
+        assert message.startswith("_grouped_mm.default on global tensors: strides should be")
+        assert "laid out contiguously" in message and "x.to_local()" in message
+
+
+def test_scaled_mm_whose_meta_kernel_is_stricter_than_the_cpu_one_runs():
+    # _scaled_mm's meta kernel wants a column-major mat2, the CPU kernel does not: the output is
+    # learnt from a run on stand-ins (issue 36) and the values are one process's
     a = torch.randn(16, 16).to(torch.float8_e4m3fn)
     b = torch.randn(32, 16).to(torch.float8_e4m3fn)
     one = torch.tensor(1.0)
+    expected = torch._scaled_mm(a, b.t(), one, one)
 
-    def fn(rank):
-        ga, gb, s = (make_global(t, Layout(G2, (B,), t.shape), rank) for t in (a, b, one))
-        torch._scaled_mm(ga, gb.t(), s, s)
-    for message in _errors_on_ranks(fn):
-        assert message.startswith("_scaled_mm.default on global tensors: mat2 must be col_major")
-        assert "laid out contiguously" in message and "x.to_local()" in message
+    def body(rank):
+        ga, s = (gt.tensor(t, placement=G2, sbp=B) for t in (a, one))
+        gb = gt.tensor(b, placement=G2, sbp=S(0))
+        return torch._scaled_mm(ga, gb.t(), s, s).full_tensor()
+    for full in run_ranks(body, 2, timeout=60):
+        assert full.dtype == expected.dtype and torch.equal(full.float(), expected.float())
 
 
 # ----------------------------------------------------------------------------- embedding_bag
