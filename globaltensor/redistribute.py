@@ -34,6 +34,10 @@ def moved(t, target: Layout) -> torch.Tensor:
     unchanged. Leaves that require grad (parameters) are not remembered: a gathered copy would
     outlive the step. Every rank takes the same path (the memo follows the op sequence), so
     SPMD holds."""
+    if t.is_inference() or t._local.is_inference():
+        # inference tensors keep no version counter: a write would go unseen, so nothing is
+        # remembered (torch.inference_mode(); every rank takes this same path)
+        return redistribute_local(t._local, t._layout, target)
     cache = t.__dict__.get("_gt_moves")
     # in-place ops through dispatch run below autograd, so they bump the wrapper's version, not
     # the piece's (the same on every rank); writes into to_local() bump the piece's

@@ -10,6 +10,9 @@ the ranks that share it: data parallel with no wrapper::
 """
 from __future__ import annotations
 
+import functools
+import types
+
 import torch
 
 from ..errors import GlobalTensorError
@@ -83,6 +86,8 @@ def to_local(module: torch.nn.Module, *, full: bool = False) -> torch.nn.Module:
     handles = module.__dict__.pop("_gt_global_mode", None)
     for h in handles or ():
         h.remove()
+    module.__dict__.pop(_PLACEMENT, None)
+    module.__class__ = _plain_class(type(module))
     return module
 
 
@@ -119,6 +124,49 @@ def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -
         module.register_forward_pre_hook(enter, prepend=True),
         module.register_forward_hook(leave, always_call=True),
     )
+    module.__dict__[_PLACEMENT] = placement
+    module.__class__ = _entry_points_in_global_mode(_plain_class(type(module)))
+
+
+# a converted module's attribute: the placement its public methods run in global mode on
+_PLACEMENT = "_gt_placement"
+
+
+def _plain_class(cls: type) -> type:
+    """The user's class of a module whose class :func:`_entry_points_in_global_mode` made."""
+    return cls.__dict__.get("_gt_plain_class", cls)
+
+
+@functools.cache
+def _entry_points_in_global_mode(cls: type) -> type:
+    """A subclass of ``cls`` (same name and module) whose public methods, those of ``cls`` and
+    of its bases and mixins but ``torch.nn.Module`` (HF's ``generate``,
+    ``prepare_inputs_for_generation``, ...), run in global mode on the instance's placement; ``forward`` has its hooks. A class,
+    not instance attributes, so ``copy.deepcopy`` of the module keeps calling its own."""
+    namespace = {"_gt_plain_class": cls, "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__}
+    for klass in cls.__mro__:
+        if klass in torch.nn.Module.__mro__:  # Module's own (to, state_dict, ...) and object's
+            continue
+        for name, value in vars(klass).items():
+            if (name.startswith("_") or name == "forward" or name in namespace
+                    or not isinstance(value, types.FunctionType)):
+                continue
+            namespace[name] = _in_global_mode(getattr(cls, name))
+    return type(cls.__name__, (cls,), namespace)
+
+
+def _in_global_mode(method):
+    from ..mode import GlobalMode
+
+    @functools.wraps(method)
+    def entry_point(self, *args, **kwargs):
+        placement = self.__dict__.get(_PLACEMENT)
+        if placement is None:
+            return method(self, *args, **kwargs)
+        with GlobalMode(placement):
+            return method(self, *args, **kwargs)
+    return entry_point
 
 
 def _join(prefix: str, name: str) -> str:

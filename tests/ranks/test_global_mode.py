@@ -276,3 +276,65 @@ def test_addmm_over_every_layout(bias_shape):
 
     check(lambda b, x, w: torch.addmm(b, x, w, beta=0.5, alpha=2.0),
           [gen(*bias_shape, seed=31), gen(5, 4, seed=32), gen(4, 6, seed=33)])
+
+
+class Sampler(torch.nn.Module):
+    """A module with a public method besides forward that builds local tensors (as HF's
+    ``generate`` builds its default mask and cache positions)."""
+
+    def __init__(self):
+        super().__init__()
+        self.w = torch.nn.Parameter(torch.arange(12.0).reshape(3, 4))
+
+    def forward(self, x):
+        return x @ self.w + torch.ones(4)
+
+    def sample(self, x, steps: int):
+        for _ in range(steps):
+            x = self(x) / 100 + torch.arange(4.0)
+        return x
+
+
+def test_every_public_method_of_a_converted_module_runs_in_global_mode():
+    x = torch.ones(2, 3)
+    want = Sampler().sample(x, 1)
+
+    def body(rank):
+        import copy
+
+        m = Sampler().to_global(ALL, lambda name, t: S(1))
+        twin = copy.deepcopy(m)  # keeps running its own methods in global mode
+        got = [m.sample(gt.tensor(x, placement=ALL, sbp=S(0)), 1).full_tensor(),
+               twin.sample(gt.tensor(x, placement=ALL, sbp=B), 1).full_tensor()]
+        name = type(m).__name__
+        m.to_local(full=True)  # a plain module again: its methods are the user's own
+        plain = m.sample(torch.ones(2, 3), 1)
+        return got, name, type(m) is Sampler, plain
+
+    for got, name, plain_class, plain in run_ranks(body, 2, timeout=60):
+        assert name == "Sampler" and plain_class
+        for g in got:
+            torch.testing.assert_close(g, want)
+        torch.testing.assert_close(plain, want)
+
+
+@pytest.mark.parametrize("grad_mode", ["inference_mode", "no_grad"])
+def test_global_ops_under_inference_mode_and_no_grad(grad_mode):
+    """Two global tensors made in inference mode with different splits, added (the moved-piece
+    memo keyed on a version counter inference tensors lack), then more ops and moves."""
+    a_full, b_full = torch.arange(16.0).reshape(4, 4), torch.ones(4, 4)
+
+    def body(rank):
+        with getattr(torch, grad_mode)():
+            a = gt.tensor(a_full, placement=ALL, sbp=S(0))
+            b = gt.tensor(b_full, placement=ALL, sbp=S(1))
+            c = a + b
+            c.add_(1)  # a write the memo must see: the next move reads the new value
+            d = (c @ b).to_global(sbp=B) + c.sum()
+            return c.full_tensor(), d.full_tensor(), F.softmax(c, -1).full_tensor()
+
+    c = a_full + b_full + 1
+    for got in run_ranks(body, 2, timeout=60):
+        torch.testing.assert_close(got[0], c)
+        torch.testing.assert_close(got[1], c @ b_full + c.sum())
+        torch.testing.assert_close(got[2], F.softmax(c, -1))
