@@ -57,12 +57,6 @@ def rnn_layer_backward(call: Call):
     return fit(rows, present)
 
 
-def _outs_zeros(ctx, like: torch.Tensor):
-    """Zeros of every output's local shape (a piece with no sequence: torch's kernel refuses
-    an empty batch)."""
-    return tuple(like.new_zeros(o.layout.local_shape(ctx.coord)) for o in ctx.outs)
-
-
 def _contiguous(largs, lkwargs):
     """The arguments with every tensor contiguous: torch's mkldnn kernels read their memory as
     contiguous without checking, and a piece may be a strided view (a transposed batch)."""
@@ -79,13 +73,21 @@ def _k_rnn_layer(ctx, largs, lkwargs):
     return output, hy, cy, _no_workspace(ctx) if workspace is None else workspace
 
 
-def _k_rnn_batch(ctx, largs, lkwargs):
-    """The layer on this rank's sequences; the workspace left empty (backward remakes it)."""
+def _nothing_to_run(ctx, largs, lkwargs):
+    """The result of a rank with no sequence to run, or None: outside the placement, empties;
+    a piece with no sequence, zeros (torch's kernel refuses an empty batch)."""
     if ctx.coord is None:
         return ctx.empties()
-    x = ctx.arg(largs, lkwargs, "input")
-    if x.numel() == 0:
-        return _outs_zeros(ctx, x)
+    if ctx.arg(largs, lkwargs, "input").numel() == 0:
+        return ctx.zeros()
+    return None
+
+
+def _k_rnn_batch(ctx, largs, lkwargs):
+    """The layer on this rank's sequences; the workspace left empty (backward remakes it)."""
+    done = _nothing_to_run(ctx, largs, lkwargs)
+    if done is not None:
+        return done
     largs, lkwargs = _contiguous(largs, lkwargs)
     output, hy, cy, _ = ctx.func(*largs, **lkwargs)
     return output, hy, cy, _no_workspace(ctx)
@@ -112,11 +114,9 @@ def _workspace(ctx, largs, lkwargs):
 
 def _k_rnn_backward(ctx, largs, lkwargs):
     """The layer's backward on this rank's pieces, with the workspace of these pieces."""
-    if ctx.coord is None:
-        return ctx.empties()
-    x = ctx.arg(largs, lkwargs, "input")
-    if x.numel() == 0:
-        return _outs_zeros(ctx, x)
+    done = _nothing_to_run(ctx, largs, lkwargs)
+    if done is not None:
+        return done
     largs, lkwargs = _contiguous(largs, lkwargs)
     args, kwargs = list(largs), dict(lkwargs)
     kwargs = with_arg(ctx.call.op, args, kwargs, "workspace", _workspace(ctx, largs, lkwargs))
