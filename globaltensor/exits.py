@@ -28,6 +28,7 @@ import torch.distributed.distributed_c10d as c10d
 from .errors import GlobalTensorError
 
 INIT_KEY = "gt/init"
+POLL_S = (0.005, 0.1)  # rank 0 polls for the others at exit: first and longest pause
 _CURRENT: contextvars.ContextVar["WorldExit | None"] = contextvars.ContextVar(
     "gt_world_exit", default=None)
 
@@ -97,14 +98,19 @@ class WorldExit:
             self.wait_for_others(store)
 
     def wait_for_others(self, store) -> None:
-        """Rank 0: keep the store up until every other rank has left, or the timeout passed."""
+        """Rank 0: keep the store up until every other rank has left, or the timeout passed.
+        Polls (a store's own wait cannot be interrupted: Ctrl-C is seen between polls)."""
         keys = [self.key(r) for r in range(1, self.world_size)]
         start = time.monotonic()
-        try:
-            store.wait(keys, self.timeout)
-            return
-        except Exception:  # noqa: BLE001 - DistStoreError: timed out
-            pass
+        pause = POLL_S[0]
+        while time.monotonic() - start < self.timeout.total_seconds():
+            try:
+                if store.check(keys):
+                    return
+            except RuntimeError:  # the store itself is gone: nobody is left to wait for
+                break
+            time.sleep(pause)
+            pause = min(pause * 2, POLL_S[1])
         missing = [r for r in range(1, self.world_size) if not _has(store, self.key(r))]
         print(f"globaltensor: rank 0 waited {time.monotonic() - start:.0f}s at exit for ranks "
               f"{missing} to finish; leaving without them (rank 0 hosts the store, which they "
