@@ -43,13 +43,20 @@ def rendezvous(store, rank: int, world_size: int, timeout: datetime.timedelta) -
         store.set(done, "1")
     try:
         store.wait([done], timeout)
-    except RuntimeError as e:  # DistStoreError: the wait timed out
-        joined = store.add(INIT_KEY, 0) - generation * world_size
+    except RuntimeError as e:  # DistStoreError: the wait timed out; DistNetworkError: no store
         raise GlobalTensorError(
             f"expected all {world_size} ranks to finish gt.init within "
-            f"{timeout.total_seconds():g}s, found {joined} (rank {rank} waited); start every "
-            f"rank (or raise gt.init(timeout=...) / GT_TIMEOUT)") from e
+            f"{timeout.total_seconds():g}s, found {_joined(store, generation, world_size)} "
+            f"(rank {rank} waited); start every rank (or raise gt.init(timeout=...) / "
+            f"GT_TIMEOUT)") from e
     return generation
+
+
+def _joined(store, generation: int, world_size: int) -> str:
+    try:
+        return str(store.add(INIT_KEY, 0) - generation * world_size)
+    except RuntimeError:
+        return "the store gone (rank 0, which hosts it, ended)"
 
 
 def exiting_with_error() -> bool:
