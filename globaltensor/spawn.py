@@ -27,6 +27,7 @@ from .errors import GlobalTensorError
 
 _POLL_S = 0.05
 _STOP_GRACE_S = 5.0
+_EXIT_S = 60.0  # how long processes that returned their results get to exit
 
 
 class SpawnError(GlobalTensorError):
@@ -72,7 +73,9 @@ def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: i
             send.close()
             procs.append(p)
             conns.append(recv)
-        return _wait(config, procs, conns)
+        results = _wait(config, procs, conns)
+        _wait_exits(config, procs)
+        return results
     finally:
         _stop(procs)
 
@@ -117,7 +120,7 @@ def _child(payload: bytes, local_rank: int, env: dict, conn, backend=None) -> No
         message = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())
         failed = True
     finally:
-        _leave_world()
+        _leave_world(failed)
     try:
         conn.send(message)
     except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
@@ -134,12 +137,14 @@ def _set_threads(omp: str | None) -> None:
         sys.modules["torch"].set_num_threads(int(omp))
 
 
-def _leave_world() -> None:
+def _leave_world(failed: bool) -> None:
+    """Leave as gt.init's atexit hook would (a forked process never runs atexit): close the
+    groups; rank 0 waits for the others to leave unless ``fn`` failed here."""
     if "torch" in sys.modules:
-        from . import world  # only once torch is imported: spawn itself does not import it
+        from . import exits  # only once torch is imported: spawn itself does not import it
 
         try:
-            world.destroy_world()
+            exits.leave_world(failed)
         except Exception:  # noqa: BLE001 - a broken world is being left anyway
             pass
 
@@ -173,6 +178,24 @@ def _wait(config, procs, conns) -> list:
     return [results[r] for r in range(len(procs))]
 
 
+def _wait_exits(config, procs) -> None:
+    """Every process returned its result: each must now leave the world and exit 0 by itself
+    (rank 0 last: it hosts the store); one that crashes or hangs on the way out is an error."""
+    deadline = time.monotonic() + _EXIT_S
+    while any(p.exitcode is None for p in procs) and time.monotonic() < deadline:
+        multiprocessing.connection.wait([p.sentinel for p in procs if p.exitcode is None],
+                                        timeout=_POLL_S)
+    for local_rank, p in enumerate(procs):
+        if p.exitcode != 0:
+            rank = config.global_rank(local_rank)
+            how = (f"was still running {_EXIT_S:g}s later (stopped)" if p.exitcode is None
+                   else _how_it_ended(p.exitcode))
+            raise SpawnError(
+                f"expected every process to exit 0 after returning its result, found rank {rank} "
+                f"(local rank {local_rank}, pid {p.pid}) {how} while leaving the world; its "
+                f"result was computed but the job did not end cleanly")
+
+
 def _receive(conn):
     try:
         return conn.recv()
@@ -185,10 +208,13 @@ def _failure(config, local_rank: int, proc, message) -> str:
     where = f"rank {rank} (local rank {local_rank}, pid {proc.pid})"
     if message is not None:
         return f"{where} raised {message[1]}\n--- traceback of rank {rank} ---\n{message[2]}"
-    code = proc.exitcode
-    how = f"was killed by {signal.Signals(-code).name}" if code is not None and code < 0 \
-        else f"exited with code {code}"
-    return f"{where} {how} without reporting a result or an error"
+    return f"{where} {_how_it_ended(proc.exitcode)} without reporting a result or an error"
+
+
+def _how_it_ended(code) -> str:
+    if code is not None and code < 0:
+        return f"was killed by {signal.Signals(-code).name}"
+    return f"exited with code {code}"
 
 
 def _stop(procs) -> None:

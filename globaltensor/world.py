@@ -2,7 +2,6 @@
 torch.distributed about the world itself (gt.env re-exports what users call)."""
 from __future__ import annotations
 
-import atexit
 import datetime
 import os
 import re
@@ -12,6 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
+from . import exits
 from .errors import GlobalTensorError
 
 
@@ -65,28 +65,7 @@ def init_world(rank: int, world_size: int, backend: str | None, timeout, store=N
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
-    _close_at_exit()
-
-
-_CLOSING = []
-
-
-def _close_at_exit() -> None:
-    """Close the world when the interpreter exits: a script that ends without
-    destroy_process_group() otherwise leaves gloo's threads to the C++ static destructors,
-    which can abort the process at exit ("terminate called without an active exception",
-    SIGABRT) after every line of it ran."""
-    if not _CLOSING:
-        _CLOSING.append(True)
-        atexit.register(_close_world)
-
-
-def _close_world() -> None:
-    try:
-        if dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
-    except Exception:  # noqa: BLE001 - at exit, a peer may already be gone: nothing to save
-        pass
+    exits.register(rank, world_size, world_timeout())
 
 
 def destroy_world() -> None:
