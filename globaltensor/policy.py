@@ -27,6 +27,9 @@ from __future__ import annotations
 import logging
 import sys
 
+import torch
+from torch.utils._pytree import tree_leaves
+
 from . import debug
 from .errors import GlobalTensorError
 from .observe import check_policy, current, reset, set_watchers
@@ -97,9 +100,10 @@ def _message(call, line, origin, plan, local, explicit: bool) -> str:
         target = format_sbp(plan.dst.sbp)
         lines.append(
             "Expected no communication chosen by an operator under the explicit policy. Fix: move "
-            f"that input yourself before the op, `x = x.to_global(sbp={target})`"
-            + (" (inside backward: pick forward layouts whose gradients need no move, or run "
-               "this step under gt.communication('implicit'))" if origin else "")
+            f"that input yourself before the op, `t = t.to_global(sbp={target})`"
+            + (" (inside backward, a gradient: give the forward's move a grad_sbp, "
+               "`h.to_global(sbp=..., grad_sbp=...)`, so backward brings it there itself)"
+               if origin else "")
             + ", or allow it with gt.communication('warn') / gt.communication('implicit').")
     return "\n".join(lines)
 
@@ -112,9 +116,16 @@ def _op_inputs() -> str:
         if (frame.f_globals.get("__name__") == "globaltensor.dispatch"
                 and frame.f_code.co_name == "dispatch"):
             args, kwargs = frame.f_locals.get("args", ()), frame.f_locals.get("kwargs") or {}
-            return debug.op_args(args, kwargs)
+            found = [v for v in tree_leaves((args, kwargs)) if isinstance(v, torch.Tensor)]
+            return ", ".join(_text(v) for v in found) or "-"
         frame = frame.f_back
     return "-"
+
+
+def _text(value) -> str:
+    layout = getattr(value, "_layout", None)
+    kind = format_sbp(layout.sbp) if layout is not None else "local"
+    return f"{kind} {list(value.shape)} {str(value.dtype).replace('torch.', '')}"
 
 
 __all__ = ["communication"]
