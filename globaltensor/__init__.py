@@ -19,6 +19,8 @@ from .random import manual_seed
 from .mode import global_mode
 from .spawn import spawn
 from .trace import comm_trace
+from .policy import communication
+from .verify import verify
 from .visualize import visualize
 from .convert import install_tensor_methods
 from . import pydata
@@ -46,6 +48,7 @@ __all__ = [
     "checkpoint",
     "comm",
     "comm_trace",
+    "communication",
     "env",
     "nn",
     "init",
@@ -54,4 +57,5 @@ __all__ = [
     "sbp",
     "set_debug",
     "spawn",
+    "verify",
 ]

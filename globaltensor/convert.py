@@ -233,9 +233,9 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
                      copy=copy)
     elif plain:  # debug was off before this call too: the next such call may take the warm path
         _remember_move(src, sbp, dst)
-    if dst == src and not copy:
+    if dst == src and not copy and (grad_sbp is None or not _records_graph(self)):
         return self
-    if _records_graph(self):
+    if _records_graph(self):  # also the same layout with grad_sbp: the gradient is moved
         return _Redistribute.apply(self, dst, grad_sbp, copy)
     return _redistributed(self, dst, copy)
 

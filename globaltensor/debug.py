@@ -22,6 +22,7 @@ import contextlib
 import contextvars
 import datetime
 import json
+import linecache
 import os
 import sys
 from dataclasses import dataclass
@@ -300,14 +301,45 @@ def user_call(skip: int = 1) -> str | None:
         name = frame.f_code.co_name
         if module == "globaltensor.dispatch" and name == "dispatch":
             func = frame.f_locals.get("func")
-            found = "aten." + _op_name(func) if func is not None else found
+            found = "aten." + op_name(func) if func is not None else found
         else:
             found = _USER_CALLS.get((module, name)) or _USER_CALLS.get((module, "*")) or found
         frame = frame.f_back
     return found
 
 
-def _op_name(func) -> str:
+def user_line(skip: int = 1) -> str:
+    """The user's source line that led here: the innermost frame outside globaltensor and torch,
+    as ``file:line (`code`)``; for an op inside backward, the line that called backward."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        module = frame.f_globals.get("__name__", "")
+        if not module.startswith(("globaltensor", "torch")):
+            code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
+            return f"{where} (`{code}`)" if code else where
+        frame = frame.f_back
+    return "<unknown line>"
+
+
+def backward_origin() -> str | None:
+    """None outside backward; inside, the autograd node running (``MmBackward0``) and, when the
+    forward ran under ``torch.autograd.detect_anomaly()``, the forward's user line."""
+    node = torch._C._current_autograd_node()
+    if node is None:
+        return None
+    text = f"in backward, autograd node {node.name()}"
+    stack = node.metadata.get("traceback_") if hasattr(node, "metadata") else None
+    for entry in reversed(stack or []):
+        lines = [l for l in str(entry).splitlines() if l.strip().startswith("File ")]
+        for line in reversed(lines):
+            if "/globaltensor/" not in line and "/torch/" not in line:
+                return f"{text}, from the forward at {line.strip()}"
+    return (text + " (run the forward under torch.autograd.detect_anomaly() to name the "
+            "forward line)")
+
+
+def op_name(func) -> str:
     try:  # as dispatch names it in its own checks: aten.mm.default
         return f"{func._schema.name.split('::')[1]}.{func._overloadname}"
     except AttributeError:

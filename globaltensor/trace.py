@@ -14,29 +14,22 @@ redistribution is a ``record_function`` range named ``gt.redistribute: <call>``.
 
 What it costs when neither is on: one ContextVar read and one module attribute read per
 redistribution (redistribute.py), nothing per operator that moves no data. The call's name is read
-from the stack only while a trace or the profiler is on.
+from the stack only while a trace, the profiler, a communication policy (policy.py) or
+``gt.verify`` is on: they share one ContextVar (observe.py).
 """
 from __future__ import annotations
 
 import collections
 import contextlib
-import contextvars
 from dataclasses import dataclass
 
 import torch
 import torch.autograd.profiler as _profiler
 
-from . import debug
+from . import debug, policy
 from .layout import Layout
+from .observe import current, watched, watching
 from .sbp import format_sbp
-
-# the innermost active trace of this context (a thread-rank has its own), or None
-_TRACE: contextvars.ContextVar = contextvars.ContextVar("globaltensor_comm_trace", default=None)
-
-
-def watching() -> bool:
-    """Whether a redistribution must be observed: a trace is active or the profiler runs."""
-    return _TRACE.get() is not None or _profiler._is_profiler_enabled
 
 
 @dataclass(frozen=True, slots=True)
@@ -134,35 +127,45 @@ def comm_trace():
     {'all_gather': 1}
     >>> print(t)        # a table: call, source -> target, shape, bytes per rank, steps
     """
-    trace = CommTrace(_TRACE.get())
-    token = _TRACE.set(trace)
-    try:
+    trace = CommTrace(_trace())
+    with watched(trace=trace):
         yield trace
-    finally:
-        _TRACE.reset(token)
+
+
+def _trace() -> "CommTrace | None":
+    watchers = current()
+    return None if watchers is None else watchers.trace
 
 
 def observed(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
-    """``run(plan, local, rank)``, recorded in the active trace and shown to the profiler."""
+    """``run(plan, local, rank)``, checked by the communication policy, recorded in the active
+    trace, shown to the profiler and checked by ``gt.verify`` (see observe.py)."""
+    watchers = current()
+    if watchers is None and not _profiler._is_profiler_enabled:
+        return run(plan, local, rank)  # GT_COMMUNICATION was just read: nothing watches
     call = debug.user_call(2) or "redistribute"
-    trace = _TRACE.get()
-    if trace is not None:
-        itemsize = local.element_size()
-        trace.add(Record(
+    if watchers is not None and watchers.policy != "implicit":
+        policy.on_move(watchers, call, plan, local)
+    if watchers is not None and watchers.trace is not None:
+        watchers.trace.add(Record(
             op=call, source=plan.src, target=plan.dst,
             steps=tuple(" ".join(f"{s.kind} {s.where()}".split()) for s in plan.steps),
             collectives=tuple(s.kind for s in plan.steps if s.communicates()),
-            bytes_per_rank=plan.bytes_per_rank(itemsize), dtype=local.dtype))
+            bytes_per_rank=plan.bytes_per_rank(local.element_size()), dtype=local.dtype))
     if not _profiler._is_profiler_enabled:
-        return run(plan, local, rank)
-    with torch.profiler.record_function(f"gt.redistribute: {call}",
-                                        f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
-        return run(plan, local, rank)
+        result = run(plan, local, rank)
+    else:
+        with torch.profiler.record_function(
+                f"gt.redistribute: {call}", f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
+            result = run(plan, local, rank)
+    if watchers is not None and watchers.verifier is not None:
+        watchers.verifier.redistributed(call, plan, local, result)
+    return result
 
 
 def bucket_reduced(count: int, nbytes: int) -> None:
     """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (grads.py)."""
-    trace = _TRACE.get()
+    trace = _trace()
     if trace is not None:
         trace.add(Record(op=f"gradient bucket ({count} gradients)", source=None, target=None,
                          steps=("all_reduce",), collectives=("all_reduce",),
@@ -171,11 +174,11 @@ def bucket_reduced(count: int, nbytes: int) -> None:
 
 def comm_called(name: str) -> None:
     """A ``gt.comm`` collective ran (counted in the active trace, if any)."""
-    trace = _TRACE.get()
+    trace = _trace()
     if trace is not None:
         full = "gt.comm." + name
         trace.add(Record(op=full, source=None, target=None, steps=(), collectives=(full,),
                          bytes_per_rank=None, dtype=None))
 
 
-__all__ = ["CommTrace", "Record", "comm_trace"]
+__all__ = ["CommTrace", "Record", "comm_trace", "watching"]

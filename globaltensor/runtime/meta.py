@@ -59,6 +59,18 @@ def exchange_meta(tensors, group=None, what: str = "to_global: exchanging piece 
             for per_rank in table.cpu().tolist()]
 
 
+def all_objects(value, what: str) -> list:
+    """``[rank] = value`` of every rank of the world (picklable values; tensors on the CPU), in
+    one all_gather_object; every rank must call it. For checks that need every rank's data
+    (``gt.verify``), not for the hot path."""
+    if _world_of_one():
+        return [value]
+    out = [None] * dist.get_world_size()
+    with guard(what):
+        dist.all_gather_object(out, value)
+    return out
+
+
 def broadcast_along(placement: Placement, axis: int, tensor: torch.Tensor, rank: int) -> None:
     """In place: every rank along ``axis`` gets the piece of the rank at coordinate 0 of that axis.
 
