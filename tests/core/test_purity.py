@@ -11,9 +11,9 @@ from helpers import ROOT
 PKG = ROOT / "globaltensor"
 # the pure core, and every op family module: rows, kernels (which get what they need from their
 # context object) and size rewrites
-PURE = ["sbp.py", "placement.py", "layout.py", "steps.py", "plan.py", "simulate.py", "debug.py",
-        "_cache.py", "errors.py", "visualize.py"] + sorted(
-            str(p.relative_to(PKG)) for p in (PKG / "ops").glob("*.py"))
+PURE = ["sbp.py", "placement.py", "layout.py", "debug.py", "_cache.py", "errors.py",
+        "visualize.py"] + sorted(
+            str(p.relative_to(PKG)) for folder in ("plan", "ops") for p in (PKG / folder).glob("*.py"))
 FORBIDDEN_IMPORTS = ("torch.distributed", "globaltensor.comm", "globaltensor.runtime",
                      "globaltensor.tensor", "globaltensor.dispatch", "globaltensor.convert",
                      "globaltensor.redistribute")
