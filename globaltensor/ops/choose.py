@@ -114,22 +114,21 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     if not all(options):
         return None  # some axis has no row that can stand there
     table = Table(options, layouts, itemsizes, free, mesh)
-    order, heap, taken = table.order, [], 0
+    return _branch_and_bound(rule, call, layouts, itemsizes, grads, free, tolerance, table)
+
+
+def _branch_and_bound(rule, call, layouts, itemsizes, grads, free, tolerance, table):
+    """The candidates of ``table`` in the order of their bounds, each costed further only while
+    it can still beat the best found (see :func:`_choose`). An entry is (bound, partial sums,
+    inputs changed, index, terms, combo, resolved): terms -1 for the table's bound, 0 for the
+    refined one, else the parts of its cost (:func:`_terms`), costed one by one."""
+    heap, taken = [], 0
     best, best_key = None, None
-    while True:  # the candidates in table order, merged with those queued again (the heap)
-        if taken < len(order):
-            index = int(order[taken])
-            first = (table.bound[index], table.partials[index], table.changed[index], index)
-            if heap and heap[0][:4] < first:
-                entry = heapq.heappop(heap)
-            else:
-                taken += 1
-                entry = first + (-1, None, None)  # -1: the table's bound
-        elif heap:
-            entry = heapq.heappop(heap)
-        else:
+    while True:
+        entry, taken = _next_entry(table, heap, taken)
+        if entry is None:
             break
-        bound, partials, changed, index, terms, combo, resolved = entry
+        bound, partials, changed, index = entry[:4]
         limit = None
         if best_key is not None:
             if (bound, partials, changed, index) >= best_key:
@@ -140,37 +139,63 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
                 limit = best_key[0] - tolerance
                 if bound >= limit:
                     continue
-        if combo is None:
-            combo, resolved = table.candidate(index)
-        if terms == -1:  # first the per-axis bound with the planner's count of collectives
-            refined = table.refined(index, resolved)
-            if refined > bound:
-                heapq.heappush(heap, (refined, partials, changed, index, 0, combo, resolved))
-                continue
-            terms = 0  # 0: no term yet
-        rows = tuple(r for _, r, _, _ in combo)
-        outs = outs_of(rows)
-        targets = resolved_layouts(layouts, resolved)
-        if terms == 0:  # first time first: is it a candidate at all, and a finer bound
-            if rule.check is not None and not rule.check(
-                    call, mesh, tuple(zip(*(values for _, _, values, _ in combo))), outs):
-                continue
-            terms = _terms(layouts, targets, itemsizes, outs, grads, free)
-        else:  # then the plans, the largest bound first: one may be enough to rule it out
-            terms = _exact_one(terms, layouts, targets, itemsizes, outs, limit)
-        if terms is None:
-            continue  # a move that would invent a partial sum
-        if any(not exact for _, exact, _, _ in terms):
-            total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
-            heapq.heappush(heap, (max(bound, total), partials, changed, index, terms, combo,
-                                  resolved))
-            continue
-        cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
+        found = _cost_further(rule, call, layouts, itemsizes, grads, free, table, entry, limit,
+                              heap)
+        if found is None:
+            continue  # not a candidate, or queued again with a higher bound
+        cost, targets, outs, rows = found
         key = (cost, partials, changed, index)
         if best_key is None or key < best_key:
             kernels = {r.kernel for r in rows if r.kernel}
             best, best_key = Choice(targets, outs, kernels.pop() if kernels else None, cost), key
     return best
+
+
+def _next_entry(table, heap, taken):
+    """The next candidate: the table's next in order, or one queued again (the heap) if it
+    comes first; and the count of the table's taken."""
+    order = table.order
+    if taken < len(order):
+        index = int(order[taken])
+        first = (table.bound[index], table.partials[index], table.changed[index], index)
+        if heap and heap[0][:4] < first:
+            return heapq.heappop(heap), taken
+        return first + (-1, None, None), taken + 1  # -1: the table's bound
+    if heap:
+        return heapq.heappop(heap), taken
+    return None, taken
+
+
+def _cost_further(rule, call, layouts, itemsizes, grads, free, table, entry, limit, heap):
+    """One more stage of an entry's cost: (cost, targets, outs, rows) once every part is
+    exact, or None (not a candidate, or queued again on ``heap`` with the bound found)."""
+    bound, partials, changed, index, terms, combo, resolved = entry
+    if combo is None:
+        combo, resolved = table.candidate(index)
+    if terms == -1:  # first the per-axis bound with the planner's count of collectives
+        refined = table.refined(index, resolved)
+        if refined > bound:
+            heapq.heappush(heap, (refined, partials, changed, index, 0, combo, resolved))
+            return None
+        terms = 0  # 0: no term yet
+    rows = tuple(r for _, r, _, _ in combo)
+    outs = outs_of(rows)
+    targets = resolved_layouts(layouts, resolved)
+    if terms == 0:  # first time first: is it a candidate at all, and a finer bound
+        mesh = layouts[0].placement.shape
+        if rule.check is not None and not rule.check(
+                call, mesh, tuple(zip(*(values for _, _, values, _ in combo))), outs):
+            return None
+        terms = _terms(layouts, targets, itemsizes, outs, grads, free)
+    else:  # then the plans, the largest bound first: one may be enough to rule it out
+        terms = _exact_one(terms, layouts, targets, itemsizes, outs, limit)
+    if terms is None:
+        return None  # a move that would invent a partial sum
+    if any(not exact for _, exact, _, _ in terms):
+        total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
+        heapq.heappush(heap, (max(bound, total), partials, changed, index, terms, combo, resolved))
+        return None
+    return _candidate_cost(layouts, targets, itemsizes, outs, grads, free), targets, outs, rows
 
 
 
