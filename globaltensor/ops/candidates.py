@@ -1,6 +1,6 @@
 """The candidate table of the signature choice: per placement axis the rows of a rule that can
 stand there, and every candidate of their product (one row per axis) with its facts and a
-bound on its cost, as arrays over them all (docs/planner.md, "The choice").
+bound on its cost, as arrays over them all (docs/planner.md, "Choosing a signature").
 
 Pure: no torch.distributed, no rank.
 """

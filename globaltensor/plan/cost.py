@@ -1,7 +1,7 @@
 """The α-β cost model, as functions of ints: what a step sends, copies and writes (elements).
 
 The step values (:mod:`.steps`) and the search's int-coded space (:mod:`.space`) both call
-these, so a step costs the same, to the bit, whichever asks (docs/planner.md, "Cost").
+these, so a step costs the same, to the bit, whichever asks (docs/planner.md, "Cost model").
 """
 from __future__ import annotations
 

@@ -115,15 +115,9 @@ def cores(dst: Layout) -> list[Layout]:
 
 @memo(16384)
 def lacking(node: Layout, dst: Layout) -> int:
-    """Elements, summed over dst's groups of summands, that no member can make from what it
-    holds in ``node``; each must reach the group in at least one received element.
-
-    A group is the ranks of dst that share their coordinates on every non-partial axis (one
-    rank for a non-partial dst): their pieces add up to the group's box. The group can make an
-    element without receiving anything only if its members hold every summand of it in
-    ``node`` (one summand for a non-partial node). On one placement, that needs every partial
-    axis of ``node`` to be partial in dst too; then the members holding each summand hold the
-    same boxes, so those of the first summand tell."""
+    """Elements, summed over dst's groups of summands (the ranks sharing their coordinates on
+    dst's non-partial axes), that no member can make from what it holds in ``node``; each must
+    reach the group in at least one received element (lemma "Lacking factors")."""
     same = node.placement == dst.placement
     partial = tuple(a for a, (v, n) in enumerate(zip(node.sbp, node.placement.shape))
                     if isinstance(v, PartialSum) and n > 1)

@@ -1,7 +1,7 @@
 """What an exchange between two layouts of one space must move, counted on int codes: the
 elements a target lacks or misses, and the messages a rank receives; and from those, the fewest
 collectives of a route through an exchange. The bounds (:mod:`.bound`) ask these; the lemmas
-they rest on are in docs/planner.md ("Exchange counts").
+they rest on are in docs/planner.md ("Lemmas").
 """
 from __future__ import annotations
 

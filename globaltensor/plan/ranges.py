@@ -60,7 +60,6 @@ def most_overlaps(length: int, mine: tuple, theirs: tuple) -> int:
     return max(sum(1 for lo, hi in ranges if lo < b and a < hi) for a, b in nested_ranges(length, theirs))
 
 
-
 def radix(coord, axes, sizes) -> int:
     """The index of ``coord``'s range in a dim split by ``axes`` in turn (the first outermost):
     its coordinates on those axes as one mixed-radix number (see :func:`nested_ranges`)."""
@@ -71,11 +70,8 @@ def radix(coord, axes, sizes) -> int:
 
 
 def nests(mine: tuple, theirs: tuple) -> bool:
-    """The nested ranges of one dim cut by the axes ``mine`` and by ``theirs`` (outermost
-    first) sum their overlaps, over the coordinates of both, to the dim's length: when the
-    axes are disjoint (for each of mine's ranges, theirs partition the dim) or one list starts
-    with the other (each range of the longer lies in the range of the shorter that its
-    coordinates name, and the longer's ranges partition the dim)."""
+    """Whether the ranges of one dim cut by the axes ``mine`` and by ``theirs`` (outermost
+    first) sum their overlaps to the dim's length (lemma "Nested overlaps")."""
     if set(mine).isdisjoint(theirs):
         return True
     short, long_ = (mine, theirs) if len(mine) <= len(theirs) else (theirs, mine)
@@ -103,7 +99,6 @@ def held_sum(sizes: tuple, dims: tuple) -> int:
             product *= hi - lo
         total += product
     return total
-
 
 
 __all__ = ["all_to_all_factor", "held_sum", "most_overlaps", "nested_lengths", "nested_ranges",
