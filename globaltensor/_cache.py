@@ -12,7 +12,8 @@ entry at a time: the working set of a program is small and repeats, and a clear 
 
 Both subclass dict, so a warm path's lookup is ``cache.get(key)``: one C call, no Python frame.
 ``clear_all()`` empties every cache made here, and the lru caches registered with :func:`memo`
-(tests; after changing rules at run time).
+(tests; after changing rules at run time). :class:`kept` caches a method per instance (an object
+that lives in a cache of its own, such as the planner's spaces, keeps its answers).
 """
 from __future__ import annotations
 
@@ -81,6 +82,27 @@ def memo(maxsize: int):
     return wrap
 
 
+class kept:
+    """A method whose results each instance keeps, per arguments (positional, hashable).
+
+    The first access on an instance puts a ``functools.cache`` of the bound method in the
+    instance's ``__dict__`` (a non-data descriptor: the instance's entry wins from then on), so
+    a later call is one C lookup, no Python frame. The instance needs a ``__dict__``."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__doc__, self.__name__ = fn.__doc__, fn.__name__
+
+    def __set_name__(self, owner, name):
+        self.name = name
+
+    def __get__(self, obj, owner=None):
+        if obj is None:
+            return self
+        cached = obj.__dict__[self.name] = functools.cache(self.fn.__get__(obj, owner))
+        return cached
+
+
 def clear_all() -> None:
     """Forget every cached result (decisions, plans, layouts' boxes, moves, per-rank cuts)."""
     for cache in list(_ALL.values()):
@@ -89,4 +111,4 @@ def clear_all() -> None:
         fn.cache_clear()
 
 
-__all__ = ["MISSING", "Bounded", "ById", "clear_all", "memo"]
+__all__ = ["MISSING", "Bounded", "ById", "clear_all", "kept", "memo"]

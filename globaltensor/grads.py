@@ -25,7 +25,7 @@ from . import trace, world
 from .errors import GlobalTensorError
 from .plan import plan
 from .runtime.groups import group_across, groups_across
-from .steps import AllReduce
+from .plan import AllReduce
 from .tensor import GlobalTensor, redistribute
 
 _HOOK = "_gt_grad_hook"  # in a leaf's __dict__: its post-accumulate hook's handle

@@ -85,7 +85,7 @@ class Layout:
         """This layout with ``value`` on placement ``axis`` (a resolved sbp value: no checks,
         the planner's inner loop)."""
         sbp = self.sbp[:axis] + (value,) + self.sbp[axis + 1:]
-        return _trusted(self.placement, sbp, self.shape)
+        return trusted(self.placement, sbp, self.shape)
 
     def max_local_numel(self) -> int:
         """Elements of the largest piece any rank holds (see :func:`_max_local`)."""
@@ -116,7 +116,7 @@ class Layout:
         return tuple(a for a, s in enumerate(self.sbp) if isinstance(s, Split) and s.dim == dim)
 
 
-def _trusted(placement: Placement, sbp: tuple, shape: tuple) -> Layout:
+def trusted(placement: Placement, sbp: tuple, shape: tuple) -> Layout:
     """A Layout from values already checked and resolved (no normalisation)."""
     layout = object.__new__(Layout)
     object.__setattr__(layout, "placement", placement)

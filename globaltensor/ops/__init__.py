@@ -13,7 +13,9 @@ or ``dispatch``: kernels get what they need through :class:`signature.KernelCont
 import importlib
 import pkgutil
 
-from .choose import MOVES, Choice, backward_cost, choose, grad_layout, outs_of
+from .backward import backward_cost, grad_layout
+from .candidates import outs_of
+from .choose import MOVES, Choice, choose
 from .signature import (B, DECOMPOSE, KEEP, KERNELS, LOCAL, MUTATES, NUMBER, P, REWRITES, RULES,
                         S, Call, KernelContext, Ref, Row, Rule, arg_value, describe, fit, register,
                         rows_for, rule_for, sig, table)

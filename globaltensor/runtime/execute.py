@@ -21,7 +21,7 @@ import torch.distributed as dist
 from .._cache import ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative
-from ..steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
+from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
                      ReduceScatter, ZeroFill)
 from ..sbp import Broadcast
 from .groups import all_gather_flat as _all_gather_flat

@@ -95,11 +95,13 @@ def test_choice_within_the_tolerance_costs_at_most_that_much_more():
 
 @pytest.mark.parametrize("grid", ["[2,2]", "[2,3]", "[2,2,2]"])
 def test_the_candidate_table_holds_each_candidates_facts_and_a_bound_below_its_cost(grid):
-    # choose._Table works out every candidate's facts as arrays over the whole product; each
+    # candidates.Table works out every candidate's facts as arrays over the whole product; each
     # must equal what the candidate itself says (its results' partial sums, the inputs it
     # changes, one kernel at most), and its bound must stay below the candidate's cost
-    from globaltensor.ops.choose import (_Table, _candidate_cost, _options, _partials,
-                                         _targets, outs_of)
+    from globaltensor.ops.candidates import (Table as _Table, axis_options as _options,
+                                             outs_of, partial_count as _partials,
+                                             target_layouts as _targets)
+    from globaltensor.ops.choose import _candidate_cost
     from globaltensor.ops.signature import rows_for
     rng = random.Random("table" + grid)
     placement = gt.placement("cpu", GRIDS[grid])

@@ -7,12 +7,12 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor import simulate
+from globaltensor.plan import simulate
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.runtime import execute
 from globaltensor.plan import plan
-from globaltensor.steps import LocalSlice
+from globaltensor.plan import LocalSlice
 
 from helpers import full_of
 

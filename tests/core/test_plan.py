@@ -9,9 +9,12 @@ import pytest
 import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
-from globaltensor.plan import (_B, _P, _SLICE, _ZERO_FILL, _fewest_messages, _local_step, _space,
-                              fewest_collectives, lower_bound, plan, reference_plan)
-from globaltensor.steps import (ALPHA, AllGather, AllGatherV, AllReduce, AllToAll, Exchange,
+from globaltensor.plan import fewest_collectives, lower_bound, plan, reference_plan
+from globaltensor.plan.codes import B as _B, P as _P, SLICE as _SLICE, ZERO_FILL as _ZERO_FILL
+from globaltensor.plan.messages import fewest_messages as _fewest_messages, messages_of
+from globaltensor.plan.reference import local_step as _local_step
+from globaltensor.plan.space import space_of as _space
+from globaltensor.plan import (ALPHA, AllGather, AllGatherV, AllReduce, AllToAll, Exchange,
                                 LocalSlice, ReduceScatter, ZeroFill, holds_full)
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
@@ -175,7 +178,7 @@ def test_a_route_without_a_full_copy_exists_whenever_the_target_is_not_full(src_
     # the planner's search never queues a full intermediate when dst is not full: the lower
     # bound it stops at (cost_above) holds only if such a route always exists, so it must never
     # need its second pass (docs/planner.md, "The search")
-    from globaltensor.plan import _Search
+    from globaltensor.plan.search import Search as _Search
     src_p = gt.placement("cpu", src_ranks)
     dst_p = src_p if dst_ranks is None else gt.placement("cpu", dst_ranks)
     rng = random.Random(src_p.size)
@@ -402,7 +405,7 @@ def test_routes_from_a_partial_sum_count_up_to_three_collectives_after_the_reduc
     # goes to one rank, which needs 7 pieces; no single collective after the reduction leaves
     # a layout one message away, so the exchange route takes 1 + 3 collectives, as many as the
     # axis-local one (the count used to stop at 1 + 2)
-    from globaltensor.ops.choose import move_bounds
+    from globaltensor.plan import move_bounds
     placement = gt.placement("cpu", np.arange(16).reshape(2, 2, 2, 2).tolist())
     shape = (1, 24, 48)
     for a, b in [((S(1), S(2), P, S(1)), (B, B, B, S(0))),
@@ -449,7 +452,7 @@ def _reached(space, codes, collectives):
     while stack:
         c, k = stack.pop()
         for _, axis, _, kind, after in space.steps(c):
-            used = k + (kind not in (_SLICE, _ZERO_FILL) and space.mesh[axis] > 1)
+            used = k + (kind not in (_SLICE, _ZERO_FILL) and space.grid[axis] > 1)
             if used <= collectives and (after, used) not in seen:
                 seen.add((after, used))
                 stack.append((after, used))
@@ -467,22 +470,22 @@ def test_exchange_route_counts_are_what_legal_routes_reach(mesh, shapes):
     # legal route says, uneven and nested splits included
     placement, rng = gt.placement("cpu", mesh), random.Random(6)
     for shape in shapes:
-        space = _space(placement, shape)
+        space, counts = _space(placement, shape), messages_of(placement, shape)
         values = tuple(range(len(shape))) + (_B,)
         for _ in range(25):
             c = tuple(rng.choice(values) for _ in range(placement.ndim))
             t = tuple(rng.choice(values) for _ in range(placement.ndim))
-            if not space.one_message(c, t):  # two_or_three asks only then
-                brute = any(space.one_message(n, t) for n in _reached(space, c, 1))
-                assert space._one_after_one(c, t) == brute, (shape, c, t)
+            if not counts.one_message(c, t):  # two_or_three asks only then
+                brute = any(counts.one_message(n, t) for n in _reached(space, c, 1))
+                assert counts.one_after_one(c, t) == brute, (shape, c, t)
             p = tuple(_P if rng.random() < 0.4 else v for v in c)
             if _P not in p:
                 continue
             q = tuple(_P if rng.random() < 0.3 else v for v in t)
             targets = [q] + list(itertools.product(*((v,) if v != _P else values for v in q)))
-            brute = any(_fewest_messages(space, n, targets) == 1 if _P in q
-                        else space.one_message(n, q) for n in _reached(space, p, p.count(_P)))
-            assert space.after_reducing(p, q) == (1 if brute else 2), (shape, p, q)
+            brute = any(_fewest_messages(counts, n, targets) == 1 if _P in q
+                        else counts.one_message(n, q) for n in _reached(space, p, p.count(_P)))
+            assert counts.after_reducing(p, q) == (1 if brute else 2), (shape, p, q)
 
 
 @pytest.mark.parametrize("src_ranks, dst_ranks", [
@@ -511,8 +514,8 @@ def test_bounds_count_the_reduction_and_the_delivery_and_stay_below_the_cost():
     # every element of a partial sum over R summands reaching D ranks whole takes R - 1
     # transfers to be summed somewhere and D - 1 more to reach the others: the bound counts
     # both (it used to count the larger), and stays below the cost on uneven grids and shapes
-    from globaltensor.ops.choose import move_bounds
-    from globaltensor.steps import BETA
+    from globaltensor.plan import move_bounds
+    from globaltensor.plan import BETA
     src, dst = lay(GRID_2D, (P, P), (256, 1024)), lay(GRID_2D, (B, B), (256, 1024))
     beta = BETA * 4 * 256 * 1024  # the whole tensor once, in seconds
     assert lower_bound(src, dst) > 1.49 * beta and move_bounds(src, 4, dst.sbp)[1] > 1.49 * beta
@@ -535,7 +538,7 @@ def test_bounds_count_the_reduction_and_the_delivery_and_stay_below_the_cost():
 def test_the_choice_first_bound_counts_two_messages_where_pieces_overlap_three():
     # (S(0), S(0), S(1)) -> (S(2), S(3), S(0)) changes every axis; one exchange would do it,
     # but each target piece overlaps 4 pieces of the source: its ranks receive 2+ messages
-    from globaltensor.ops.choose import move_bounds
+    from globaltensor.plan import move_bounds
     placement = gt.placement("cpu", [[[0, 1], [2, 3]], [[4, 5], [6, 7]]])
     src = lay(placement, (S(0), S(0), S(1)), (4, 2, 4, 4))
     dst = lay(placement, (S(2), S(3), S(0)), (4, 2, 4, 4))
@@ -562,11 +565,13 @@ SPACES = [([0, 1], [(4, 4), (5, 7), (1, 3), (0, 3)]), ([0, 1, 2], [(5, 7), (2, 9
 
 @pytest.mark.parametrize("ranks, shapes", SPACES, ids=[str(i) for i in range(len(SPACES))])
 def test_the_search_space_costs_what_the_steps_cost(ranks, shapes):
-    from globaltensor.plan import _exchange_cost, _local_steps, _missing, _lacking, _space, exchange
+    from globaltensor.plan import cost, exchange
+    from globaltensor.plan.exchange import lacking as _lacking, missing as _missing
+    from globaltensor.plan.reference import local_steps as _local_steps
     placement = gt.placement("cpu", ranks)
     rng = random.Random(len(shapes))
     for shape in shapes:
-        space = _space(placement, shape)
+        space, counts = _space(placement, shape), messages_of(placement, shape)
         values = [S(d) for d in range(len(shape))] + [B, P]
         combos = list(itertools.product(values, repeat=placement.ndim))
         if len(combos) > 120:
@@ -580,12 +585,15 @@ def test_the_search_space_costs_what_the_steps_cost(ranks, shapes):
             assert [entry[0] for entry in fast] == [s.cost() for s in slow]  # to the bit
             for other in rng.sample(combos, min(12, len(combos))):
                 target = lay(placement, other, shape)
-                assert space.lacking(codes, space.codes(target)) == _lacking(layout, target)
+                assert counts.lacking(codes, space.codes(target)) == _lacking(layout, target)
                 if not layout.is_partial:
-                    assert space.missing(codes, space.codes(target)) == _missing(layout, target)
+                    assert counts.missing(codes, space.codes(target)) == _missing(layout, target)
                     step = exchange(layout, target)
-                    assert _exchange_cost(step) == step.cost()
+                    # the traffic counted once is the steps' generic sum of terms
+                    assert step.cost() == cost.seconds(step.latency(), step.elements_sent(),
+                                                       target.max_local_numel(),
+                                                       step.elements_copied(), 4)
                     if not target.is_partial:  # some rank receives from 2 others (or not)
-                        two = space.receives_two(codes, space.codes(target))
+                        two = counts.receives_two(codes, space.codes(target))
                         assert two == (_missing(layout, target)[1] >= 2)
                         assert step.latency() >= 2 or not two

@@ -14,10 +14,10 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import globaltensor as gt
-from globaltensor import simulate
+from globaltensor.plan import simulate
 from globaltensor.layout import Layout
 from globaltensor.plan import plan
-from globaltensor.steps import holds_full
+from globaltensor.plan import holds_full
 from globaltensor.sbp import Split
 
 from helpers import conversions, layouts, small_ints

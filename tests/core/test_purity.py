@@ -11,9 +11,9 @@ from helpers import ROOT
 PKG = ROOT / "globaltensor"
 # the pure core, and every op family module: rows, kernels (which get what they need from their
 # context object) and size rewrites
-PURE = ["sbp.py", "placement.py", "layout.py", "steps.py", "plan.py", "simulate.py", "debug.py",
-        "_cache.py", "errors.py", "visualize.py"] + sorted(
-            str(p.relative_to(PKG)) for p in (PKG / "ops").glob("*.py"))
+PURE = ["sbp.py", "placement.py", "layout.py", "debug.py", "_cache.py", "errors.py",
+        "visualize.py"] + sorted(
+            str(p.relative_to(PKG)) for folder in ("plan", "ops") for p in (PKG / folder).glob("*.py"))
 FORBIDDEN_IMPORTS = ("torch.distributed", "globaltensor.comm", "globaltensor.runtime",
                      "globaltensor.tensor", "globaltensor.dispatch", "globaltensor.convert",
                      "globaltensor.redistribute")
@@ -145,3 +145,34 @@ def test_runtime_never_imports_comm_and_ops_never_imports_tensor_or_dispatch():
         if _unit(name) == "ops":
             bad = {e for e in edges if _unit(e) in ("tensor", "dispatch")}
             assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def _import_froms(path: pathlib.Path):
+    """(the absolute module, the names) of every ``from ... import`` in ``path``."""
+    name, is_package = _module_name(path), path.name == "__init__.py"
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom):
+            base = (node.module or "").split(".") if not node.level else name.split(".")
+            if node.level:
+                base = base[: len(base) - node.level + (1 if is_package else 0)]
+                base += node.module.split(".") if node.module else []
+            yield ".".join(base), [a.name for a in node.names]
+
+
+def test_the_planner_is_used_through_its_facade_and_public_names():
+    # plan/__init__ only re-exports; outside plan/ the planner is imported from that facade
+    # (ops.choose, the runtime, the user surface), and no module imports a private name of
+    # the planner's (inside plan/ each part uses another's public names too)
+    facade = PKG / "plan" / "__init__.py"
+    for node in ast.parse(facade.read_text()).body:
+        assert isinstance(node, ast.ImportFrom) or (
+            isinstance(node, ast.Expr) and isinstance(node.value, ast.Constant)) or (
+            isinstance(node, ast.Assign) and node.targets[0].id == "__all__"), ast.dump(node)[:80]
+    for name, path in _MODULES.items():
+        inside = name.startswith("globaltensor.plan")
+        for target, names in _import_froms(path):
+            if not target.startswith("globaltensor.plan"):
+                continue
+            assert inside or target == "globaltensor.plan", f"{name} imports {target}"
+            private = [n for n in names if n.startswith("_")]
+            assert not private, f"{name} imports {private} from {target}"

@@ -5,11 +5,11 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor import simulate
+from globaltensor.plan import simulate
 from globaltensor.errors import ShapeMismatchError
 from globaltensor.layout import Layout
 from globaltensor.plan import plan
-from globaltensor.steps import AllGatherV
+from globaltensor.plan import AllGatherV
 
 from helpers import random_cases
 

@@ -9,11 +9,11 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor import simulate
+from globaltensor.plan import simulate
 from globaltensor.runtime import execute
 from globaltensor.layout import Layout
 from globaltensor.plan import plan
-from globaltensor.steps import AllGatherV
+from globaltensor.plan import AllGatherV
 from globaltensor.testing import run_ranks
 
 from helpers import full_of, random_cases

@@ -2,26 +2,16 @@
 
 Each step changes one placement axis (or, for an Exchange, the placement) and knows the layout
 before and after it, so an executor runs a plan with no search of its own. Costs follow the α-β
-model of docs/planner.md. Pure: no torch.distributed, no rank.
+model of :mod:`.cost`. Pure: no torch.distributed, no rank.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from ._cache import memo
-from .layout import Box, Layout, box_numel, boxes, grid_coords, overlap_numel
-
-# The α-β cost model, in seconds: a latency per collective (or per point-to-point message on
-# the busiest rank) plus a time per byte sent by the busiest rank. Local steps cost only the
-# memory they write, so a plan never prefers a collective to a local step.
-ALPHA = 1e-5
-BETA = 1e-10
-MEMORY = 1e-12
-# and per byte the executor copies to pack or unpack a collective's buffers (a dim other than
-# 0, uneven pieces): it breaks ties such as which of two gathers goes first
-COPY = 2e-12
-# plans are searched for this item size (a Layout has no dtype); costs scale with it anyway
-SEARCH_ITEMSIZE = 4
+from .._cache import memo
+from ..layout import Box, Layout, box_numel, boxes, grid_coords, overlap_numel
+from . import cost as model
+from .cost import SEARCH_ITEMSIZE
 
 
 def coords_and_ranks(layout: Layout):
@@ -82,11 +72,8 @@ class Step:
         return self.latency() > 0
 
     def cost(self, itemsize: int = SEARCH_ITEMSIZE) -> float:
-        if not isinstance(self, Exchange) and self.group_size() == 1:
-            return 0.0  # on an axis of size 1 every sbp holds the same box: a relabelling
-        return (ALPHA * self.latency() + BETA * self.bytes_sent(itemsize)
-                + MEMORY * _max_local(self.after) * itemsize
-                + COPY * self.elements_copied() * itemsize)
+        return model.axis_step(self.group_size(), self.latency(), self.elements_sent(),
+                               _max_local(self.after), self.elements_copied(), itemsize)
 
     def where(self) -> str:
         return f"axis {self.axis}"
@@ -108,14 +95,12 @@ class AllGather(Step):
     kind = "all_gather"
 
     def elements_sent(self) -> int:  # ring, pieces padded to the largest
-        return (self.group_size() - 1) * _max_local(self.before)
+        return model.gather_sent(self.group_size(), _max_local(self.before))
 
     def elements_copied(self) -> int:
-        # a short piece is copied into a padded send buffer; the received blocks are the
-        # result only along dim 0 with only the last piece short, else they are unpacked
-        fits = self.dim == 0 and _even(self.before, self.axis, self.dim, last_short=True)
-        pad = 0 if _even(self.before, self.axis, self.dim) else _max_local(self.before)
-        return pad + (0 if fits else _max_local(self.after))
+        lands = self.dim == 0 and even(self.before, self.axis, self.dim, last_short=True)
+        return model.gather_copied(_max_local(self.before), _max_local(self.after),
+                                   even(self.before, self.axis, self.dim), lands)
 
     def where(self) -> str:
         return f"axis {self.axis}  dim {self.dim}"
@@ -134,10 +119,10 @@ class AllGatherV(AllGather):
     kind = "all_gatherv"
 
     def elements_sent(self) -> int:  # exact: the largest piece, to each other member
-        return (self.group_size() - 1) * _max_local(self.before)
+        return model.gather_sent(self.group_size(), _max_local(self.before))
 
-    def elements_copied(self) -> int:  # along dim 0 pieces land in place; else each is placed
-        return 0 if self.dim == 0 else _max_local(self.after)
+    def elements_copied(self) -> int:
+        return model.gatherv_copied(self.dim, _max_local(self.after))
 
 
 def offers_gatherv(step: AllGather) -> bool:
@@ -145,7 +130,7 @@ def offers_gatherv(step: AllGather) -> bool:
     (gloo). On CUDA the padded NCCL all_gather stays: its ring is pipelined, the point-to-point
     version is not (and is untested there)."""
     before = step.before
-    return before.placement.type == "cpu" and not _even(before, step.axis, step.dim)
+    return before.placement.type == "cpu" and not even(before, step.axis, step.dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,12 +143,12 @@ class ReduceScatter(Step):
     after: Layout = field(repr=False)
     kind = "reduce_scatter"
 
-    def elements_sent(self) -> int:  # ring, chunks padded to the largest
-        return (self.group_size() - 1) * _max_local(self.after)
+    def elements_sent(self) -> int:
+        return model.reduce_scatter_sent(self.group_size(), _max_local(self.after))
 
-    def elements_copied(self) -> int:  # the piece is the buffer only along dim 0, even
-        fits = self.dim == 0 and _even(self.after, self.axis, self.dim)
-        return 0 if fits else _max_local(self.before)
+    def elements_copied(self) -> int:
+        lands = self.dim == 0 and even(self.after, self.axis, self.dim)
+        return model.reduce_scatter_copied(_max_local(self.before), lands)
 
     def where(self) -> str:
         return f"axis {self.axis}  dim {self.dim}"
@@ -178,9 +163,8 @@ class AllReduce(Step):
     after: Layout = field(repr=False)
     kind = "all_reduce"
 
-    def elements_sent(self) -> int:  # ring: reduce_scatter + all_gather
-        n = self.group_size()
-        return -(-2 * (n - 1) * _max_local(self.before) // n)
+    def elements_sent(self) -> int:
+        return model.all_reduce_sent(self.group_size(), _max_local(self.before))
 
     # its one copy (the caller's piece is never reduced in place) stands for the receive buffer
     # every other collective writes, so it counts as nothing extra
@@ -200,16 +184,16 @@ class AllToAll(Step):
     def elements_sent(self) -> int:  # exact: everything but the part a rank keeps
         return _all_to_all_sent(self.before, self.after)
 
-    def elements_copied(self) -> int:  # packing unless dst_dim is 0, unpacking unless src_dim is
-        return ((_max_local(self.before) if self.dst_dim else 0)
-                + (_max_local(self.after) if self.src_dim else 0))
+    def elements_copied(self) -> int:
+        return model.all_to_all_copied(self.src_dim, self.dst_dim, _max_local(self.before),
+                                       _max_local(self.after))
 
     def where(self) -> str:
         return f"axis {self.axis}  dim {self.src_dim} -> {self.dst_dim}"
 
 
 @memo(16384)
-def _even(layout: Layout, axis: int, dim: int, last_short: bool = False) -> bool:
+def even(layout: Layout, axis: int, dim: int, last_short: bool = False) -> bool:
     """Whether every piece along ``axis`` has one length of ``dim`` (or, with ``last_short``,
     every piece but the last along the axis)."""
     last = layout.placement.shape[axis] - 1
@@ -297,7 +281,7 @@ class Exchange(Step):
     after: Layout = field(repr=False)
     kind = "send/recv"
 
-    def _traffic(self):
+    def traffic(self):
         """Elements each rank sends, and the messages it sends or receives (the larger)."""
         sent, sends, recvs = {}, {}, {}
         for m in self.moves:
@@ -313,13 +297,18 @@ class Exchange(Step):
         return sent, msgs
 
     def elements_sent(self) -> int:
-        return max(self._traffic()[0].values(), default=0)
+        return max(self.traffic()[0].values(), default=0)
 
     def elements_copied(self) -> int:  # packing what is sent, placing every piece
         return self.elements_sent() + _max_local(self.after)
 
     def latency(self) -> int:  # at least one: an exchange is never free, even all local
-        return max(self._traffic()[1].values(), default=1)
+        return max(self.traffic()[1].values(), default=1)
+
+    def cost(self, itemsize: int = SEARCH_ITEMSIZE) -> float:  # the traffic counted once
+        sent, messages = self.traffic()
+        return model.exchange(max(messages.values(), default=1), max(sent.values(), default=0),
+                              _max_local(self.after), itemsize)
 
     def communicates(self) -> bool:
         return any(not m.is_local for m in self.moves)
@@ -397,6 +386,6 @@ class Plan:
         return self.describe()
 
 
-__all__ = ["ALPHA", "BETA", "COPY", "MEMORY", "SEARCH_ITEMSIZE", "AllGather", "AllGatherV",
-           "AllReduce", "AllToAll", "Exchange", "LocalSlice", "Move", "Plan", "ReduceScatter", "Step",
-           "ZeroFill", "holds_full"]
+__all__ = ["AllGather", "AllGatherV", "AllReduce", "AllToAll", "Exchange", "LocalSlice", "Move",
+           "Plan", "ReduceScatter", "Step", "ZeroFill", "coords_and_ranks", "even", "holds_full",
+           "offers_gatherv"]

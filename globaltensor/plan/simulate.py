@@ -17,12 +17,11 @@ from __future__ import annotations
 
 import torch
 
-from .errors import GlobalTensorError, ShapeMismatchError
-from .layout import Layout
-from .layout import box_shape, relative
+from ..errors import GlobalTensorError, ShapeMismatchError
+from ..layout import Layout, box_shape, relative
 from .steps import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, Plan, ReduceScatter,
                     ZeroFill)
-from .sbp import Broadcast
+from ..sbp import Broadcast
 
 
 def run(plan: Plan, locals):

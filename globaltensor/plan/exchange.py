@@ -1,0 +1,225 @@
+"""Point-to-point exchanges between layouts given as values (a change of placement, or where
+the search prefers one), and what an exchange must move, counted on those values: the oracle
+of the int-coded counts of :mod:`.messages`, and the bound's terms across placements.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+
+from .._cache import memo
+from ..errors import GlobalTensorError
+from ..layout import Box, Layout, box_numel, boxes, intersect, overlap_numel
+from ..sbp import PartialSum, Split, broadcast, format_sbp
+from .steps import Exchange, Move, coords_and_ranks
+
+def _pick(holders, load, near: int) -> int:
+    """The least loaded holder, then the nearest rank, then the lowest: deterministic."""
+    return min(holders, key=lambda r: (load.get(r, 0), abs(r - near), r))
+
+
+@memo(16384)
+def exchange(before: Layout, after: Layout) -> Exchange:
+    """Point-to-point moves that build every piece of ``after`` from the pieces of ``before``.
+
+    ``before`` must be non-partial. A region that three or more ranks need, and more than
+    hold it, is broadcast from one holder; any other is sent by the least loaded holder. On
+    the partial axes of ``after``, one partial coordinate per box (the one whose ranks already
+    hold most of it) gets the value and every other rank holds zeros.
+    """
+    if before.is_partial:
+        raise GlobalTensorError(
+            f"expected a non-partial source for a point-to-point exchange, found "
+            f"{format_sbp(before.sbp)}; reduce its partial axes first")
+    holders: dict[Box, list[int]] = {}
+    for coord, rank in coords_and_ranks(before):
+        box = before.box(coord)
+        if box_numel(box):
+            holders.setdefault(box, []).append(rank)
+    owners = _owners(before, after)
+    ranges, order = dim_ranges(before), {box: i for i, box in enumerate(holders)}
+    moves, needs = [], {}
+    for coord, rank in coords_and_ranks(after):
+        target = after.box(coord)
+        if not box_numel(target) or owners.get(_split_key(after, coord), ()) != _partial_key(after, coord):
+            continue
+        for box in _overlapping(order, ranges, target):
+            ranks, region = holders[box], intersect(box, target)
+            if rank in ranks:
+                moves.append(Move(rank, (rank,), region))
+            else:
+                needs.setdefault((box, region), []).append(rank)
+    return Exchange(tuple(moves) + _assign(holders, needs), before, after)
+
+
+def _overlapping(order: dict, ranges, target: Box) -> list[Box]:
+    """The boxes of ``order`` (box -> its place) that overlap ``target``, in that order: each is
+    a product of one of ``ranges`` per dim, so only the overlapping ranges are combined."""
+    near = [[r for r in rs if r[0] < r[1] and r[0] < hi and lo < r[1]] for rs, (lo, hi) in zip(ranges, target)]
+    found = [box for box in itertools.product(*near) if box in order]
+    if len(found) > 1:
+        found.sort(key=order.__getitem__)
+    return found
+
+
+def _split_key(layout: Layout, coord) -> tuple[int, ...]:
+    return tuple(c for c, v in zip(coord, layout.sbp) if isinstance(v, Split))
+
+
+def _partial_key(layout: Layout, coord) -> tuple[int, ...]:
+    return tuple(c for c, v in zip(coord, layout.sbp) if isinstance(v, PartialSum))
+
+
+def _owners(before: Layout, after: Layout) -> dict:
+    """For each split coordinate of ``after``, the partial coordinate that holds the value:
+    the one whose ranks already hold the most of their boxes, then the lowest."""
+    if not after.is_partial:
+        return {}
+    held: dict = {}
+    for coord, rank in coords_and_ranks(after):
+        key = (_split_key(after, coord), _partial_key(after, coord))
+        mine = before.placement.coord_of(rank)
+        part = intersect(before.box(mine), after.box(coord)) if mine is not None else None
+        held[key] = held.get(key, 0) + (box_numel(part) if part else 0)
+    best: dict = {}
+    for (skey, pkey), amount in held.items():
+        if skey not in best or (-amount, pkey) < (-best[skey][1], best[skey][0]):
+            best[skey] = (pkey, amount)
+    return {skey: pkey for skey, (pkey, _) in best.items()}
+
+
+def _assign(holders, needs) -> tuple[Move, ...]:
+    load: dict[int, int] = {}
+    moves = []
+    for (box, region), dsts in needs.items():
+        ranks, size = holders[box], box_numel(region)
+        if len(dsts) >= 3 and len(dsts) > len(ranks):
+            groups = [tuple(dsts)]
+        else:
+            groups = [(d,) for d in dsts]
+        for group in groups:
+            src = _pick(ranks, load, group[0])
+            load[src] = load.get(src, 0) + size
+            moves.append(Move(src, group, region))
+    return tuple(moves)
+
+
+def cores(dst: Layout) -> list[Layout]:
+    """Non-partial layouts on dst's placement from which zero-fills reach ``dst``."""
+    if not dst.is_partial:
+        return [dst]
+    options = [[v] if not isinstance(v, PartialSum) else [broadcast] + [Split(d) for d in range(dst.ndim)]
+               for v in dst.sbp]
+    return [dst.with_sbp(c) for c in itertools.product(*options)]
+
+
+@memo(16384)
+def lacking(node: Layout, dst: Layout) -> int:
+    """Elements, summed over dst's groups of summands (the ranks sharing their coordinates on
+    dst's non-partial axes), that no member can make from what it holds in ``node``; each must
+    reach the group in at least one received element (lemma "Lacking factors")."""
+    same = node.placement == dst.placement
+    partial = tuple(a for a, (v, n) in enumerate(zip(node.sbp, node.placement.shape))
+                    if isinstance(v, PartialSum) and n > 1)
+    if partial and not same:
+        return lacking_anywhere(node, dst)
+    groups, everything = summand_groups(dst, node.placement, partial)
+    if partial and any(not isinstance(dst.sbp[a], PartialSum) for a in partial):
+        return everything  # each group's members hold one summand
+    pieces = boxes(node)
+    total = 0
+    for box, size, members in groups:
+        if len(members) == 1:
+            total += size - overlap_numel(pieces[members[0]], box)
+        else:  # distinct pieces of a non-partial layout are disjoint
+            total += size - sum(overlap_numel(p, box) for p in {pieces[m] for m in members})
+    return total
+
+
+@memo(1024)
+def summand_groups(dst: Layout, where, first_of=()) -> tuple[list, int]:
+    """dst's groups of summands (see :func:`lacking`): per group its box, the box's numel and
+    the coordinates its members have on placement ``where`` (members outside it hold nothing,
+    and only those at coordinate 0 of the axes ``first_of`` count); and the sum of the boxes'
+    numels."""
+    found: dict = {}
+    for coord, rank in coords_and_ranks(dst):
+        key = tuple(c for c, v in zip(coord, dst.sbp) if not isinstance(v, PartialSum))
+        box = dst.box(coord)
+        entry = found.setdefault(key, (box, box_numel(box), []))
+        mine = where.coord_of(rank)
+        if mine is not None and not any(mine[a] for a in first_of):
+            entry[2].append(mine)
+    groups = [g for g in found.values() if g[1]]
+    return groups, sum(size for _, size, _ in groups)
+
+
+def lacking_anywhere(node: Layout, dst: Layout) -> int:
+    """:func:`lacking` for a partial ``node`` on another placement than dst: per group, the
+    elements inside the pieces of every summand its members hold."""
+    groups, _ = summand_groups(dst, node.placement)
+    tokens = math.prod(n for n, v in zip(node.placement.shape, node.sbp) if isinstance(v, PartialSum))
+    total = 0
+    for box, size, members in groups:
+        held: dict = {}  # per summand: the distinct (so disjoint) parts of box members hold
+        for mine in members:
+            part = intersect(node.box(mine), box)
+            if part:
+                token = tuple(c for c, v in zip(mine, node.sbp) if isinstance(v, PartialSum))
+                held.setdefault(token, set()).add(part)
+        whole = []
+        if len(held) == tokens:
+            for parts in held.values():
+                whole = list(parts) if not whole else [
+                    x for a in whole for b in parts if (x := intersect(a, b)) is not None]
+        total += size - sum(box_numel(b) for b in whole)
+    return total
+
+
+@memo(16384)
+def missing(node: Layout, target: Layout) -> tuple[int, int, float]:
+    """For an exchange from non-partial ``node``: the elements the ranks of ``target`` receive,
+    summed; the most messages one of them receives (one per other piece of ``node`` its target
+    piece overlaps); and the largest region one message must carry (a rank's missing elements
+    over its messages: each region goes whole from one sender, who counts it as sent). A
+    partial target fills one partial coordinate per box (its owner, not known here): only the
+    cheapest coordinate of each box counts, for all three."""
+    place = node.placement
+    ranges = dim_ranges(node)
+    groups: dict = {}
+    for coord, rank in coords_and_ranks(target):
+        box = target.box(coord)
+        missing = box_numel(box)
+        mine = place.coord_of(rank)
+        own = overlap_numel(node.box(mine), box) if mine is not None and missing else 0
+        missing -= own
+        others = 0
+        if missing:
+            others = math.prod(sum(1 for lo, hi in rs if lo < hi and lo < b and a < hi)
+                               for rs, (a, b) in zip(ranges, box)) - (own > 0)
+        key = (_split_key(target, coord), _partial_key(target, coord))
+        total, most, region = groups.get(key, (0, 0, 0.0))
+        groups[key] = (total + missing, max(most, others),
+                       max(region, missing / others if others else 0.0))
+    return least(groups)
+
+
+def least(groups: dict) -> tuple[int, int, float]:
+    """Per box (S coordinates) the cheapest partial coordinate of (missing, messages, region),
+    then summed, the most and the largest over the boxes (see :func:`missing`)."""
+    least: dict = {}
+    for (skey, _), (missing, most, region) in groups.items():
+        known = least.get(skey)
+        least[skey] = (missing, most, region) if known is None else (
+            min(known[0], missing), min(known[1], most), min(known[2], region))
+    return (sum(m for m, _, _ in least.values()), max([1] + [most for _, most, _ in least.values()]),
+            max([0.0] + [region for _, _, region in least.values()]))
+
+
+@memo(16384)
+def dim_ranges(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per tensor dim, the distinct ranges the pieces of ``layout`` cover."""
+    return tuple(tuple(sorted({b[d] for b in boxes(layout).values()})) for d in range(layout.ndim))
+
+
+__all__ = ["cores", "dim_ranges", "exchange", "summand_groups", "lacking", "least", "missing"]
