@@ -32,7 +32,8 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from . import debug, env, simulate
+from . import debug, env
+from .plan import simulate
 from .errors import GlobalTensorError, ShapeMismatchError
 from .observe import reset, set_watchers
 from .runtime.meta import all_objects
