@@ -25,8 +25,11 @@ from . import pydata
 from .grads import install_grad_methods
 from .nn.module import install_module_methods
 from . import checkpoint
+from . import data
 
 install_tensor_methods()
+# p["tp"]: the placement is pure and never asks which rank runs; indexing it does
+Placement.__getitem__ = env.sub_placement
 pydata.install()
 install_grad_methods()
 install_module_methods()
@@ -46,6 +49,7 @@ __all__ = [
     "checkpoint",
     "comm",
     "comm_trace",
+    "data",
     "env",
     "nn",
     "init",

@@ -176,7 +176,8 @@ def _join(prefix: str, name: str) -> str:
 def _sbp_chooser(sbp_fn, placement: Placement):
     if sbp_fn is None:
         return lambda name, t: (Broadcast(),) * placement.ndim
-    is_value = isinstance(sbp_fn, (list, tuple) + SBP_TYPES) or sbp_fn in (Broadcast, PartialSum)
+    is_value = (isinstance(sbp_fn, (list, tuple, dict) + SBP_TYPES)
+                or sbp_fn in (Broadcast, PartialSum))
     if not is_value and callable(sbp_fn):
         def choose(name, t):
             value = sbp_fn(name, t)
@@ -190,7 +191,7 @@ def _sbp_chooser(sbp_fn, placement: Placement):
 
 def _normalized(value, name, placement):
     try:
-        return normalize(value, placement.ndim)
+        return normalize(value, placement.ndim, placement.axes)
     except GlobalTensorError as e:
         raise GlobalTensorError(f"module.to_global: the sbp for {name}: {e}") from None
 
