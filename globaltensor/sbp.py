@@ -110,9 +110,10 @@ def normalize(sbp, ndim: int | None = None, axes: tuple | None = None) -> tuple[
         raise SbpError("expected at least one sbp, found an empty sequence")
     if ndim is not None and len(values) != ndim:
         shown = "(" + ", ".join(str(v) for v in values) + ")"
+        example = format_sbp(["gt.sbp.broadcast"] * ndim)
         raise SbpError(
-            f"expected {ndim} sbp values, one per placement axis, found {len(values)}: {shown}; "
-            f"pass a tuple like ({', '.join(['gt.sbp.broadcast'] * ndim)})"
+            f"expected {ndim} sbp value{'' if ndim == 1 else 's'}, one per placement axis, found "
+            f"{len(values)}: {shown}; pass a tuple like {example}"
         )
     return values
 
