@@ -27,8 +27,11 @@ from . import pydata
 from .grads import install_grad_methods
 from .nn.module import install_module_methods
 from . import checkpoint
+from . import data
 
 install_tensor_methods()
+# p["tp"]: the placement is pure and never asks which rank runs; indexing it does
+Placement.__getitem__ = env.sub_placement
 pydata.install()
 install_grad_methods()
 install_module_methods()
@@ -49,6 +52,7 @@ __all__ = [
     "comm",
     "comm_trace",
     "communication",
+    "data",
     "env",
     "nn",
     "init",

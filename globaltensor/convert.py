@@ -39,7 +39,7 @@ def device_for(placement: Placement) -> torch.device:
 def _check_grad_sbp(grad_sbp, placement: Placement, ndim: int) -> None:
     """Reject a bad grad_sbp now, not at backward time."""
     if grad_sbp is not None:
-        resolve(normalize(grad_sbp, placement.ndim), ndim)
+        resolve(normalize(grad_sbp, placement.ndim, placement.axes), ndim)
 
 
 def check_placement(placement) -> Placement:
@@ -76,7 +76,7 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
         raise GlobalTensorError(
             f"to_global expects a dense (strided) tensor, found layout {local.layout}; convert "
             f"it first with .to_dense()")
-    sbp = normalize(sbp, placement.ndim)
+    sbp = normalize(sbp, placement.ndim, placement.axes)
     if _debug.is_debug():
         own = {} if check_meta else {"dtype": local.dtype, "ndim": local.dim()}  # else exchanged
         check("to_global", source="local tensor", placement=placement, sbp=sbp, grad_sbp=grad_sbp,
@@ -177,7 +177,7 @@ def target_layout(src: Layout, placement, sbp, what: str) -> Layout:
                 f"placement needs an sbp for each of its {placement.ndim} axes; pass sbp=..."
             )
         return Layout(placement, src.sbp, src.shape)
-    return Layout(placement, normalize(sbp, placement.ndim), src.shape)
+    return Layout(placement, normalize(sbp, placement.ndim, placement.axes), src.shape)
 
 
 @memo(4096)

@@ -339,6 +339,16 @@ def backward_origin() -> str | None:
             "forward line)")
 
 
+def user_frame(skip: int = 1) -> tuple[str, int] | None:
+    """(file, line) of the nearest caller outside globaltensor and torch: the user's line."""
+    frame = sys._getframe(skip)
+    while frame is not None:
+        if not frame.f_globals.get("__name__", "").startswith(("globaltensor", "torch")):
+            return frame.f_code.co_filename, frame.f_lineno
+        frame = frame.f_back
+    return None
+
+
 def op_name(func) -> str:
     try:  # as dispatch names it in its own checks: aten.mm.default
         return f"{func._schema.name.split('::')[1]}.{func._overloadname}"

@@ -92,3 +92,11 @@ def print0(*values, sep: str = " ", end: str = "\n", file=None, flush: bool = Fa
     text = sep.join(str(v) for v in values) if sep is not None else " ".join(map(str, values))
     if get_rank() == 0:
         print(text, end=end, file=file, flush=flush)
+
+
+def sub_placement(placement, axis):
+    """``placement[axis]``: this rank's 1-D sub-placement along ``axis`` (a name or a number),
+    as DTensor's ``mesh["tp"]``: the ranks that share this rank's coordinate on every other
+    axis (``Placement.along(axis, rank)`` for any rank)."""
+    return placement.along(axis, get_rank())
+

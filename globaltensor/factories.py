@@ -69,7 +69,7 @@ def _layout(size, placement, sbp) -> Layout:
             f"sbp={sbp!r}"
         )
     placement = check_placement(placement)
-    return Layout(placement, normalize(sbp, placement.ndim), size)
+    return Layout(placement, normalize(sbp, placement.ndim, placement.axes), size)
 
 
 def _holds_value(layout: Layout, coord) -> bool:

@@ -117,9 +117,21 @@ Every option also takes torchrun's spelling (--nproc-per-node, --master-port, ..
 """
 
 
-def _parser() -> argparse.ArgumentParser:
+def program_name(argv0: str | None = None) -> str:
+    """How the user started the launcher, for its usage line: ``gtrun``, ``python -m
+    globaltensor`` or ``launch.py``."""
+    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    if name.startswith("gtrun"):
+        return "gtrun"
+    return "python -m globaltensor" if name == "__main__.py" else "launch.py"
+
+
+def _parser(prog: str | None = None) -> argparse.ArgumentParser:
+    prog = prog or program_name()
+    example = (f"example:\n  {prog} --nproc_per_node 4 train.py --lr 0.1"
+               f"      # 4 ranks; train.py calls gt.init()\n\n")
     p = argparse.ArgumentParser(
-        prog="launch.py", epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
+        prog=prog, epilog=example + EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Start one process per rank of a globaltensor / torch.distributed job "
                     "(also: gtrun, python -m globaltensor).")
     p.add_argument("--version", action="version", version=f"globaltensor {__version__}")

@@ -80,7 +80,7 @@ class GlobalMode(TorchFunctionMode):
         super().__init__()
         self.placement = check_placement(placement)
         sbp = (Broadcast(),) * self.placement.ndim if sbp is None else sbp
-        self.sbp = normalize(sbp, self.placement.ndim)
+        self.sbp = normalize(sbp, self.placement.ndim, self.placement.axes)
 
     def __enter__(self):
         stack = modes()

@@ -50,16 +50,17 @@ def _to_array(ranks) -> np.ndarray:
 
 
 class Placement:
-    """``gt.placement(type, ranks)``: where a global tensor lives.
+    """``gt.placement(type, ranks, axes=None)``: where a global tensor lives; ``axes`` names
+    the placement axes (``p["tp"]``, ``sbp={"tp": S(0)}``).
 
-    >>> p = placement("cpu", ranks=[[0, 1], [2, 3]])
-    >>> p.shape, p.ndim, p.coord_of(2)
-    ((2, 2), 2, (1, 0))
+    >>> p = placement("cpu", ranks=[[0, 1], [2, 3]], axes=("dp", "tp"))
+    >>> p.shape, p.ndim, p.coord_of(2), p.along("tp", 2)
+    ((2, 2), 2, (1, 0), placement('cpu', ranks=[2, 3], axes=('tp',)))
     """
 
-    __slots__ = ("type", "shape", "flat_ranks", "_hash", "__dict__")
+    __slots__ = ("type", "shape", "flat_ranks", "axes", "_hash", "__dict__")
 
-    def __init__(self, type: str = "cpu", ranks=None):
+    def __init__(self, type: str = "cpu", ranks=None, axes=None):
         if ranks is None:
             raise PlacementError(
                 "expected ranks, e.g. gt.placement('cpu', ranks=[0, 1]); found none "
@@ -84,6 +85,7 @@ class Placement:
         object.__setattr__(self, "type", type.split(":")[0])
         object.__setattr__(self, "shape", tuple(int(s) for s in arr.shape))
         object.__setattr__(self, "flat_ranks", flat)
+        object.__setattr__(self, "axes", _checked_axes(axes, len(self.shape)))
         object.__setattr__(self, "_hash", hash(self._key()))  # hashed on every plan lookup
 
     def __setattr__(self, name, value):
@@ -100,7 +102,7 @@ class Placement:
 
     # --- value semantics ---
     def _key(self):
-        return (self.type, self.shape, self.flat_ranks)
+        return (self.type, self.shape, self.flat_ranks, self.axes)
 
     def __eq__(self, other):
         if self is other:
@@ -112,12 +114,13 @@ class Placement:
         return self._hash
 
     def __repr__(self):
-        return f"placement({self.type!r}, ranks={self.ranks.tolist()!r})"
+        named = "" if self.axes is None else f", axes={self.axes!r}"
+        return f"placement({self.type!r}, ranks={self.ranks.tolist()!r}{named})"
 
     __str__ = __repr__
 
     def __reduce__(self):
-        return (Placement, (self.type, self.ranks.tolist()))
+        return (Placement, (self.type, self.ranks.tolist(), self.axes))
 
     # --- the grid ---
     @property
@@ -165,6 +168,29 @@ class Placement:
         others = [range(s) if a != axis else range(1) for a, s in enumerate(self.shape)]
         return [self.group_along(axis, c) for c in itertools.product(*others)]
 
+    def axis_index(self, axis) -> int:
+        """The number of placement ``axis``, given by number or by name."""
+        if isinstance(axis, str):
+            if self.axes is None or axis not in self.axes:
+                named = (f"named {list(self.axes)}" if self.axes else
+                         "unnamed; name them with gt.placement(type, ranks, axes=(...))")
+                raise PlacementError(f"expected a placement axis name, found {axis!r}; the axes "
+                                     f"of {self!r} are {named}")
+            return self.axes.index(axis)
+        self.check_axis(axis)
+        return axis
+
+    def along(self, axis, rank: int) -> "Placement":
+        """The 1-D placement of the ranks that share ``rank``'s grid coordinate except along
+        ``axis`` (a number or a name): ``rank``'s row of that axis."""
+        axis = self.axis_index(axis)
+        coord = self.coord_of(rank)
+        if coord is None:
+            raise PlacementError(f"expected a rank of {self!r}, found rank {rank}, which holds "
+                                 f"no cell; ask a rank of the placement for its sub-placement")
+        names = None if self.axes is None else (self.axes[axis],)
+        return Placement(self.type, list(self.group_along(axis, coord)), axes=names)
+
     def check_axis(self, axis: int) -> None:
         if not 0 <= axis < self.ndim:
             raise PlacementError(
@@ -179,6 +205,22 @@ class Placement:
                 f"expected ranks < world size {world_size}, found {beyond} in {self!r}; "
                 f"launch more processes or use ranks 0..{world_size - 1}"
             )
+
+
+def _checked_axes(axes, ndim: int):
+    if axes is None:
+        return None
+    if isinstance(axes, str) or not isinstance(axes, (list, tuple)):
+        raise PlacementError(f"expected axes=(name, ...), one str per placement axis, found "
+                             f"{axes!r}; e.g. axes=('dp', 'tp')")
+    axes = tuple(axes)
+    if len(axes) != ndim or not all(isinstance(a, str) and a for a in axes):
+        raise PlacementError(f"expected axes with {ndim} non-empty names (the grid has {ndim} "
+                             f"axes), found {axes!r}")
+    if len(set(axes)) != len(axes):
+        raise PlacementError(f"expected distinct axis names, found axes={axes!r}; name each "
+                             f"axis once")
+    return axes
 
 
 placement = Placement

@@ -6,6 +6,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from collections.abc import Mapping
 from typing import Iterable, Union
 
 from .errors import SbpError
@@ -23,10 +24,9 @@ class Split:
             )
 
     def __repr__(self):
-        return f"split({self.dim})"
-
-    def __str__(self):
         return f"S({self.dim})"
+
+    __str__ = __repr__
 
     def resolve(self, ndim: int) -> "Split":
         """This split with a negative dim normalised against a tensor of ``ndim`` dims."""
@@ -41,10 +41,9 @@ class Split:
 @dataclass(frozen=True, slots=True)
 class Broadcast:
     def __repr__(self):
-        return "broadcast"
-
-    def __str__(self):
         return "B"
+
+    __str__ = __repr__
 
     def resolve(self, ndim: int) -> "Broadcast":
         return self
@@ -53,10 +52,9 @@ class Broadcast:
 @dataclass(frozen=True, slots=True)
 class PartialSum:
     def __repr__(self):
-        return "partial_sum"
-
-    def __str__(self):
         return "P"
+
+    __str__ = __repr__
 
     def resolve(self, ndim: int) -> "PartialSum":
         return self
@@ -78,6 +76,7 @@ def split(dim: int) -> Split:
 
 
 def S(dim: int) -> Split:
+    """``S(dim)``: the short spelling of ``split(dim)``, as sbps print."""
     return Split(dim)
 
 
@@ -94,12 +93,15 @@ def _one(value) -> SbpValue:
     )
 
 
-def normalize(sbp, ndim: int | None = None) -> tuple[SbpValue, ...]:
+def normalize(sbp, ndim: int | None = None, axes: tuple | None = None) -> tuple[SbpValue, ...]:
     """One sbp or a list/tuple of them -> a tuple; with ``ndim``, check one entry per placement axis.
 
     A single sbp given for an n-D placement is an error (ambiguous), except that ``ndim == 1``
-    accepts one value.
+    accepts one value. A dict ``{axis: sbp}`` names axes by name (``axes``, the placement's axis
+    names) or by number; the axes it leaves out are broadcast.
     """
+    if isinstance(sbp, Mapping):
+        return by_axis(sbp, ndim, axes)
     if isinstance(sbp, (list, tuple)):
         values = tuple(_one(v) for v in sbp)
     else:
@@ -108,11 +110,33 @@ def normalize(sbp, ndim: int | None = None) -> tuple[SbpValue, ...]:
         raise SbpError("expected at least one sbp, found an empty sequence")
     if ndim is not None and len(values) != ndim:
         shown = "(" + ", ".join(str(v) for v in values) + ")"
+        example = format_sbp(["gt.sbp.broadcast"] * ndim)
         raise SbpError(
-            f"expected {ndim} sbp values, one per placement axis, found {len(values)}: {shown}; "
-            f"pass a tuple like ({', '.join(['gt.sbp.broadcast'] * ndim)})"
+            f"expected {ndim} sbp value{'' if ndim == 1 else 's'}, one per placement axis, found "
+            f"{len(values)}: {shown}; pass a tuple like {example}"
         )
     return values
+
+
+def by_axis(sbp: Mapping, ndim: int | None, axes: tuple | None) -> tuple[SbpValue, ...]:
+    """``{"tp": S(0)}`` (or ``{1: S(0)}``) -> one value per placement axis, B where not named."""
+    if ndim is None:
+        raise SbpError(f"an sbp by axis, {dict(sbp)!r}, needs the placement it is for")
+    values = [Broadcast()] * ndim
+    for key, value in sbp.items():
+        values[_axis_index(key, ndim, axes, sbp)] = _one(value)
+    return tuple(values)
+
+
+def _axis_index(key, ndim: int, axes: tuple | None, sbp: Mapping) -> int:
+    if isinstance(key, int) and not isinstance(key, bool) and 0 <= key < ndim:
+        return key
+    if axes is not None and key in axes:
+        return axes.index(key)
+    named = f"named {list(axes)}" if axes else "unnamed (name them with gt.placement(..., axes=(...)))"
+    raise SbpError(
+        f"sbp {dict(sbp)!r}: expected placement axes {list(range(ndim))} or their names, found "
+        f"{key!r}; this placement's axes are {named}")
 
 
 def resolve(values: Iterable[SbpValue], ndim: int) -> tuple[SbpValue, ...]:

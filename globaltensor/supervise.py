@@ -84,22 +84,50 @@ def exit_status(code: int) -> int:
 
 
 class Console:
-    """The launcher's stdout/stderr, shared by the output threads one whole line at a time."""
+    """The launcher's stdout/stderr, shared by the output threads one whole line at a time.
+
+    A rank's progress bar (text ended by ``\r``, or a partial line that waited) is an *open*
+    line: shown without a newline, and its next update rewrites it in place (``\r``, the
+    rank's prefix, the text, padded over the old one), as on the rank's own terminal. Anything
+    else written while a line is open first ends it with a newline (the two streams share one
+    terminal), so an interleaved line never lands in the middle of a bar."""
 
     def __init__(self, out, err):
         self.streams = {"stdout": out, "stderr": err}
         self.lock = threading.Lock()
+        self.open: tuple[str, str, int] | None = None  # (stream, prefix, width) of an open line
 
     def write(self, stream: str, text: str) -> None:
         with self.lock:
-            try:
-                self.streams[stream].write(text)
-                self.streams[stream].flush()
-            except (OSError, ValueError):
-                pass  # a closed console must not stop us from draining the ranks' pipes
+            self._emit(stream, self._closing() + text)
+
+    def line(self, stream: str, prefix: str, text: str, final: bool) -> None:
+        """A rank's line: ``final`` ends it (newline); else it stays open for updates."""
+        with self.lock:
+            shown = prefix + text
+            if self.open is not None and self.open[:2] == (stream, prefix):
+                lead = "\r" + shown + " " * max(0, self.open[2] - len(shown))
+            else:
+                lead = self._closing() + shown
+            self.open = None if final else (stream, prefix, len(shown))
+            self._emit(stream, lead + ("\n" if final else ""))
 
     def note(self, text: str) -> None:
         self.write("stderr", "".join(f"[launch] {line}\n" for line in text.splitlines()))
+
+    def _closing(self) -> str:
+        """End an open line (on its own stream); the text that follows starts a new one."""
+        if self.open is not None:
+            self._emit(self.open[0], "\n")
+            self.open = None
+        return ""
+
+    def _emit(self, stream: str, text: str) -> None:
+        try:
+            self.streams[stream].write(text)
+            self.streams[stream].flush()
+        except (OSError, ValueError):
+            pass  # a closed console must not stop us from draining the ranks' pipes
 
 
 class RankProcess:
@@ -128,26 +156,31 @@ class RankProcess:
 
 
 def _pump(pipe, prefix, stream, console, log_path, tail) -> None:
-    """Echo a rank's pipe line by line with its prefix, as soon as a line ends (``\\n``, or
-    ``\\r`` for a progress bar, echoed with its ``\\r``) or has waited PARTIAL_LINE_S without
-    ending; the log file gets the bytes as written."""
+    """Echo a rank's pipe line by line with its prefix, as soon as a line ends (``\n``; or
+    ``\r``: a progress bar's update, kept open on the console and rewritten in place by the
+    next) or has waited PARTIAL_LINE_S without ending (shown open, then completed in place);
+    the log file gets the bytes as written."""
     log = open(log_path, "wb") if log_path else None
     fd = pipe.fileno()
-    pending = b""
+    pending, shown = b"", b""
+    open_text = [None]  # the open line last shown: its update, unchanged, is not shown again
 
     def show(raw: bytes, end: str) -> None:
         line = _strip_torch_prefix(raw.decode("utf-8", "replace"))
-        if tail is not None:
+        if tail is not None and end == "\n":
             tail.append(line + "\n")
+        if end == "\r" and (not line or line == open_text[0]):
+            return
+        open_text[0] = line if end == "\r" else None
         if console:
-            console.write(stream, prefix + line + end)
+            console.line(stream, prefix, line, final=end == "\n")
 
     try:
         while True:
-            if pending and not select.select([fd], [], [], PARTIAL_LINE_S)[0]:
-                # a partial line: show it now rather than at its newline
-                show(*((pending[:-1], "\r") if pending.endswith(b"\r") else (pending, "\n")))
-                pending = b""
+            if pending != shown and not select.select([fd], [], [], PARTIAL_LINE_S)[0]:
+                # a partial line (or a bar's update, its \r last): show it now, open
+                show(pending[:-1] if pending.endswith(b"\r") else pending, "\r")
+                shown = pending
                 continue
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -158,7 +191,9 @@ def _pump(pipe, prefix, stream, console, log_path, tail) -> None:
             pending += chunk
             for raw, end in _complete_lines(pending):
                 show(raw, end)
-            pending = _unfinished(pending)
+            rest = _unfinished(pending)
+            shown = b"" if rest != pending else shown
+            pending = rest
         if pending:
             show(pending, "\n")
     finally:

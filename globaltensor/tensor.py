@@ -185,7 +185,8 @@ def dual_sbp(values) -> tuple:
 def _grad_layout(layout: Layout, grad_sbp) -> Layout:
     if grad_sbp is None:
         return Layout(layout.placement, dual_sbp(layout.sbp), layout.shape)
-    return Layout(layout.placement, normalize(grad_sbp, layout.placement.ndim), layout.shape)
+    placement = layout.placement
+    return Layout(placement, normalize(grad_sbp, placement.ndim, placement.axes), layout.shape)
 
 
 def _as_global_grad(grad, like: Layout) -> GlobalTensor:

@@ -167,7 +167,7 @@ def bucket_reduced(count: int, nbytes: int) -> None:
     """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (grads.py)."""
     trace = _trace()
     if trace is not None:
-        trace.add(Record(op=f"gradient bucket ({count} gradients)", source=None, target=None,
+        trace.add(Record(op=f"gradient bucket ({count} gradient{'' if count == 1 else 's'})", source=None, target=None,
                          steps=("all_reduce",), collectives=("all_reduce",),
                          bytes_per_rank=nbytes, dtype=None))
 

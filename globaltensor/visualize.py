@@ -5,43 +5,62 @@ from .layout import Layout
 from .sbp import format_sbp
 
 
-def _cell_labels(layout: Layout, rows: int, cols: int, row_of, col_of) -> list[list[str]]:
-    """Label every cell of a rows x cols drawing with the ranks whose piece covers it."""
-    grid = [[[] for _ in range(cols)] for _ in range(rows)]
+def _blocks(layout: Layout, dim: int) -> list[tuple[int, int]]:
+    """The [start, stop) ranges of ``dim`` between consecutive piece boundaries: within one,
+    every element is held by the same ranks (one dim of size 1 for a tensor without it)."""
+    if dim >= layout.ndim:
+        return [(0, 1)]
+    cuts = {0, layout.shape[dim]}
     for coord in layout.placement.coords():
-        rank = layout.placement.rank_at(coord)
+        cuts.update(layout.box(coord)[dim])
+    cuts = sorted(cuts)
+    return list(zip(cuts, cuts[1:]))
+
+
+def _label(layout: Layout, row: tuple[int, int], col: tuple[int, int]) -> str:
+    """The ranks whose piece covers the block ``row`` x ``col`` (first two dims)."""
+    held = []
+    for coord in layout.placement.coords():
         box = layout.box(coord)
         r0, r1 = box[0] if layout.ndim >= 1 else (0, 1)
         c0, c1 = box[1] if layout.ndim >= 2 else (0, 1)
-        for i in range(rows):
-            for j in range(cols):
-                if r0 <= row_of(i) < r1 and c0 <= col_of(j) < c1:
-                    grid[i][j].append(str(rank))
-    return [[",".join(cell) if cell else "-" for cell in line] for line in grid]
+        if r0 <= row[0] and row[1] <= r1 and c0 <= col[0] and col[1] <= c1 and r0 < r1 and c0 < c1:
+            held.append(str(layout.placement.rank_at(coord)))
+    return ",".join(held) if held else "-"
+
+
+def _span(block: tuple[int, int]) -> str:
+    a, b = block
+    return str(a) if b == a + 1 else f"{a}:{b}"
+
+
+def _table(layout: Layout, rows, cols) -> list[str]:
+    """One cell per block: rows labelled by their index ranges, columns too."""
+    labels = [[_label(layout, r, c) for c in cols] for r in rows]
+    head = [_span(c) for c in cols]
+    side = [_span(r) for r in rows]
+    width = max([len(x) for line in labels for x in line] + [len(h) for h in head])
+    lead = max(len(x) for x in side)
+    lines = [" " * lead + "  " + " ".join(h.rjust(width) for h in head)] if layout.ndim >= 2 else []
+    lines += [side[i].rjust(lead) + "  " + " ".join(x.rjust(width) for x in line)
+              for i, line in enumerate(labels)]
+    return lines
 
 
 def draw(layout: Layout, max_rows: int = 16, max_cols: int = 16) -> str:
-    """A text drawing: one cell per element (or per block of elements for big tensors), naming the
-    ranks that hold it. Tensors of more than 2 dims are drawn over their first two dims."""
+    """A text drawing over the first two dims: one cell per block of elements held by the same
+    ranks (rows and columns labelled with their index ranges), naming those ranks; then every
+    rank's box. At most ``max_rows`` x ``max_cols`` blocks are drawn (the first ones)."""
     shape = layout.shape
-    n_rows = shape[0] if layout.ndim >= 1 else 1
-    n_cols = shape[1] if layout.ndim >= 2 else 1
-    rows, cols = min(max(n_rows, 1), max_rows), min(max(n_cols, 1), max_cols)
-
-    def row_of(i):
-        return i * n_rows // rows
-
-    def col_of(j):
-        return j * n_cols // cols
-
-    labels = _cell_labels(layout, rows, cols, row_of, col_of) if n_rows and n_cols else []
-    width = max([len(c) for line in labels for c in line] + [1])
+    rows, cols = _blocks(layout, 0), _blocks(layout, 1)
     head = (f"{format_sbp(layout.sbp)} on {layout.placement!r}, global shape {list(shape)}"
             + ("  (value = sum over the P axes)" if layout.is_partial else ""))
     lines = [head]
-    if rows < n_rows or cols < n_cols:
-        lines.append(f"(drawn at {rows}x{cols}; each cell stands for a block of elements)")
-    lines += [" ".join(c.rjust(width) for c in line) for line in labels]
+    if rows and cols:
+        lines += _table(layout, rows[:max_rows], cols[:max_cols])
+    if len(rows) > max_rows or len(cols) > max_cols:
+        lines.append(f"(the first {min(len(rows), max_rows)}x{min(len(cols), max_cols)} of "
+                     f"{len(rows)}x{len(cols)} blocks)")
     lines.append("pieces:")
     for coord in layout.placement.coords():
         rank = layout.placement.rank_at(coord)

@@ -285,7 +285,8 @@ BAD_INPUT_CASES = [
     ("sbp split uncalled", lambda: gt.zeros(2, placement=p1(), sbp=S), SbpError,
      "split(0), not gt.sbp.split"),
     ("sbp too many", lambda: gt.zeros(2, placement=p1(), sbp=(B, B)), SbpError,
-     "expected 1 sbp values, one per placement axis, found 2"),
+     "expected 1 sbp value, one per placement axis, found 2: (B, B); pass a "
+     "tuple like (gt.sbp.broadcast,)"),
     ("split dim out of range", lambda: gt.zeros(2, placement=p1(), sbp=S(1)), SbpError,
      "split(1) needs a tensor dim in [-1, 1)"),
     ("split of a 0-dim tensor", lambda: gt.tensor(3.0, placement=p1(), sbp=S(0)), SbpError,
@@ -353,7 +354,7 @@ BAD_INPUT_CASES = [
     ("redistribute split dim beyond", lambda: _g().to_global(sbp=S(3)), SbpError,
      "split(3) needs a tensor dim"),
     ("redistribute sbp too many", lambda: _g().to_global(sbp=(B, B)), SbpError,
-     "expected 1 sbp values"),
+     "expected 1 sbp value,"),
     ("redistribute 1-D to 2-D without sbp", lambda: _g().to_global(
         placement=gt.placement("cpu", [[0]])), GlobalTensorError, "needs an sbp for each of its 2"),
     ("redistribute to another device type", lambda: _g().to_global(

@@ -7,7 +7,9 @@ import warnings
 
 import torch
 
+from .. import world
 from .._cache import Bounded
+from ..debug import user_frame
 from ..errors import GlobalTensorError
 from ..ops import DECOMPOSE, MOVES, MUTATES, REWRITES, B, Choice, arg_value, choose, rule_for
 from ..sbp import PartialSum
@@ -203,6 +205,19 @@ def _via_functional(func, name):
     return ViaFunctional(functional, write_into)
 
 
+def _warned_no_rule(func, placement) -> bool:
+    """Warn by the placement's first rank, at the user's line; True where this rank warned."""
+    first = min(placement.flat_ranks)
+    if world.get_rank() != first:
+        return False
+    where = user_frame(2) or ("<globaltensor>", 0)
+    warnings.warn_explicit(
+        f"globaltensor: no SBP rule for {func}; running it on broadcast inputs (correct, but "
+        f"every rank gathers the whole inputs; shown once, by rank {first}). See docs/ops.md "
+        f"to add a rule.", UserWarning, where[0], where[1])
+    return True
+
+
 def _broadcast_choice(func, name, layouts, has_rule):
     if torch.Tag.nondeterministic_seeded in func.tags:
         raise GlobalTensorError(
@@ -210,12 +225,8 @@ def _broadcast_choice(func, name, layouts, has_rule):
             f"broadcast replicas different values. Use gt.rand/gt.randn or ops with rules "
             f"(dropout, rand_like, bernoulli_, uniform_, normal_)")
     FALLBACKS[name] += 1
-    if not has_rule and name not in _WARNED:
+    if not has_rule and name not in _WARNED and _warned_no_rule(func, layouts[0].placement):
         _WARNED.put(name, True)
-        warnings.warn(
-            f"globaltensor: no SBP rule for {func}; running it on broadcast inputs "
-            f"(correct, but every rank gathers the whole inputs). See docs/ops.md to add a rule.",
-            stacklevel=4)
     full = (B,) * layouts[0].placement.ndim
     targets = tuple(l if l.sbp == full else l.with_sbp(full) for l in layouts)
     return Choice(targets, (full,), None, 0.0)

@@ -21,6 +21,7 @@ from ..placement import Placement
 from ..sbp import SBP_TYPES, Broadcast, PartialSum, format_sbp, normalize
 from ..convert import check_placement
 from ..tensor import GlobalTensor, redistribute
+from . import pretrained
 
 __all__ = ["to_global", "to_local"]
 
@@ -128,6 +129,9 @@ def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -
     module.__class__ = _entry_points_in_global_mode(_plain_class(type(module)))
 
 
+# public methods that need full values rather than global mode: name -> wrapper of the method
+_SPECIAL = {"save_pretrained": pretrained.save_pretrained}
+
 # a converted module's attribute: the placement its public methods run in global mode on
 _PLACEMENT = "_gt_placement"
 
@@ -152,7 +156,7 @@ def _entry_points_in_global_mode(cls: type) -> type:
             if (name.startswith("_") or name == "forward" or name in namespace
                     or not isinstance(value, types.FunctionType)):
                 continue
-            namespace[name] = _in_global_mode(getattr(cls, name))
+            namespace[name] = _SPECIAL.get(name, _in_global_mode)(getattr(cls, name))
     return type(cls.__name__, (cls,), namespace)
 
 
@@ -176,7 +180,8 @@ def _join(prefix: str, name: str) -> str:
 def _sbp_chooser(sbp_fn, placement: Placement):
     if sbp_fn is None:
         return lambda name, t: (Broadcast(),) * placement.ndim
-    is_value = isinstance(sbp_fn, (list, tuple) + SBP_TYPES) or sbp_fn in (Broadcast, PartialSum)
+    is_value = (isinstance(sbp_fn, (list, tuple, dict) + SBP_TYPES)
+                or sbp_fn in (Broadcast, PartialSum))
     if not is_value and callable(sbp_fn):
         def choose(name, t):
             value = sbp_fn(name, t)
@@ -190,7 +195,7 @@ def _sbp_chooser(sbp_fn, placement: Placement):
 
 def _normalized(value, name, placement):
     try:
-        return normalize(value, placement.ndim)
+        return normalize(value, placement.ndim, placement.axes)
     except GlobalTensorError as e:
         raise GlobalTensorError(f"module.to_global: the sbp for {name}: {e}") from None
 

@@ -7,10 +7,12 @@ from globaltensor.sbp import Broadcast, PartialSum, Split, normalize
 
 
 def test_sbp_str_repr_and_values():
-    assert str(gt.sbp.split(0)) == "S(0)" and repr(gt.sbp.split(1)) == "split(1)"
-    assert str(gt.sbp.broadcast) == "B" and repr(gt.sbp.broadcast) == "broadcast"
-    assert str(gt.sbp.partial_sum) == "P" and repr(gt.sbp.partial_sum) == "partial_sum"
-    ns = {"split": gt.sbp.split, "broadcast": gt.sbp.broadcast, "partial_sum": gt.sbp.partial_sum}
+    # one spelling everywhere: repr, str, plans and errors (SPEC "Vocabulary")
+    assert str(gt.sbp.split(0)) == "S(0)" and repr(gt.sbp.split(1)) == "S(1)"
+    assert str(gt.sbp.broadcast) == "B" and repr(gt.sbp.broadcast) == "B"
+    assert str(gt.sbp.partial_sum) == "P" and repr(gt.sbp.partial_sum) == "P"
+    assert repr((gt.sbp.split(0),)) == "(S(0),)" and repr([gt.sbp.S(1), gt.sbp.B]) == "[S(1), B]"
+    ns = {"S": gt.sbp.S, "B": gt.sbp.B, "P": gt.sbp.P}
     for v in (gt.sbp.split(2), gt.sbp.broadcast, gt.sbp.partial_sum):
         assert eval(repr(v), ns) == v
 

@@ -5,6 +5,7 @@ lines, the failure report's traceback, errors before any rank starts, --help / -
 Torch-free rank scripts (tests/scripts/chatty.py) keep most runs to milliseconds; every run has a
 --timeout and a subprocess timeout."""
 import os
+import re
 import subprocess
 import sys
 import threading
@@ -106,7 +107,7 @@ def test_partial_line_is_shown_within_a_fraction_of_a_second():
 
     def read():
         data = b""
-        while b"tick " not in data or not data.endswith(b"\r"):
+        while not re.fullmatch(rb"\[rank 0\] tick \d+\.\d+", data):  # shown open: no end
             chunk = os.read(proc.stdout.fileno(), 1024)
             if not chunk:
                 return
@@ -120,10 +121,26 @@ def test_partial_line_is_shown_within_a_fraction_of_a_second():
         rest, _ = proc.communicate(timeout=30)
     finally:
         proc.kill()
-    assert seen["text"].startswith("[rank 0] tick ") and seen["text"].endswith("\r")
     written = float(seen["text"].split()[-1])
     assert seen["at"] - written < 1.0  # the rank holds the line for 3 s: shown long before
-    assert rest.decode() == "[rank 0] done\n" and proc.returncode == 0
+    pad = " " * (len(seen["text"]) - len("[rank 0] done"))  # the open line rewritten in place
+    assert rest.decode() == "\r[rank 0] done" + pad + "\n" and proc.returncode == 0
+
+
+def test_progress_bars_update_in_place_once_per_update():
+    done = subprocess.run([sys.executable, "launch.py", "--nproc_per_node", "1", "--timeout", "30",
+                           CHATTY, "bars"], cwd=ROOT, capture_output=True, env=ENV, timeout=60)
+    err, out = done.stderr.decode(), done.stdout.decode()
+    assert done.returncode == 0 and out == "[rank 0] between\n"
+    bar_lines = err.split("\n")[:-2]  # the bar's lines (a print in between ends one), "after"
+    assert err.endswith("[rank 0] after\n")
+    for line in bar_lines:
+        updates = line.split("\r")  # each update rewrites the line: the prefix, once
+        assert all(u.startswith("[rank 0] ") and u.count("[rank") == 1 for u in updates), line
+    assert sum(u.rstrip().endswith("it/s]") and "100%" in u
+               for line in bar_lines for u in line.split("\r")) >= 1
+    assert sum(line.count("\n") for line in bar_lines) == 0 and len(bar_lines) <= 3
+    assert "100%" in bar_lines[-1].split("\r")[-1]  # the finished bar ends the last line
 
 
 def test_failure_report_starts_at_the_last_traceback_without_torch_prefixes(capsys):

@@ -1,5 +1,6 @@
 """In-place ops, copy_, clone/detach/.to(dtype), *_like, foreach ops and torch.optim on global
 tensors; clear errors for mixed placements and local tensors; the broadcast fallback."""
+import sys
 import warnings
 
 import pytest
@@ -293,23 +294,28 @@ def _(x):
     return torch.empty_like(x)
 
 
-def test_op_without_rule_warns_once_naming_the_op():
-    one = gt.placement("cpu", [0])
+def test_op_without_rule_warns_once_naming_the_op_at_the_users_line():
+    two = gt.placement("cpu", [1, 0])
+    line = {}
 
     def body(rank):
-        x = on(one, (B,), torch.arange(4.0), rank)
-        with warnings.catch_warnings(record=True) as caught:
-            warnings.simplefilter("always")
-            first = _twice(x)
-            _twice(x * 2)
-        return [str(w.message) for w in caught], first.full_tensor()
+        x = on(two, (B,), torch.arange(4.0), rank)
+        line["call"] = sys._getframe().f_lineno + 1
+        first = _twice(x)
+        _twice(x * 2)
+        return first.full_tensor()
 
     _cache.clear_all()
-    caught, value = run_ranks(body, 1, timeout=30)[0]
-    msgs = [m for m in caught if "twice" in m]
-    assert len(msgs) == 1 and "no SBP rule for gt_tests.twice.default" in msgs[0]
-    assert "broadcast" in msgs[0]
-    torch.testing.assert_close(value, torch.arange(4.0) * 2)
+    with warnings.catch_warnings(record=True) as caught:  # the ranks' threads warn here
+        warnings.simplefilter("always")
+        values = run_ranks(body, 2, timeout=30)
+    twice = [w for w in caught if "twice" in str(w.message)]
+    assert len(twice) == 1  # once, by the placement's first rank (0), not once per rank
+    msg = str(twice[0].message)
+    assert "no SBP rule for gt_tests.twice.default" in msg and "by rank 0" in msg
+    assert (twice[0].filename, twice[0].lineno) == (__file__, line["call"])
+    for value in values:
+        torch.testing.assert_close(value, torch.arange(4.0) * 2)
 
 
 def test_no_communication_for_matching_layouts():

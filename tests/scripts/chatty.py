@@ -2,7 +2,8 @@
 
 ``progress``: writes ``tick <time>\\r`` with no newline, then waits 3 s before ending the line.
 ``traceback``: 30 lines of noise on stderr, then a traceback with torch's ``[rank0]:`` prefix
-on every line, then exit 1. ``abort``: os.abort() (SIGABRT, as gloo on a mismatch).
+on every line, then exit 1. ``abort``: os.abort() (SIGABRT, as gloo on a mismatch). ``bars``: a tqdm
+bar of 4 steps on stderr, a print on stdout in the middle.
 """
 import os
 import sys
@@ -24,5 +25,13 @@ elif action == "traceback":
 elif action == "abort":
     print(f"rank {rank} aborting", file=sys.stderr, flush=True)
     os.abort()
+elif action == "bars":  # a tqdm bar on stderr, with a print on stdout in the middle
+    from tqdm import tqdm
+
+    for i in tqdm(range(4), mininterval=0, ncols=60, ascii=True):
+        time.sleep(0.3)
+        if i == 1:
+            print("between", flush=True)
+    print("after", file=sys.stderr)
 else:
     print(f"rank {rank} of {os.environ['WORLD_SIZE']} says {action}")
