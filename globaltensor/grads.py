@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from . import debug as _debug
 from . import trace, world
+from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .plan import plan
 from .runtime.groups import group_across, groups_across
@@ -191,3 +192,11 @@ def _finish(task: int, pending: _Reductions) -> None:
     and install the gradients."""
     _PENDING.pop(task, None)
     pending.finish()
+
+
+def _frames_torch_calls_into():
+    """The hooks autograd's engine calls (docs/compile.md: never compiled as frames)."""
+    return grad_to_own_layout, _finish
+
+
+never_compiled(*_frames_torch_calls_into())

@@ -36,9 +36,11 @@ from . import env
 from .convert import check_placement, device_for
 from .errors import GlobalTensorError
 from .layout import Layout
-from .sbp import Broadcast, normalize
+from .placement import Placement
+from .sbp import Broadcast, PartialSum, Split, normalize
 from .dispatch.adopt import active, agree_on_value, modes
 from .packed import HANDLERS
+from .runtime.emit import is_traced
 from .tensor import GlobalTensor
 
 @contextlib.contextmanager
@@ -110,10 +112,13 @@ class GlobalMode(TorchFunctionMode):
                 # a torch function built its result from no input (matrix_power(x, 0): an eye)
                 return self._wrap(result, sync=False, placement=_placement_of(args, kwargs))
             return result
-        if _any_global(args, kwargs) or _called_by_us():
+        if _any_global(args, kwargs) or (not torch.compiler.is_compiling() and _called_by_us()):
             # zeros_like(global) is dispatch's; our own code makes local tensors on purpose
+            # (under torch.compile only the user's code is traced: dynamo cannot read frames)
             return func(*args, **kwargs)
         full = func(*args, **_local_kwargs(kwargs))
+        if kind == "same" and torch.compiler.is_compiling():
+            return traced_factory_value(full, self.placement, self.sbp)
         if kind == "same":
             return self._wrap(full, sync=False)
         if kind == "first":
@@ -188,6 +193,24 @@ def _placement_of(args, kwargs):
     raise GlobalTensorError("internal: no global tensor among the arguments; please report this")
 
 
+def traced_factory_value(full: torch.Tensor, placement: Placement, sbp) -> GlobalTensor:
+    """A deterministic factory's value ``full`` laid out as (placement, sbp) under
+    torch.compile: one opaque call in dynamo's graph, with plain constants for arguments
+    (dynamo cannot pass placements or sbp values as they are), that AOTAutograd traces."""
+    codes = tuple(v.dim if isinstance(v, Split) else (-2 if isinstance(v, PartialSum) else -1)
+                  for v in sbp)
+    return _factory_value(full, placement.type, placement.shape, placement.flat_ranks, codes)
+
+
+@torch._dynamo.nonstrict_trace
+def _factory_value(full, device_type, shape, flat_ranks, codes) -> GlobalTensor:
+    import numpy as np
+
+    placement = Placement(device_type, np.array(flat_ranks, dtype=np.int64).reshape(shape))
+    sbp = tuple(Split(c) if c >= 0 else (PartialSum() if c == -2 else Broadcast()) for c in codes)
+    return _piece_of(full, Layout(placement, sbp, tuple(full.shape)))
+
+
 def _piece_of(full: torch.Tensor, layout: Layout) -> GlobalTensor:
     coord = layout.placement.coord_of(env.get_rank())
     device = device_for(layout.placement)
@@ -199,7 +222,7 @@ def _piece_of(full: torch.Tensor, layout: Layout) -> GlobalTensor:
         local = full[layout.slices(coord)]
         if layout.partial_axes and not all(coord[a] == 0 for a in layout.partial_axes):
             local = torch.zeros_like(local)
-        if local.data_ptr() == full.data_ptr() and local.shape == full.shape:
+        if local.shape == full.shape and (is_traced(full) or local.data_ptr() == full.data_ptr()):
             local = full
         else:
             local = local.contiguous()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from . import world
+from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
@@ -49,12 +50,21 @@ class GlobalTensor(torch.Tensor):
     # __torch_dispatch__ is dispatch.dispatch itself, bound as a classmethod at the end of this
     # module (no Python frame between torch and dispatch on every operator call)
 
+    # --- torch.compile (docs/compile.md): the piece is the inner tensor, the layout the
+    # context (dynamo guards on it, so another layout recompiles) ---
     def __tensor_flatten__(self):
         return ["_local"], self._layout
 
     @staticmethod
     def __tensor_unflatten__(inner, layout, outer_size, outer_stride):
         return GlobalTensor(inner["_local"], layout, False)
+
+    def __coerce_same_metadata_as_tangent__(self, layout, expected_type=None):
+        """A gradient that reaches a compiled backward laid out otherwise than the graph traced
+        (e.g. P where the trace guessed the forward output's S): redistributed to that layout."""
+        if expected_type is not None:
+            return None
+        return redistribute(self, layout)
 
     # --- what it is ---
     @property
@@ -267,6 +277,15 @@ class _ToLocal(torch.autograd.Function):
 from .dispatch import dispatch as _dispatch  # noqa: E402
 
 GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
+
+
+def _frames_torch_calls_into():
+    return (_dispatch, GlobalTensor.__tensor_flatten__, GlobalTensor.__tensor_unflatten__,
+            GlobalTensor.__coerce_same_metadata_as_tangent__,
+            *(f for cls in (_Redistribute, _FromLocal, _ToLocal) for f in (cls.forward, cls.backward)))
+
+
+never_compiled(*_frames_torch_calls_into())
 
 
 def _register_foreach_support() -> None:

@@ -22,20 +22,25 @@ from .args import local_tensor_error
 from .decide import op_name
 from .decisions import my_coord
 
-_state = threading.local()
+class _ModeStack(threading.local):
+    """Each thread's stack of global modes, there from the thread's first look (so code that
+    torch.compile traces sees the same attribute on every call: no recompile after the first)."""
+
+    def __init__(self):
+        self.stack = []
+
+
+_state = _ModeStack()
 
 
 def modes() -> list:
     """This thread's stack of global modes (innermost last)."""
-    stack = getattr(_state, "stack", None)
-    if stack is None:
-        stack = _state.stack = []
-    return stack
+    return _state.stack
 
 
 def active():
     """The innermost global mode of this thread, or None."""
-    stack = getattr(_state, "stack", None)
+    stack = _state.stack
     return stack[-1] if stack else None
 
 

@@ -24,10 +24,10 @@ from ..layout import box_shape, relative
 from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
                      ReduceScatter, ZeroFill)
 from ..sbp import Broadcast
-from .groups import all_gather_flat as _all_gather_flat
 from .groups import group_along, group_of_ranks, groups_along
-from .groups import reduce_scatter_flat as _reduce_scatter_flat
+from .emit import EAGER, emitter_for
 from .guard import step_guard
+from .exchange import exchange_traced
 from .pairwise import (all_reduce_pairwise, gather_pairwise, member_coords, offsets, prod,
                        reduce_scatter_pairwise, send_recv, sizes_along)
 
@@ -44,10 +44,14 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
             local = local.narrow(dim, start, length)
         # a contiguous view clones contiguous by default (and the keyword costs ~10 us cold)
         return local.clone() if local.is_contiguous() else local.clone(memory_format=torch.contiguous_format)
+    emit = emitter_for(local)  # under torch.compile: functional collectives (emit.py)
     out = local
     for index, step in enumerate(plan.steps):
         with step_guard(plan, index):  # a timeout names the step and its ranks
-            out = _run_step(step, out, rank)
+            out = _run_step(step, out, rank, emit)
+    if emit.traced:  # no storage to compare: a fresh tensor unless a collective made it
+        fresh = any(not isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
+        return out.contiguous() if fresh else out.clone(memory_format=torch.contiguous_format)
     if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         return out.clone(memory_format=torch.contiguous_format)
     return out.contiguous()
@@ -75,13 +79,13 @@ def _cuts(plan: Plan, rank: int):
     return tuple(cuts)
 
 
-def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
+def _run_step(step, local: torch.Tensor, rank: int, emit=EAGER) -> torch.Tensor:
     after = step.after
     if isinstance(step, Exchange):
-        return _exchange(step, local, rank)
+        return exchange_traced(step, local, rank) if emit.traced else _exchange(step, local, rank)
     # every rank of the world creates the axis's groups together, members or not
     n = after.placement.shape[step.axis]
-    pairwise = _pairwise(step)
+    pairwise = not emit.traced and _pairwise(step)
     if n > 1 and not pairwise and not isinstance(step, (LocalSlice, ZeroFill)):
         groups_along(after.placement, step.axis)
     coord = after.placement.coord_of(rank)
@@ -105,15 +109,13 @@ def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
     group, ranks = group_along(after.placement, step.axis, coord)
     match step:
         case AllGather():
-            return _all_gather(step, local, coord, group, ranks)
+            return _all_gather(step, local, coord, group, ranks, emit)
         case ReduceScatter():
-            return _reduce_scatter(step, local, coord, group, ranks)
+            return _reduce_scatter(step, local, coord, group, ranks, emit)
         case AllReduce():
-            out = local.clone(memory_format=torch.contiguous_format)
-            dist.all_reduce(out, group=group)
-            return out
+            return emit.all_reduce(local, group)
         case AllToAll():
-            return _all_to_all(step, local, coord, group, ranks)
+            return _all_to_all(step, local, coord, group, ranks, emit)
     raise TypeError(f"the executor does not know the step {step!r}")
 
 
@@ -159,7 +161,7 @@ def _group_order(ranks) -> list[int]:
     return sorted(range(len(ranks)), key=lambda k: ranks[k])
 
 
-def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
+def _all_gather(step: AllGather, local, coord, group, ranks, emit) -> torch.Tensor:
     """Pieces (padded along dim to the largest) gather into one buffer, one block per member;
     along dim 0, in axis order and even, that buffer is the result (no copy)."""
     d = step.dim
@@ -172,9 +174,7 @@ def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
     else:
         send = local.new_zeros(padded)
         send.narrow(d, 0, local.shape[d]).copy_(local)
-    buf = send.new_empty([n * padded[0]] + padded[1:])
-    if buf.numel():
-        _all_gather_flat(buf, send, group=group)
+    buf = emit.all_gather(send, n, group)
     if d == 0 and order == sorted(order) and min(sizes[:-1], default=big) == big:
         return buf[: sum(sizes)]  # even, or only the last piece short: its padding is the tail
     blocks = buf.view([n] + padded)
@@ -182,7 +182,7 @@ def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
     return torch.cat([blocks[at[k]].narrow(d, 0, s) for k, s in enumerate(sizes)], dim=d)
 
 
-def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Tensor:
+def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks, emit) -> torch.Tensor:
     """Chunks along dim (padded to the largest) are packed in the group's rank order; along
     dim 0, in axis order and even, the piece itself is that buffer (no copy)."""
     d, axis = step.dim, step.axis
@@ -198,13 +198,11 @@ def _reduce_scatter(step: ReduceScatter, local, coord, group, ranks) -> torch.Te
         blocks, starts = send.view([n] + chunk), offsets(sizes)
         for g, k in enumerate(order):
             blocks[g].narrow(d, 0, sizes[k]).copy_(local.narrow(d, starts[k], sizes[k]))
-    out = send.new_empty(chunk)
-    if out.numel():
-        _reduce_scatter_flat(out, send, group=group)
+    out = emit.reduce_scatter(send, n, group)
     return out if even else out.narrow(d, 0, mine).contiguous()
 
 
-def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
+def _all_to_all(step: AllToAll, local, coord, group, ranks, emit) -> torch.Tensor:
     """Member k sends member m its slice of dst_dim; received pieces concatenate along src_dim.
 
     Each slice travels as one flat run (exact sizes, no padding), packed in the group's rank
@@ -220,9 +218,8 @@ def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
         send = local.new_empty(sum(m.send_splits))
         for run, k in zip(send.split(m.send_splits), m.order):
             run.view(m.chunk_shapes[k]).copy_(local.narrow(j, m.starts[k], m.lengths[k]))
-    recv = send.new_empty(sum(m.recv_splits))
-    if step.before.numel():  # decided by the plan, so every member agrees
-        dist.all_to_all_single(recv, send, m.recv_splits, m.send_splits, group=group)
+    # communicate or not is decided by the plan, so every member agrees
+    recv = emit.all_to_all(send, m.recv_splits, m.send_splits, group, step.before.numel() > 0)
     if i == 0 and m.in_order:
         return recv.view(m.mine)
     if m.in_order and m.even_i:

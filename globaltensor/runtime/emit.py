@@ -1,0 +1,122 @@
+"""The executor's two emitters: how one collective of a plan's step is issued.
+
+``EAGER`` calls torch.distributed's in-place collectives on real pieces (the executor's own
+point-to-point paths for CPU gathers and reductions stay in execute.py / pairwise.py).
+``TRACED`` runs under ``torch.compile`` (the pieces are fake or functional tensors): it emits
+the functional collectives of ``torch.ops._c10d_functional`` (what
+``torch.distributed._functional_collectives`` lowers to; gloo and NCCL run them), each followed
+by its ``wait_tensor``, so the traced graph holds the collectives as values. The executor picks
+an emitter once per plan with :func:`emitter_for`; every step is worked out the same way for
+both (shapes, padding, orders, trims), only the call differs.
+"""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .groups import all_gather_flat, reduce_scatter_flat
+
+_C10D = None
+
+
+def _ops():
+    global _C10D
+    if _C10D is None:
+        import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
+        _C10D = torch.ops._c10d_functional
+    return _C10D
+
+
+def is_traced(piece: torch.Tensor) -> bool:
+    """Whether ``piece`` is being traced (a fake tensor, or a functional one over a fake one:
+    dynamo's and AOTAutograd's tracing), not a tensor with data."""
+    if type(piece) is torch.Tensor and not torch._is_functional_tensor(piece):
+        return False  # the eager case, decided without importing anything
+    from torch._subclasses.fake_tensor import is_fake
+    return is_fake(piece)
+
+
+class Eager:
+    """Real collectives, in place into buffers made here."""
+
+    traced = False
+
+    @staticmethod
+    def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:
+        """The members' ``send`` buffers stacked along dim 0, in the group's rank order."""
+        buf = send.new_empty([n * send.shape[0]] + list(send.shape[1:]))
+        if buf.numel():
+            all_gather_flat(buf, send, group=group)
+        return buf
+
+    @staticmethod
+    def reduce_scatter(send: torch.Tensor, n: int, group) -> torch.Tensor:
+        """The sum over members of block ``g`` of ``send`` (dim 0 cut in ``n``) on group rank g."""
+        out = send.new_empty([send.shape[0] // n] + list(send.shape[1:]))
+        if out.numel():
+            reduce_scatter_flat(out, send, group=group)
+        return out
+
+    @staticmethod
+    def all_reduce(local: torch.Tensor, group) -> torch.Tensor:
+        out = local.clone(memory_format=torch.contiguous_format)
+        dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def all_to_all(send, recv_splits, send_splits, group, communicate: bool) -> torch.Tensor:
+        recv = send.new_empty(sum(recv_splits))
+        if communicate:
+            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        return recv
+
+
+class Traced:
+    """Functional collectives: each returns a new tensor, recorded in the graph being traced."""
+
+    traced = True
+
+    @staticmethod
+    def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:
+        if send.numel() == 0:
+            return send.new_empty([n * send.shape[0]] + list(send.shape[1:]))
+        c10d = _ops()
+        out = c10d.all_gather_into_tensor(send.contiguous(), n, group_name(group))
+        return c10d.wait_tensor(out)
+
+    @staticmethod
+    def reduce_scatter(send: torch.Tensor, n: int, group) -> torch.Tensor:
+        if send.numel() == 0:
+            return send.new_empty([send.shape[0] // n] + list(send.shape[1:]))
+        c10d = _ops()
+        out = c10d.reduce_scatter_tensor(send.contiguous(), "sum", n, group_name(group))
+        return c10d.wait_tensor(out)
+
+    @staticmethod
+    def all_reduce(local: torch.Tensor, group) -> torch.Tensor:
+        c10d = _ops()
+        out = c10d.all_reduce(local.contiguous(), "sum", group_name(group))
+        return c10d.wait_tensor(out)
+
+    @staticmethod
+    def all_to_all(send, recv_splits, send_splits, group, communicate: bool) -> torch.Tensor:
+        if not communicate:
+            return send.new_empty(sum(recv_splits))
+        c10d = _ops()
+        out = c10d.all_to_all_single(send.contiguous(), list(recv_splits), list(send_splits),
+                                     group_name(group))
+        return c10d.wait_tensor(out)
+
+
+def group_name(group) -> str:
+    """The registered name of a process group (the world's for ``None``), which the functional
+    collectives take: a string in the graph, resolved again when the graph runs."""
+    return (group if group is not None else dist.group.WORLD).group_name
+
+
+EAGER, TRACED = Eager(), Traced()
+
+
+def emitter_for(piece: torch.Tensor):
+    """The emitter for a plan run on ``piece``: TRACED while tracing, else EAGER."""
+    return TRACED if is_traced(piece) else EAGER

@@ -1,0 +1,378 @@
+"""torch.compile on global tensors (issue 32, docs/compile.md): real processes, since the
+functional collectives a compiled graph holds find their process group by its name in the
+process-wide registry (thread-ranks share one process, so their group names collide).
+
+Default run: the traced executor (every kind of step, even and uneven pieces, a change of
+placement) gives the eager executor's bits, and a data-parallel MLP with an uneven batch trains
+compiled (aot_eager) exactly as eager global and one process, with no recompile and no Python
+dispatch in a steady step. Slow: tensor parallel, ZeRO, 2x2, inductor, HF GPT-2 and Llama.
+"""
+import copy
+import sys
+
+import pytest
+import torch
+
+import globaltensor as gt
+
+S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+STEPS = 3
+
+
+# --------------------------------------------------------------------------- the executor
+
+
+def _grid(world):
+    return gt.placement("cpu", [0, 1]) if world == 2 else gt.placement("cpu", [[0, 1], [2, 3]])
+
+
+def _cases(world):
+    """(name, shape, src placement, src sbp, dst placement, dst sbp): every kind of step."""
+    p = _grid(world)
+    if world == 2:
+        other = gt.placement("cpu", [1, 0])
+        return [
+            ("S0->B even", (4, 6), p, S(0), p, B), ("S0->B uneven", (5, 3), p, S(0), p, B),
+            ("S1->B uneven", (2, 5), p, S(1), p, B), ("P->B", (3, 4), p, P, p, B),
+            ("P->S0 uneven", (5, 2), p, P, p, S(0)), ("P->S1 uneven", (2, 7), p, P, p, S(1)),
+            ("S0->S1 uneven", (5, 7), p, S(0), p, S(1)), ("B->S1", (3, 5), p, B, p, S(1)),
+            ("S0->S0 other placement", (5, 3), p, S(0), other, S(0)),
+            ("S1 -> one rank", (3, 5), p, S(1), gt.placement("cpu", [1]), B),
+        ]
+    return [
+        ("(S0,S1)->(B,B)", (5, 7), p, (S(0), S(1)), p, (B, B)),
+        ("(P,S0)->(S1,B)", (4, 6), p, (P, S(0)), p, (S(1), B)),
+        ("(P,P)->(B,S0)", (3, 5), p, (P, P), p, (B, S(0))),
+        ("(S0,S0)->(S1,B)", (5, 3), p, (S(0), S(0)), p, (S(1), B)),
+        ("(S0,B)->row 1", (4, 3), p, (S(0), B), gt.placement("cpu", [2, 3]), S(1)),
+    ]
+
+
+def _check_executor(local_rank):
+    """Each case: the graph make_fx traces on fake pieces, run on the real piece, equals the
+    eager executor's result, and holds a functional collective where the plan communicates."""
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    from globaltensor.runtime.execute import run
+
+    gt.init()
+    rank, world = gt.env.get_rank(), gt.env.get_world_size()
+    out = []
+    for name, shape, src_p, src_sbp, dst_p, dst_sbp in _cases(world):
+        full = torch.arange(float(torch.Size(shape).numel())).reshape(shape)
+        every = (B,) * src_p.ndim
+        x = full.to_global(placement=src_p, sbp=every).to_global(sbp=src_sbp)
+        explained = gt.explain(x, placement=dst_p, sbp=dst_sbp)
+        piece = x.to_local()
+        eager = run(explained.plan, piece, rank)
+        graph = make_fx(lambda t: run(explained.plan, t, rank), tracing_mode="fake")(piece)
+        traced = graph(piece)
+        collectives = sorted({str(n.target).split(".")[1] for n in graph.graph.nodes
+                              if "_c10d_functional" in str(n.target)})
+        kinds = sorted({type(s).__name__ for s in explained.steps})
+        out.append((name, kinds, collectives, torch.equal(traced, eager), tuple(eager.shape)))
+    return out
+
+
+@pytest.mark.parametrize("world", [2, pytest.param(4, marks=pytest.mark.slow)])
+def test_traced_executor_gives_the_eager_bits_for_every_kind_of_step(world):
+    results = gt.spawn(_check_executor, nproc_per_node=world, timeout=240)
+    kinds = set()
+    for rank, rows in enumerate(results):
+        for name, step_kinds, collectives, equal, shape in rows:
+            assert equal, f"rank {rank}, {name}: traced != eager (shape {shape})"
+            kinds.update(step_kinds)
+            if set(step_kinds) - {"LocalSlice", "ZeroFill"}:
+                assert collectives, f"{name}: {step_kinds} traced without a collective"
+    kinds = {k.removesuffix("V") for k in kinds}  # AllGatherV: the gather of uneven pieces
+    if world == 2:
+        assert {"AllGather", "AllReduce", "ReduceScatter", "AllToAll", "Exchange"} <= kinds, kinds
+    else:
+        assert {"AllGather", "ReduceScatter", "Exchange"} <= kinds, kinds
+
+
+# --------------------------------------------------------------------------- an MLP trained
+
+
+def _mlp():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+
+def _batches(rows):
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(rows, 8, generator=g), torch.randn(rows, 4, generator=g))
+            for _ in range(STEPS)]
+
+
+_TP = {"0.weight": S(0), "0.bias": S(0), "2.weight": S(1)}  # Megatron: column, then row
+
+
+def _layout(name, world):
+    """(placement, sbp_fn for the parameters, sbp of the batch)."""
+    p = _grid(world)
+    if name == "dp":
+        return p, B, S(0)
+    if name == "tp":
+        return p, lambda n, t: _TP.get(n, B), B
+    if name == "zero":
+        return p, S(0), S(0)
+    return p, lambda n, t: (B, _TP.get(n, B)), (S(0), B)  # 2x2: data x tensor parallel
+
+
+def _loss(model, x, y):
+    return ((model(x) - y) ** 2).mean()
+
+
+def _step(model, opt, x, y):
+    """One training step, the loss inside: compiled whole (the backward and the optimizer
+    step run eagerly after the graph break at backward)."""
+    opt.zero_grad()
+    loss = _loss(model, x, y)
+    loss.backward()
+    opt.step()
+    return loss.detach()
+
+
+def _sgd(model):
+    return torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+
+
+def _train(model, opt, batches, step, place):
+    losses = []
+    for x, y in batches:
+        losses.append(step(model, opt, *place(x, y)))
+    return losses
+
+
+def _full(t):
+    return t.full_tensor() if isinstance(t, gt.GlobalTensor) else t
+
+
+def _dispatches_in(fn, *args):
+    """How many times globaltensor's __torch_dispatch__ runs during ``fn(*args)``."""
+    from globaltensor.dispatch import dispatch
+
+    count = [0]
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is dispatch.__code__:
+            count[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+def _collectives(backend):
+    """A backend recording the functional collectives of the graphs it compiles."""
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._dynamo.backends.registry import lookup_backend
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    seen = []
+
+    def record(gm, example_inputs):
+        seen.extend(str(n.target) for n in gm.graph.nodes if "_c10d_functional" in str(n.target))
+        return gm
+
+    if backend == "aot_eager":
+        inner = aot_autograd(fw_compiler=record, bw_compiler=record)
+    else:
+        inductor = lookup_backend("inductor")
+
+        def inner(gm, example_inputs):  # inductor compiles dynamo's graph; read it first
+            return inductor(gm, example_inputs)
+    return CompileCounterWithBackend(inner), seen
+
+
+def _check_training(local_rank, name, backend, rows):
+    gt.init()
+    world = gt.env.get_world_size()
+    placement, param_sbp, batch_sbp = _layout(name, world)
+    batches = _batches(rows)
+    every = (B,) * placement.ndim
+
+    def place(x, y):
+        return (x.to_global(placement=placement, sbp=every).to_global(sbp=batch_sbp),
+                y.to_global(placement=placement, sbp=every).to_global(sbp=batch_sbp))
+
+    eager_model = _mlp().to_global(placement, param_sbp)
+    eager = [_full(v).item() for v in _train(eager_model, _sgd(eager_model), batches, _step, place)]
+    counter, seen = _collectives(backend)
+    model = _mlp().to_global(placement, param_sbp)
+    opt = _sgd(model)
+    compiled_step = torch.compile(_step, backend=counter)
+    # step 1 compiles (several graphs: the step breaks at backward), step 2 once more: the
+    # optimizer's state went from empty to filled (torch's guard, plain tensors alike); then
+    # steady: no graph after step 2
+    losses = [_full(v).item() for v in _train(model, opt, batches[:2], compiled_step, place)]
+    second = counter.frame_count
+    losses += [_full(v).item() for v in _train(model, opt, batches[2:], compiled_step, place)]
+    frames = (second, counter.frame_count)
+    compiled_loss = torch.compile(_loss, backend=backend, fullgraph=True)
+    x, y = place(*batches[0])
+    compiled_loss(model, x, y)
+    steady = _dispatches_in(compiled_loss, model, x, y)
+    out_loss = _full(compiled_loss(model, x, y)).item()
+    out = {"eager": eager, "compiled": losses, "frames": frames, "collectives": sorted(set(seen)),
+           "steady_dispatches": steady, "loss": out_loss,
+           "eager_loss": _full(_loss(model, x, y)).item(),
+           # lists, not tensors: a tensor would travel back through shared memory
+           "params": [_full(p.detach()).tolist() for p in model.parameters()],
+           "grads": [_full(p.grad).tolist() for p in model.parameters()]}
+    out["sum_grads"] = _sum_backward(model, eager_model, x, backend) if name != "dp" else None
+    return out
+
+
+def _sum_backward(model, eager_model, x, backend):
+    """``out.sum().backward()`` on a compiled model's output (the gradient reaches the compiled
+    backward as B where the trace may have guessed another layout: coerced) and on the eager
+    model (trained alike): the largest difference of the parameters' gradients."""
+    for m in (model, eager_model):
+        m.zero_grad(set_to_none=True)
+    torch.compile(model, backend=backend)(x).sum().backward()
+    eager_model(x).sum().backward()
+    return max((_full(a.grad) - _full(b.grad)).abs().max().item()
+               for a, b in zip(model.parameters(), eager_model.parameters()))
+
+
+def _single(rows):
+    model = _mlp()
+    losses = [v.item() for v in _train(model, _sgd(model), _batches(rows), _step,
+                                       lambda x, y: (x, y))]
+    return losses, [p.detach() for p in model.parameters()], [p.grad for p in model.parameters()]
+
+
+def _assert_trained(results, rows, backend):
+    losses, params, grads = _single(rows)
+    for rank, r in enumerate(results):
+        where = f"rank {rank}"
+        assert r["compiled"] == pytest.approx(r["eager"], rel=1e-5), where
+        assert r["compiled"] == pytest.approx(losses, rel=1e-5), where
+        assert r["loss"] == pytest.approx(r["eager_loss"], rel=1e-5), where
+        for got, want in zip(r["grads"], grads):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-5, msg=where)
+        for got, want in zip(r["params"], params):
+            torch.testing.assert_close(torch.tensor(got), want, rtol=1e-4, atol=1e-5, msg=where)
+        if r["sum_grads"] is not None:
+            assert r["sum_grads"] < 1e-5, f"{where}: out.sum().backward() compiled differs"
+        second, last = r["frames"]
+        assert second == last, f"{where}: {second} graphs after step 2, {last} after {STEPS}"
+        assert r["steady_dispatches"] == 0, where
+        if backend == "aot_eager":  # the graph holds the redistributions
+            assert any("wait_tensor" in c for c in r["collectives"]), r["collectives"]
+
+
+def test_data_parallel_mlp_with_an_uneven_batch_trains_compiled_as_eager_and_one_process():
+    rows = 5  # S(0) over 2 ranks: pieces of 3 and 2 rows (padded collectives, then trimmed)
+    results = gt.spawn(_check_training, args=("dp", "aot_eager", rows), nproc_per_node=2,
+                       timeout=300)
+    _assert_trained(results, rows, "aot_eager")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,world", [("tp", 2), ("zero", 2), ("2x2", 4)])
+def test_tensor_parallel_zero_and_2x2_mlps_train_compiled(name, world):
+    results = gt.spawn(_check_training, args=(name, "aot_eager", 6), nproc_per_node=world,
+                       timeout=400)
+    _assert_trained(results, 6, "aot_eager")
+
+
+@pytest.mark.slow
+def test_tensor_parallel_mlp_trains_compiled_with_inductor():
+    results = gt.spawn(_check_training, args=("tp", "inductor", 6), nproc_per_node=2, timeout=600)
+    _assert_trained(results, 6, "inductor")
+
+
+# --------------------------------------------------------------------------- HF models
+
+
+VOCAB = 64
+_COLUMN = ("q_proj", "k_proj", "v_proj", "gate_proj", "up_proj", "embed_tokens", "lm_head")
+_ROW = ("o_proj", "down_proj")
+
+
+def _megatron(name, t):
+    """Axis 0 data parallel, axis 1 Megatron tensor parallel (as tests/ranks/test_real_models)."""
+    if t.dim() == 2 and any(c in name for c in _COLUMN):
+        return (B, S(0))
+    if t.dim() == 2 and any(c in name for c in _ROW):
+        return (B, S(1))
+    return (B, B)
+
+
+def _hf_model(which, attn):
+    import transformers
+
+    torch.manual_seed(0)
+    if which == "gpt2":
+        config = transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=32, n_layer=2, n_head=4, n_positions=64,
+            attn_implementation=attn, resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
+        model = transformers.GPT2LMHeadModel(config)
+    else:
+        config = transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+            attn_implementation=attn)
+        model = transformers.LlamaForCausalLM(config)
+    model.loss_type = "ForCausalLM"  # else HF logs a warning inside forward: a graph break
+    return model.double()
+
+
+def _hf_train(model, ids, step):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(STEPS):
+        opt.zero_grad()
+        loss = step(model, ids)
+        loss.backward()
+        opt.step()
+        losses.append(_full(loss.detach()).item())
+    return losses
+
+
+def _hf_loss(model, ids):
+    return model(ids, labels=ids).loss
+
+
+def _check_hf(local_rank, which, attn):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gt.init()
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    model = _hf_model(which, attn)
+    if gt.env.get_world_size() == 2:
+        placement = _grid(2)
+        model.to_global(placement, B)
+        gids = gt.tensor(ids, placement=placement, sbp=S(0))
+    else:
+        placement = _grid(4)
+        model.to_global(placement, _megatron)
+        gids = gt.tensor(ids, placement=placement, sbp=(S(0), B))
+    counter = CompileCounterWithBackend("aot_eager")
+    step = torch.compile(_hf_loss, backend=counter, fullgraph=True)  # no graph break
+    losses = _hf_train(model, gids, step)
+    return {"losses": losses, "frames": counter.frame_count,
+            "params": {n: _full(p.detach()).tolist() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("which,attn,world", [("gpt2", "eager", 2), ("llama", "sdpa", 4),
+                                              ("llama", "eager", 4)])
+def test_hf_models_train_compiled_data_parallel_and_on_a_2x2_grid(which, attn, world):
+    pytest.importorskip("transformers")
+    reference = _hf_model(which, attn)
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    losses = _hf_train(reference, ids, _hf_loss)
+    results = gt.spawn(_check_hf, args=(which, attn), nproc_per_node=world, timeout=600)
+    for rank, r in enumerate(results):
+        assert r["losses"] == pytest.approx(losses, rel=1e-6), f"rank {rank}"
+        assert r["frames"] == 1, f"rank {rank}: recompiled ({r['frames']} graphs)"
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(torch.tensor(r["params"][n], dtype=torch.float64),
+                                       p.detach(), rtol=1e-5, atol=2e-5, msg=n)
