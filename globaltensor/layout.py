@@ -79,7 +79,7 @@ class Layout:
         return bool(self.partial_axes)
 
     def with_sbp(self, sbp) -> "Layout":
-        return Layout(self.placement, normalize(sbp, self.placement.ndim), self.shape)
+        return Layout(self.placement, sbp, self.shape)
 
     def with_axis(self, axis: int, value: SbpValue) -> "Layout":
         """This layout with ``value`` on placement ``axis`` (a resolved sbp value: no checks,
@@ -92,7 +92,7 @@ class Layout:
         return _max_local(self)
 
     def with_placement(self, placement: Placement, sbp) -> "Layout":
-        return Layout(placement, normalize(sbp, placement.ndim), self.shape)
+        return Layout(placement, sbp, self.shape)
 
     def box(self, coord) -> tuple[tuple[int, int], ...]:
         """The [start, stop) range of every tensor dim held at grid ``coord``."""

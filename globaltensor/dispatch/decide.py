@@ -85,10 +85,10 @@ def decide(func, args, kwargs, tensors, key, context=None):
 
 
 def _leaves_partial(choice, layouts) -> bool:
-    mesh = layouts[0].placement.shape
-    return any(isinstance(v, PartialSum) and mesh[a] > 1
+    grid = layouts[0].placement.shape
+    return any(isinstance(v, PartialSum) and grid[a] > 1
                for out in choice.outs for a, v in enumerate(out)) and any(
-        isinstance(v, PartialSum) and mesh[a] > 1
+        isinstance(v, PartialSum) and grid[a] > 1
         for layout in layouts for a, v in enumerate(layout.sbp))
 
 

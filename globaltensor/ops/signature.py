@@ -70,7 +70,7 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """Rows plus an optional check of a whole n-D candidate: ``check(call, mesh, ins, outs)``
+    """Rows plus an optional check of a whole n-D candidate: ``check(call, grid, ins, outs)``
     where ``ins``/``outs`` hold one sbp tuple (one entry per axis) per input/output.
 
     ``frames``: per input, the shape it broadcasts against (torch's rule: dims aligned from the
