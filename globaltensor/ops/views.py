@@ -16,6 +16,8 @@ from ..errors import GlobalTensorError
 from ..sbp import Split
 from .signature import B, P, S, Call, Row, Rule, dim_of, dims_of, keep_whole, register, repeat, sig
 
+aten = torch.ops.aten
+
 
 def view_groups(src, dst) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """Pair runs of ``src`` dims with runs of ``dst`` dims of equal product, in order.
@@ -347,6 +349,58 @@ def constant_pad(call: Call):
     return rows
 
 
+# ----------------------------------------------------------------------------- write-backs
+# A view op that moved its input made copies: a write into its output reaches the base through
+# its scatter (dispatch/aliasing.py runs it). write_back(get(argument name, default), output
+# index) -> scatter(base, view) -> the new base.
+
+def _scatter_select(get, k):
+    dim, index = get("dim"), get("index")
+    return lambda base, view: aten.select_scatter.default(base, view, dim, index)
+
+
+def _scatter_slice(get, k):
+    dim, start, end, step = get("dim", 0), get("start"), get("end"), get("step", 1)
+    return lambda base, view: aten.slice_scatter.default(base, view, dim, start, end, step)
+
+
+def _scatter_diagonal(get, k):
+    offset, dim1, dim2 = get("offset", 0), get("dim1", 0), get("dim2", 1)
+    return lambda base, view: aten.diagonal_scatter.default(base, view, offset, dim1, dim2)
+
+
+def _reshape_back(get, k):
+    return lambda base, view: aten.reshape.default(view, list(base.shape))
+
+
+def _permute_back(get, k):
+    dims = get("dims")
+    dims = [d % len(dims) for d in dims]
+    inverse = sorted(range(len(dims)), key=lambda i: dims[i])
+    return lambda base, view: aten.permute.default(view, inverse)
+
+
+def _transpose_back(get, k):
+    d0, d1 = get("dim0", 0), get("dim1", 1)  # t() is transpose(0, 1), or nothing below 2-D
+    return lambda base, view: view if view.dim() < 2 else aten.transpose.int(view, d0, d1)
+
+
+def _scatter_unbind(get, k):
+    dim = get("dim", 0)
+    return lambda base, view: aten.select_scatter.default(base, view, dim, k)
+
+
+def _scatter_split(get, k):
+    dim, size, sizes = get("dim", 0), get("split_size"), get("split_sizes")
+
+    def scatter(base, view):
+        n = base.shape[dim % base.dim()]
+        parts = sizes if sizes is not None else [min(size, n - s) for s in range(0, n, size)]
+        start = sum(parts[:k])
+        return aten.slice_scatter.default(base, view, dim, start, start + parts[k], 1)
+    return scatter
+
+
 register("view", "_unsafe_view", "reshape", rule=view, rewrite=rewrite_view)
 register("constant_pad_nd", rule=constant_pad)
 register("permute", rule=permute)
@@ -367,3 +421,13 @@ register("select_scatter", rule=select_scatter)
 register("slice_scatter", rule=slice_scatter)
 register("diagonal", rule=diagonal)
 register("diagonal_scatter", rule=diagonal_scatter)
+# a write into the view reaches the base (the write-backs above)
+register("select", write_back=_scatter_select)
+register("slice", write_back=_scatter_slice)
+register("diagonal", write_back=_scatter_diagonal)
+register("view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "alias",
+         "detach", write_back=_reshape_back)
+register("permute", write_back=_permute_back)
+register("transpose", "t", write_back=_transpose_back)
+register("unbind", write_back=_scatter_unbind)
+register("split", "split_with_sizes", write_back=_scatter_split)
