@@ -6,7 +6,7 @@ and its size rewrites, registered with one ``register(...)`` line per op or grou
                    register(); describe(op) prints an entry
     choose.py      candidates over the grid, move + backward cost, Choice
     pointwise.py  creation.py  random_ops.py  reductions.py  matmul.py  views.py
-    indexing.py  nn.py
+    indexing.py  nn.py  norms.py  losses.py
 
 Adding an op family is one new module here: every module of the package is imported below, so
 its ``register(...)`` lines run (see docs/architecture.md). Nothing in ``ops/`` imports ``tensor``
