@@ -283,7 +283,9 @@ _USER_CALLS = {
     ("globaltensor.tensor", "backward"): "backward of to_global",
     ("globaltensor.convert", "to_global"): "to_global",
     ("globaltensor.grads", "*"): "gradient sync",
-    ("globaltensor.checkpoint", "*"): "checkpoint",
+    ("globaltensor.checkpoint.hooks", "*"): "checkpoint",
+    ("globaltensor.checkpoint.save_load", "*"): "checkpoint",
+    ("globaltensor.checkpoint.storage", "*"): "checkpoint",
 }
 
 
