@@ -238,3 +238,14 @@ def test_configuration_is_never_a_module_global_set_with_global():
             if isinstance(node, ast.Global):
                 found.setdefault(name, set()).update(node.names)
     assert found == GLOBALS, "configuration is an argument or a contextvars.ContextVar"
+
+
+def test_short_files_and_functions():
+    # house style 10: no file over 450 lines, no function over 60 (docstring included)
+    for name, path in _MODULES.items():
+        text = path.read_text()
+        assert text.count("\n") <= 450, f"{name} has {text.count(chr(10))} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 60, f"{name}.{node.name} has {length} lines"
