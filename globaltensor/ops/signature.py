@@ -357,7 +357,7 @@ def describe(op, call: Call | None = None) -> str:
         >>> print(describe("select"))  # doctest: +SKIP
         select
           rule: globaltensor.ops.views.select
-          write_back: globaltensor.ops.views.scatter_select
+          write_back: globaltensor.ops.views._scatter_select
     """
     if isinstance(op, Call):
         op, call = op.op, op
