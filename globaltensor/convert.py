@@ -13,7 +13,7 @@ from . import debug as _debug
 from . import env, world
 from ._cache import ById, memo
 from .errors import GlobalTensorError, ShapeMismatchError
-from .layout import Layout
+from .layout import Layout, trusted
 from .placement import Placement
 from .plan import plan as _plan
 from .runtime.agreement import check
@@ -21,8 +21,8 @@ from .runtime.execute import run as _execute
 from .trace import watching
 from .runtime.meta import broadcast_along, exchange_meta
 from .sbp import Broadcast, Split, format_sbp, normalize, resolve
-from .tensor import (GlobalTensor, _FromLocal, _Redistribute, _records_graph, _redistributed,
-                     _rewrapped)
+from .tensor import (GlobalTensor, FromLocal, Redistribute, records_graph, redistributed,
+                     rewrapped)
 
 
 def device_for(placement: Placement) -> torch.device:
@@ -102,7 +102,7 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
             if isinstance(v, Split):
                 shape[v.dim] *= placement.shape[axis]
         shape = tuple(shape)
-    layout = Layout(placement, values, shape)
+    layout = trusted(placement, values, shape)  # the sbp was normalised once, above
     if coord is None:
         piece = torch.empty((0,) * ndim, dtype=dtype, device=device)
     else:
@@ -111,7 +111,7 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
             piece = _sync_broadcast(piece, layout, rank, already_copied=copy)
     if coord is None and sync_data:
         _sync_broadcast(piece, layout, rank, already_copied=True)  # take part in group creation
-    return _FromLocal.apply(piece, layout, grad_sbp)
+    return FromLocal.apply(piece, layout, grad_sbp)
 
 
 def _sync_broadcast(piece, layout: Layout, rank: int, already_copied: bool):
@@ -142,7 +142,7 @@ def _checked_global_shape(metas, placement: Placement, values):
                 f"on rank {first} and {metas[r][1]} on rank {r}; cast the pieces first"
             )
     shape = _global_shape_from_pieces(placement, values, metas, len(metas[first][0]))
-    layout = Layout(placement, values, shape)
+    layout = trusted(placement, values, shape)  # values: normalised and resolved by the caller
     for c in placement.coords():
         r = placement.rank_at(c)
         if metas[r][0] != layout.local_shape(c):
@@ -177,7 +177,7 @@ def target_layout(src: Layout, placement, sbp, what: str) -> Layout:
                 f"placement needs an sbp for each of its {placement.ndim} axes; pass sbp=..."
             )
         return Layout(placement, src.sbp, src.shape)
-    return Layout(placement, normalize(sbp, placement.ndim, placement.axes), src.shape)
+    return Layout(placement, sbp, src.shape)  # the Layout normalises the sbp
 
 
 @memo(4096)
@@ -213,7 +213,7 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
     if not isinstance(self, GlobalTensor):
         return _local_to_global(self, placement, sbp, grad_sbp, check_meta, sync_data, copy)
     src = self._layout
-    plain = (placement is None and grad_sbp is None and not copy and _debug._FLAG.get() is False
+    plain = (placement is None and grad_sbp is None and not copy and _debug.FLAG.get() is False
              and not (self.requires_grad and torch.is_grad_enabled()))
     if plain:
         try:
@@ -225,7 +225,7 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
                 return self
             rank = world.cached_rank()
             if rank is not None and not watching():  # a trace or the profiler: the full path
-                return _rewrapped(self, _execute(hit[1], self._local, rank), hit[0])
+                return rewrapped(self, _execute(hit[1], self._local, rank), hit[0])
     dst = _cached_target(src, placement, sbp)
     _check_grad_sbp(grad_sbp, dst.placement, len(src.shape))
     if _debug.is_debug():
@@ -233,11 +233,11 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
                      copy=copy)
     elif plain:  # debug was off before this call too: the next such call may take the warm path
         _remember_move(src, sbp, dst)
-    if dst == src and not copy and (grad_sbp is None or not _records_graph(self)):
+    if dst == src and not copy and (grad_sbp is None or not records_graph(self)):
         return self
-    if _records_graph(self):  # also the same layout with grad_sbp: the gradient is moved
-        return _Redistribute.apply(self, dst, grad_sbp, copy)
-    return _redistributed(self, dst, copy)
+    if records_graph(self):  # also the same layout with grad_sbp: the gradient is moved
+        return Redistribute.apply(self, dst, grad_sbp, copy)
+    return redistributed(self, dst, copy)
 
 
 def _remember_move(src: Layout, sbp, dst: Layout) -> None:

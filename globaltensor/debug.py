@@ -33,7 +33,7 @@ from .errors import GlobalTensorError
 from .sbp import SBP_TYPES, format_sbp
 
 # None: not decided in this context yet -> read GT_DEBUG once and remember it here
-_FLAG: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug", default=None)
+FLAG: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug", default=None)
 # seconds a check waits for the other ranks; None: the world's collective timeout
 _TIMEOUT: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug_timeout", default=None)
 
@@ -58,10 +58,10 @@ def _env_flag() -> bool:
 
 def is_debug() -> bool:
     """True when global operations check that every rank agrees on them."""
-    flag = _FLAG.get()
+    flag = FLAG.get()
     if flag is None:
         flag = _env_flag()
-        _FLAG.set(flag)
+        FLAG.set(flag)
     return flag
 
 
@@ -89,7 +89,7 @@ def set_debug(flag: bool | None = True, *, timeout=None) -> None:
     if flag is not None and not isinstance(flag, bool):
         raise GlobalTensorError(f"set_debug expects True, False or None, found {flag!r}")
     _TIMEOUT.set(_seconds(timeout))
-    _FLAG.set(flag)
+    FLAG.set(flag)
 
 
 @contextlib.contextmanager
@@ -97,11 +97,11 @@ def debugging(flag: bool = True, *, timeout=None):
     """``with gt.debug.debugging():`` -- checks on inside the block, restored after it."""
     if not isinstance(flag, bool):
         raise GlobalTensorError(f"debugging expects True or False, found {flag!r}")
-    tokens = (_FLAG.set(flag), _TIMEOUT.set(_seconds(timeout)))
+    tokens = (FLAG.set(flag), _TIMEOUT.set(_seconds(timeout)))
     try:
         yield
     finally:
-        _FLAG.reset(tokens[0])
+        FLAG.reset(tokens[0])
         _TIMEOUT.reset(tokens[1])
 
 
@@ -283,7 +283,9 @@ _USER_CALLS = {
     ("globaltensor.tensor", "backward"): "backward of to_global",
     ("globaltensor.convert", "to_global"): "to_global",
     ("globaltensor.grads", "*"): "gradient sync",
-    ("globaltensor.checkpoint", "*"): "checkpoint",
+    ("globaltensor.checkpoint.hooks", "*"): "checkpoint",
+    ("globaltensor.checkpoint.save_load", "*"): "checkpoint",
+    ("globaltensor.checkpoint.storage", "*"): "checkpoint",
 }
 
 

@@ -16,7 +16,6 @@ from . import env, random
 from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
-from .sbp import normalize
 from .convert import check_placement, device_for
 from .runtime.agreement import check
 from .tensor import GlobalTensor
@@ -69,7 +68,7 @@ def _layout(size, placement, sbp) -> Layout:
             f"sbp={sbp!r}"
         )
     placement = check_placement(placement)
-    return Layout(placement, normalize(sbp, placement.ndim, placement.axes), size)
+    return Layout(placement, sbp, size)  # the Layout normalises the sbp
 
 
 def _holds_value(layout: Layout, coord) -> bool:

@@ -17,6 +17,8 @@ as it fills, the last ones at the end of backward. Until then ``.grad`` is the p
 """
 from __future__ import annotations
 
+import contextvars
+
 import torch
 import torch.distributed as dist
 
@@ -84,16 +86,19 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
 
 
 _PENDING: dict = {}  # graph task id -> _Reductions of that backward
-BUCKET_CAP_MB = 25.0  # DDP's default bucket_cap_mb; gt.nn.set_bucket_cap_mb changes it
+# DDP's default bucket_cap_mb; gt.nn.set_bucket_cap_mb sets it for the current context (a
+# thread-rank sets its own), read where the gradient hooks run
+BUCKET_CAP_MB: contextvars.ContextVar[float] = contextvars.ContextVar(
+    "globaltensor_bucket_cap_mb", default=25.0)
 
 
 def set_bucket_cap_mb(mb: float) -> None:
     """The size at which a bucket of gradients is all-reduced during backward (DDP's
-    ``bucket_cap_mb``, default 25). 0 reduces each gradient on its own as soon as it is ready."""
-    global BUCKET_CAP_MB
+    ``bucket_cap_mb``, default 25), in the current context. 0 reduces each gradient on its own
+    as soon as it is ready."""
     if isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb < 0:
         raise GlobalTensorError(f"set_bucket_cap_mb expects a number of megabytes >= 0, found {mb!r}")
-    BUCKET_CAP_MB = float(mb)
+    BUCKET_CAP_MB.set(float(mb))
 
 
 class _Bucket:
@@ -149,7 +154,7 @@ class _Reductions:
         if bucket is None:
             bucket = self.open[key] = _Bucket(group)
         bucket.add(param, piece)
-        if bucket.nbytes >= BUCKET_CAP_MB * 2**20:
+        if bucket.nbytes >= BUCKET_CAP_MB.get() * 2**20:
             del self.open[key]
             bucket.launch()
             self.launched.append(bucket)

@@ -92,7 +92,7 @@ class Layout:
         return _max_local(self)
 
     def with_placement(self, placement: Placement, sbp) -> "Layout":
-        return Layout(placement, normalize(sbp, placement.ndim, placement.axes), self.shape)
+        return Layout(placement, sbp, self.shape)
 
     def box(self, coord) -> tuple[tuple[int, int], ...]:
         """The [start, stop) range of every tensor dim held at grid ``coord``."""

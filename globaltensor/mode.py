@@ -36,6 +36,7 @@ from . import env
 from .convert import check_placement, device_for
 from .errors import GlobalTensorError
 from .layout import Layout
+from .ops import factory_roles
 from .placement import Placement
 from .sbp import Broadcast, PartialSum, Split, normalize
 from .dispatch.adopt import active, agree_on_value, modes
@@ -51,24 +52,9 @@ def global_mode(placement, sbp=None):
         yield mode
 
 
-# factories whose result is the same on every rank: computed whole, then this rank's piece kept
-_DETERMINISTIC = {
-    torch.arange, torch.range, torch.zeros, torch.ones, torch.full, torch.empty, torch.eye,
-    torch.tensor, torch.as_tensor, torch.asarray, torch.linspace, torch.logspace,
-    torch.empty_strided, torch.scalar_tensor, torch.tril_indices, torch.triu_indices,
-    torch.from_numpy, torch.zeros_like, torch.ones_like, torch.full_like, torch.empty_like,
-}
-# random factories: size from the call, values from gt's stream (same on every rank)
-_RANDOM_SIZED = {torch.rand: "uniform", torch.randn: "normal"}
-_RANDOM_LIKE = {torch.rand_like: "uniform", torch.randn_like: "normal"}
-# other random factories: the first rank's draw, sent to the others
-_RANDOM_OTHER = {torch.randperm, torch.randint, torch.randint_like, torch.normal, torch.poisson,
-                 torch.bernoulli, torch.multinomial}
-
-# func -> how its value is made: "same" (computed alike on every rank), "uniform"/"normal"
-# (gt's random stream), "first" (the first rank's draw)
-_FACTORIES = {**dict.fromkeys(_DETERMINISTIC, "same"), **_RANDOM_SIZED, **_RANDOM_LIKE,
-              **dict.fromkeys(_RANDOM_OTHER, "first")}
+# torch factory -> how its value is made: "same" (computed alike on every rank), "uniform" /
+# "normal" (gt's random stream), "first" (the first rank's draw); registered in ops/creation.py
+_FACTORIES = {getattr(torch, name): role for name, role in factory_roles().items()}
 
 _OURS = "globaltensor"
 

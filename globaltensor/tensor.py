@@ -15,7 +15,7 @@ from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
 from .redistribute import redistribute_local
-from .sbp import Broadcast, PartialSum, format_sbp, normalize
+from .sbp import Broadcast, PartialSum, format_sbp
 
 broadcast, partial_sum = Broadcast(), PartialSum()
 _TENSOR_DATA = torch.Tensor.data  # torch's own descriptor: shallow copy out, set_data in
@@ -102,7 +102,7 @@ class GlobalTensor(torch.Tensor):
 
     def to_local(self) -> torch.Tensor:
         """This rank's piece (differentiable; the gradient flows back with the dual sbp)."""
-        if _records_graph(self):
+        if records_graph(self):
             return _ToLocal.apply(self)
         return self._local.view_as(self._local)
 
@@ -113,7 +113,7 @@ class GlobalTensor(torch.Tensor):
         gradient of the whole value (a loss computed on every rank gives the single-device
         gradient), not as a part of it. Never an alias: where the piece already is the whole
         value (broadcast on every rank of the world), a copy; ``to_local()`` is the alias."""
-        full = _Redistribute.apply(self, _full_layout(self._layout), None, True)
+        full = Redistribute.apply(self, _full_layout(self._layout), None, True)
         return _ToLocal.apply(full, True)
 
     def numpy(self, *, force: bool = False):
@@ -195,8 +195,7 @@ def dual_sbp(values) -> tuple:
 def _grad_layout(layout: Layout, grad_sbp) -> Layout:
     if grad_sbp is None:
         return Layout(layout.placement, dual_sbp(layout.sbp), layout.shape)
-    placement = layout.placement
-    return Layout(placement, normalize(grad_sbp, placement.ndim, placement.axes), layout.shape)
+    return Layout(layout.placement, grad_sbp, layout.shape)
 
 
 def _as_global_grad(grad, like: Layout) -> GlobalTensor:
@@ -209,12 +208,12 @@ def _as_global_grad(grad, like: Layout) -> GlobalTensor:
     return redistribute(GlobalTensor._make(local, full), like)
 
 
-def _redistributed(x: GlobalTensor, layout: Layout, copy: bool) -> GlobalTensor:
+def redistributed(x: GlobalTensor, layout: Layout, copy: bool) -> GlobalTensor:
     """A new global tensor holding ``x`` laid out as ``layout`` (what to_global computes)."""
-    return _rewrapped(x, redistribute_local(x._local, x._layout, layout), layout, copy)
+    return rewrapped(x, redistribute_local(x._local, x._layout, layout), layout, copy)
 
 
-def _rewrapped(x: GlobalTensor, local: torch.Tensor, layout: Layout, copy: bool = False) -> GlobalTensor:
+def rewrapped(x: GlobalTensor, local: torch.Tensor, layout: Layout, copy: bool = False) -> GlobalTensor:
     """``local`` (x's piece of ``layout``) as a new global tensor: if the move left x's own
     piece (the same layout, or nothing to do on this rank), a new tensor object; with copy,
     new storage too."""
@@ -223,16 +222,16 @@ def _rewrapped(x: GlobalTensor, local: torch.Tensor, layout: Layout, copy: bool 
     return GlobalTensor(local, layout)
 
 
-def _records_graph(x: torch.Tensor) -> bool:
+def records_graph(x: torch.Tensor) -> bool:
     return x.requires_grad and torch.is_grad_enabled()
 
 
-class _Redistribute(torch.autograd.Function):
+class Redistribute(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x: GlobalTensor, layout: Layout, grad_sbp, copy=False):
         ctx.src = x._layout
         ctx.grad_sbp = grad_sbp
-        return _redistributed(x, layout, copy)
+        return redistributed(x, layout, copy)
 
     @staticmethod
     def backward(ctx, grad):
@@ -240,7 +239,7 @@ class _Redistribute(torch.autograd.Function):
         return redistribute(grad, _grad_layout(ctx.src, ctx.grad_sbp)), None, None, None
 
 
-class _FromLocal(torch.autograd.Function):
+class FromLocal(torch.autograd.Function):
     @staticmethod
     def forward(ctx, local: torch.Tensor, layout: Layout, grad_sbp):
         ctx.layout = layout
@@ -282,7 +281,7 @@ GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
 def _frames_torch_calls_into():
     return (_dispatch, GlobalTensor.__tensor_flatten__, GlobalTensor.__tensor_unflatten__,
             GlobalTensor.__coerce_same_metadata_as_tangent__,
-            *(f for cls in (_Redistribute, _FromLocal, _ToLocal) for f in (cls.forward, cls.backward)))
+            *(f for cls in (Redistribute, FromLocal, _ToLocal) for f in (cls.forward, cls.backward)))
 
 
 never_compiled(*_frames_torch_calls_into())

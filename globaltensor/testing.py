@@ -160,6 +160,15 @@ def _run(fn, world_size, args, timeout, backend, pass_rank, local_world_size):
         changed.wait_for(lambda: failures or len(returned) == world_size,
                          timeout=max(deadline - time.monotonic(), 0))
     release.set()
+    _raise_if_failed(failures, returned, threads, world_size, timeout)
+    for t in threads:
+        t.join(timeout)
+    return results
+
+
+def _raise_if_failed(failures, returned, threads, world_size, timeout) -> None:
+    """RankFailed with the traceback of the rank that failed first, or RanksHung naming the
+    ranks that did not finish."""
     if failures:
         # let the other ranks notice too, then report the failure that came first
         for t in threads:
@@ -179,9 +188,6 @@ def _run(fn, world_size, args, timeout, backend, pass_rank, local_world_size):
             f"still running (ranks {sorted(returned)} finished); a rank likely skipped or "
             f"reordered a collective"
         )
-    for t in threads:
-        t.join(timeout)
-    return results
 
 
 # --------------------------------------------------------------------------- real processes

@@ -11,7 +11,7 @@ from .. import world
 from .._cache import Bounded
 from ..debug import user_frame
 from ..errors import GlobalTensorError
-from ..ops import DECOMPOSE, MOVES, MUTATES, REWRITES, B, Choice, arg_value, choose, rule_for
+from ..ops import MOVES, B, Choice, arg_value, choose, entry, rule_for
 from ..sbp import PartialSum
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
@@ -19,7 +19,7 @@ from .decisions import (AdoptIndexScalars, Contextual, Decomposed, InplaceView, 
                         Special, ViaFunctional)
 from .outputs import DataDependent, OutSpec, meta_result, out_specs
 from .special import SPECIAL, foreach, foreach_on_pieces, mixed_placements, pointwise_on_pieces
-from .views import is_view, write_into
+from .aliasing import is_view, write_into
 
 _WARNED = Bounded(10_000)  # ops already warned about (no rule: broadcast fallback)
 # op name -> how many decisions took the broadcast fallback (read by benchmarks/op_coverage.py;
@@ -52,7 +52,7 @@ def decide(func, args, kwargs, tensors, key, context=None):
     index_scalars = _local_index_scalars(func, args, kwargs)
     if index_scalars:
         return AdoptIndexScalars(index_scalars)
-    if name.split(".")[0] in DECOMPOSE:
+    if entry(name.split(".")[0]).decompose:
         fn = _decomposition(func)
         if fn is not None:
             return Decomposed(fn)
@@ -87,10 +87,10 @@ def decide(func, args, kwargs, tensors, key, context=None):
 
 
 def _leaves_partial(choice, layouts) -> bool:
-    mesh = layouts[0].placement.shape
-    return any(isinstance(v, PartialSum) and mesh[a] > 1
+    grid = layouts[0].placement.shape
+    return any(isinstance(v, PartialSum) and grid[a] > 1
                for out in choice.outs for a, v in enumerate(out)) and any(
-        isinstance(v, PartialSum) and mesh[a] > 1
+        isinstance(v, PartialSum) and grid[a] > 1
         for layout in layouts for a, v in enumerate(layout.sbp))
 
 
@@ -111,7 +111,7 @@ def _plain(func, args, kwargs, tensors, choice, inplace, call, key):
     view = None
     if is_view(func) and isinstance(args[0], GlobalTensor):  # does it alias its input's pieces?
         view = choice.ins[0] != tensors[0]._layout
-    return Plain(choice.ins, outs, choice.kernel, REWRITES.get(call.packet), inplace, call,
+    return Plain(choice.ins, outs, choice.kernel, entry(call.packet).rewrite, inplace, call,
                  slots_of(key, len(args)), getattr(func, "_op", func), view,
                  _mutated(func, call, args, kwargs, tensors, inplace))
 
@@ -121,7 +121,7 @@ def _mutated(func, call, args, kwargs, tensors, inplace) -> tuple[int, ...]:
     schema marks ``Tensor(a!)`` and those ``ops`` registers (``mutates=``)."""
     names = [a.name for a in func._schema.arguments
              if a.alias_info is not None and a.alias_info.is_write]
-    names += MUTATES.get(call.op) or MUTATES.get(call.packet) or ()
+    names += entry(call.op).mutates or entry(call.packet).mutates
     found = []
     for name in names[1:] if inplace else names:
         value = arg_value(call.op, args, kwargs, name)

@@ -26,7 +26,7 @@ from ..runtime.failure import local_failure
 from ..tensor import GlobalTensor
 from .args import local_args
 from .outputs import OutSpec, empties, wrap
-from .views import LINK, link, write_back, write_into
+from .aliasing import LINK, link, write_back, write_into
 
 
 B_SBP = Broadcast()

@@ -11,7 +11,7 @@ from ..redistribute import redistribute_local
 from ..sbp import Broadcast, broadcast
 from ..tensor import GlobalTensor
 from .decisions import my_coord
-from .views import LINK, write_back, write_into
+from .aliasing import LINK, write_back, write_into
 
 aten = torch.ops.aten
 

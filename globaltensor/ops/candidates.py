@@ -18,17 +18,17 @@ from ..sbp import PartialSum, SbpValue, Split
 from .signature import KEEP, Rule
 
 
-def partial_count(outs, mesh) -> int:
+def partial_count(outs, grid) -> int:
     """How many (output, axis) entries of a candidate's results are partial sums: between
     candidates of equal cost, the one leaving fewer partial sums wins (a partial sum is a
     reduction still owed; with an input's resolved form already at hand, e.g. an RMSNorm's
     input gathered for its variance, paying it now costs nothing)."""
     return sum(1 for out in outs for a, v in enumerate(out)
-               if isinstance(v, PartialSum) and mesh[a] > 1)  # P on one rank is its value
+               if isinstance(v, PartialSum) and grid[a] > 1)  # P on one rank is its value
 
 
 
-def costing_nothing(options, layouts, mesh, free=()) -> list:
+def costing_nothing(options, layouts, grid, free=()) -> list:
     """The rows of ``options`` that could stand in a candidate of cost 0: a candidate costs 0
     only if every input's target is its own layout or one of its free layouts (anything else
     is a move, and moving a non-empty input on an axis of more than one rank costs something:
@@ -37,7 +37,7 @@ def costing_nothing(options, layouts, mesh, free=()) -> list:
     sbp or that of one of its free layouts can be part of the answer."""
     sizes = [layout.numel() for layout in layouts]
     kept = []
-    for axis, (opts, n) in enumerate(zip(options, mesh)):
+    for axis, (opts, n) in enumerate(zip(options, grid)):
         if n == 1:
             kept.append(opts)
             continue
@@ -115,7 +115,7 @@ class Table:
     __slots__ = ("options", "layouts", "counts", "bound", "partials", "changed", "order",
                  "collectives", "rest")
 
-    def __init__(self, options, layouts, itemsizes, free, mesh):
+    def __init__(self, options, layouts, itemsizes, free, grid):
         self.options, self.layouts = options, layouts
         self.counts = counts = tuple(len(opts) for opts in options)
         size = math.prod(counts)
@@ -125,7 +125,7 @@ class Table:
             self.bound, self.partials, self.changed = [0.0], [0], [0]
             self.collectives, self.rest = [[0]] * len(layouts), [[0.0]] * len(layouts)
             return
-        grid = np.indices(counts).reshape(len(counts), -1)  # per axis, each candidate's option
+        picks = np.indices(counts).reshape(len(counts), -1)  # per axis, each candidate's option
         # per axis, per option: each input's target code, the inputs it changes, how many
         # results it has, which are partial sums, the kernel it names (0: none)
         kernels = sorted({o[1].kernel for opts in options for o in opts if o[1].kernel})
@@ -137,10 +137,10 @@ class Table:
                     + [sum(1 << i for i, (r, w) in enumerate(zip(o[3], own)) if r != w),
                        len(o[1].outs),
                        1 + kernels.index(o[1].kernel) if o[1].kernel else 0]
-                    + [mesh[a] > 1 and (len(o[1].outs) == 1 or k < len(o[1].outs)) and isinstance(
+                    + [grid[a] > 1 and (len(o[1].outs) == 1 or k < len(o[1].outs)) and isinstance(
                         o[1].outs[k if len(o[1].outs) > 1 else 0], PartialSum) for k in range(most)]
                     for o in opts]
-            facts.append(np.array(rows, dtype=np.int64).T[:, grid[a]])
+            facts.append(np.array(rows, dtype=np.int64).T[:, picks[a]])
         facts = np.stack(facts)  # (axis, fact, candidate)
         m = len(layouts)
         self.collectives, self.rest = [], []
@@ -182,8 +182,8 @@ class Table:
         return total * (1 - 1e-9)
 
 
-def candidates(rule: Rule, n_in: int, mesh):
-    for combo in itertools.product(rule.rows, repeat=len(mesh)):
+def candidates(rule: Rule, n_in: int, grid):
+    for combo in itertools.product(rule.rows, repeat=len(grid)):
         kernels = {r.kernel for r in combo if r.kernel}
         if len(kernels) > 1:
             continue

@@ -102,18 +102,18 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
             raise GlobalTensorError(
                 f"internal: a rule for {call.op} gave rows for {len(r.ins)} inputs, the "
                 f"call has {len(layouts)} global tensor inputs; please report this")
-    mesh = layouts[0].placement.shape
-    options = axis_options(rule, layouts, len(mesh), fixed, free)
+    grid = layouts[0].placement.shape
+    options = axis_options(rule, layouts, len(grid), fixed, free)
     stay = _stay(rule, call, layouts, options)
-    if stay is not None and not partial_count(stay.outs, mesh):
+    if stay is not None and not partial_count(stay.outs, grid):
         return stay  # (one leaving partial sums may tie with one that resolves them: search)
     if stay is None and stay_or_moves and not any(free):
         return MOVES if _first(rule, call, layouts, options) is not None else None
     if stay is not None:
-        options = costing_nothing(options, layouts, mesh, free)
+        options = costing_nothing(options, layouts, grid, free)
     if not all(options):
         return None  # some axis has no row that can stand there
-    table = Table(options, layouts, itemsizes, free, mesh)
+    table = Table(options, layouts, itemsizes, free, grid)
     return _branch_and_bound(rule, call, layouts, itemsizes, grads, free, tolerance, table)
 
 
@@ -182,9 +182,9 @@ def _cost_further(rule, call, layouts, itemsizes, grads, free, table, entry, lim
     outs = outs_of(rows)
     targets = resolved_layouts(layouts, resolved)
     if terms == 0:  # first time first: is it a candidate at all, and a finer bound
-        mesh = layouts[0].placement.shape
+        grid = layouts[0].placement.shape
         if rule.check is not None and not rule.check(
-                call, mesh, tuple(zip(*(values for _, _, values, _ in combo))), outs):
+                call, grid, tuple(zip(*(values for _, _, values, _ in combo))), outs):
             return None
         terms = _terms(layouts, targets, itemsizes, outs, grads, free)
     else:  # then the plans, the largest bound first: one may be enough to rule it out
@@ -212,7 +212,7 @@ def _stay(rule: Rule, call: Call, layouts, options) -> Choice | None:
 def _first(rule: Rule, call: Call, layouts, options) -> Choice | None:
     """The first candidate (in product order) of ``options`` that the rule accepts, with cost 0
     (for :func:`_stay`), or None."""
-    mesh = layouts[0].placement.shape
+    grid = layouts[0].placement.shape
     for combo in itertools.product(*options):
         rows = tuple(r for _, r, _, _ in combo)
         kernels = {r.kernel for r in rows if r.kernel}
@@ -220,7 +220,7 @@ def _first(rule: Rule, call: Call, layouts, options) -> Choice | None:
             continue
         ins = tuple(zip(*(values for _, _, values, _ in combo)))
         outs = outs_of(rows)
-        if rule.check is not None and not rule.check(call, mesh, ins, outs):
+        if rule.check is not None and not rule.check(call, grid, ins, outs):
             continue
         targets = target_layouts(layouts, ins)
         if targets is not None:
@@ -276,9 +276,9 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
     if rule is None or not layouts:
         return None
     layouts = tuple(layouts)
-    mesh = layouts[0].placement.shape
+    grid = layouts[0].placement.shape
     best, best_key = None, None
-    for order, (combo, kernel) in enumerate(candidates(rule, len(layouts), mesh)):
+    for order, (combo, kernel) in enumerate(candidates(rule, len(layouts), grid)):
         if any(len(r.ins) != len(layouts) for r in combo):
             raise GlobalTensorError(
                 f"internal: a rule for {call.op} gave rows for {len(combo[0].ins)} inputs, the "
@@ -286,7 +286,7 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
         ins = tuple(tuple(layouts[i].sbp[a] if r.ins[i] is KEEP else r.ins[i]
                           for a, r in enumerate(combo)) for i in range(len(layouts)))
         outs = outs_of(combo)
-        if rule.check is not None and not rule.check(call, mesh, ins, outs):
+        if rule.check is not None and not rule.check(call, grid, ins, outs):
             continue
         targets = target_layouts(layouts, ins)
         if targets is None or any(targets[i] != layouts[i] for i in fixed):
@@ -296,7 +296,7 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
         cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
         if math.isinf(cost):
             continue
-        key = (cost, partial_count(outs, mesh), sum(1 for s, t in zip(layouts, targets) if s != t),
+        key = (cost, partial_count(outs, grid), sum(1 for s, t in zip(layouts, targets) if s != t),
                order)
         if best_key is None or key < best_key:
             best, best_key = Choice(targets, outs, kernel, cost), key

@@ -4,6 +4,11 @@
     P    -> B        a P input still gives a full value (it is only read for its shape)
     S(d) -> S(d)
     *    -> B        ``new_zeros(size)`` & co: the input is only read for dtype and device
+
+And the torch factories that global mode (``mode.py``) turns into global ones, by their role
+(``factory=``): "same", computed alike on every rank, whole, then this rank's piece kept;
+"uniform" / "normal", the size from the call and the values from gt's random stream (the same
+on every rank); "first", the first rank's draw, sent to the others.
 """
 from __future__ import annotations
 
@@ -27,3 +32,15 @@ def new_full(call: Call) -> tuple[Row, ...]:
 register("zeros_like", "ones_like", "empty_like", "full_like", rule=like)
 register("fill", "fill_", "zero", "zero_", rule=like)
 register("new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", rule=new_full)
+
+# global mode: factories whose result is the same on every rank
+register("arange", "range", "zeros", "ones", "full", "empty", "eye", "tensor", "as_tensor",
+         "asarray", "linspace", "logspace", "empty_strided", "scalar_tensor", "tril_indices",
+         "triu_indices", "from_numpy", "zeros_like", "ones_like", "full_like", "empty_like",
+         factory="same")
+# random factories: size from the call, values from gt's stream (same on every rank)
+register("rand", "rand_like", factory="uniform")
+register("randn", "randn_like", factory="normal")
+# other random factories: the first rank's draw, sent to the others
+register("randperm", "randint", "randint_like", "normal", "poisson", "bernoulli", "multinomial",
+         factory="first")

@@ -14,7 +14,7 @@ import math
 from .signature import B, P, S, Call, Row, dim_of, dims_of, linear_in, register, repeat, sig
 
 
-def _reduction(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:
+def reduced_rows(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:
     """Reduce ``dims``: other split dims survive (renumbered); a split reduced dim gives P when
     the reduction is a sum (``partial`` names its kernel, "" for the op itself), else it must
     be gathered; a P input stays P only for sums."""
@@ -33,7 +33,7 @@ def _reduction(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:
     return tuple(rows)
 
 
-def _all_reduced_rows(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:
+def all_reduced_rows(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:
     """A reduction of every element (``sum.default`` & co)."""
     nd = len(call.shapes[0])
     rows = [Row((B,), repeat(nouts, B))]
@@ -45,22 +45,22 @@ def _all_reduced_rows(call: Call, nouts: int, partial: str | None) -> tuple[Row,
 
 def reduction_sum(call: Call):
     if call.op == "sum.default":
-        return _all_reduced_rows(call, 1, "")
-    return _reduction(call, 1, "")
+        return all_reduced_rows(call, 1, "")
+    return reduced_rows(call, 1, "")
 
 
 def reduction_mean(call: Call):
     if call.op == "mean.default":
-        return _all_reduced_rows(call, 1, "mean_partial")
-    return _reduction(call, 1, "mean_partial")
+        return all_reduced_rows(call, 1, "mean_partial")
+    return reduced_rows(call, 1, "mean_partial")
 
 
 def reduction_gather(nouts: int):
     """Reductions that are not sums (max, norm, var, ...): reduced dims must be whole."""
     def rule(call: Call):
         if call.op.endswith(".default") and call.packet in ("max", "min", "prod", "any", "all"):
-            return _all_reduced_rows(call, nouts, None)
-        return _reduction(call, nouts, None)
+            return all_reduced_rows(call, nouts, None)
+        return reduced_rows(call, nouts, None)
     return rule
 
 

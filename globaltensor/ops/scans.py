@@ -15,7 +15,7 @@
 """
 from __future__ import annotations
 
-from .reductions import _all_reduced_rows, _reduction, along_dim
+from .reductions import all_reduced_rows, reduced_rows, along_dim
 from .signature import B, P, S, Call, Ref, Row, dim_of, dims_of, register, sig
 
 
@@ -40,13 +40,13 @@ def order_statistic(call: Call):
 
 def whole(nouts: int):
     def rule(call: Call):
-        return _all_reduced_rows(call, nouts, None)
+        return all_reduced_rows(call, nouts, None)
     return rule
 
 
 def aminmax(call: Call):
     if call.get("dim") is None or len(call.shapes[0]) == 0:
-        return _all_reduced_rows(call, 2, None)
+        return all_reduced_rows(call, 2, None)
     return _one_dim(call, 2)
 
 
@@ -56,8 +56,8 @@ def sum_like(call: Call):
     dims = dims_of(call.get("dim"), nd)
     if nd == 0:
         return (sig("B -> B"),)
-    rows = _reduction(call, 1, "") if len(dims) < nd or call.get("keepdim", False) else \
-        _all_reduced_rows(call, 1, "")
+    rows = reduced_rows(call, 1, "") if len(dims) < nd or call.get("keepdim", False) else \
+        all_reduced_rows(call, 1, "")
     # no P input: a count of partial sums is not the count of the sum, nor does a nansum of
     # parts skip the NaNs the sum has
     return tuple(r for r in rows if r.ins[0] != P)

@@ -132,7 +132,7 @@ def pixel_shuffle(call: Call):
     return Rule(tuple(rows), check=_whole_blocks)
 
 
-def _whole_blocks(call: Call, mesh, ins, outs) -> bool:
+def _whole_blocks(call: Call, grid, ins, outs) -> bool:
     """Each of the last three dims is cut into pieces of whole blocks: its size counted on the
     smaller side (C, H, W) divisible by the ranks that split it."""
     x = call.shapes[0]
@@ -143,7 +143,7 @@ def _whole_blocks(call: Call, mesh, ins, outs) -> bool:
               nd - 2: x[nd - 2] if shuffle else x[nd - 2] // r,
               nd - 1: x[nd - 1] if shuffle else x[nd - 1] // r}
     for d, n in blocks.items():
-        ranks = math.prod(m for m, v in zip(mesh, ins[0]) if isinstance(v, Split) and v.dim == d)
+        ranks = math.prod(m for m, v in zip(grid, ins[0]) if isinstance(v, Split) and v.dim == d)
         if n % ranks:
             return False
     return True
@@ -173,8 +173,8 @@ register("channel_shuffle", "native_channel_shuffle", rule=channel_shuffle)
 register("narrow_copy", rule=narrow_copy)
 register("pixel_shuffle", "pixel_unshuffle", rule=pixel_shuffle, kernels={"blocks": _k_blocks})
 # the copy forms of view ops: their view's rows (and size rewrites); the result is a copy
-register("view_copy", rule=views.view, rewrite=views._rewrite_view)
-register("expand_copy", rule=views.expand, rewrite=views._rewrite_expand)
+register("view_copy", rule=views.view, rewrite=views.rewrite_view)
+register("expand_copy", rule=views.expand, rewrite=views.rewrite_expand)
 register("permute_copy", rule=views.permute)
 register("transpose_copy", "t_copy", rule=views.transpose)
 register("squeeze_copy", rule=views.squeeze)

@@ -18,7 +18,7 @@ Pure: no torch.distributed, no rank.
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
@@ -70,7 +70,7 @@ class Row:
 
 @dataclass(frozen=True, slots=True)
 class Rule:
-    """Rows plus an optional check of a whole n-D candidate: ``check(call, mesh, ins, outs)``
+    """Rows plus an optional check of a whole n-D candidate: ``check(call, grid, ins, outs)``
     where ``ins``/``outs`` hold one sbp tuple (one entry per axis) per input/output.
 
     ``frames``: per input, the shape it broadcasts against (torch's rule: dims aligned from the
@@ -230,31 +230,44 @@ def keep_whole(call: Call, dims) -> tuple[Row, ...]:
 
 # ----------------------------------------------------------------------------- the registry
 
-RULES: dict[str, Callable] = {}       # overload ("sum.default") or packet ("sum") -> rule
+@dataclass(frozen=True, slots=True)
+class OpEntry:
+    """What is known about one op, by overload ("sum.dim_IntList") or packet ("sum") name."""
+    rule: Callable | None = None        # rule(call) -> rows or Rule
+    kernels: tuple[str, ...] = ()       # the kernels (in KERNELS) its rows may name
+    rewrite: Callable | None = None     # rewrite(decision, largs, pieces): global sizes -> local
+    decompose: bool = False             # runs as its decomposition into ops with rules
+    mutates: tuple[str, ...] = ()       # inputs it writes that its schema does not mark (a!)
+    write_back: Callable | None = None  # a view: write_back(get, k) -> scatter(base, view)
+    factory: str | None = None          # in global mode: "same", "uniform", "normal", "first"
+
+
+OPS: dict[str, OpEntry] = {}          # op name -> its entry (every family registers here)
 TAG_RULES: dict[str, Callable] = {}   # torch tag ("pointwise") -> rule, for ops not named above
 KERNELS: dict[str, Callable] = {}     # kernel name (in rows) -> kernel(ctx, largs, lkwargs)
-REWRITES: dict[str, Callable] = {}    # packet -> rewrite(decision, largs, pieces): local sizes
-DECOMPOSE: set[str] = set()           # packets run as their decomposition into ops with rules
-MUTATES: dict[str, tuple] = {}        # op -> inputs it writes that its schema does not mark (a!)
+_EMPTY = OpEntry()
 
 
 def register(*names: str, rule: Callable | None = None, kernels: dict | None = None,
-             rewrite: Callable | None = None, decompose: bool = False, mutates: tuple = ()) -> None:
+             rewrite: Callable | None = None, decompose: bool = False, mutates: tuple = (),
+             write_back: Callable | None = None, factory: str | None = None) -> None:
     """Register ops by overload or packet name: their rule (``rule(call) -> rows or Rule``),
     the local kernels its rows name, a rewrite of global sizes in their arguments, that they
-    run as their decomposition (``decompose=True``), or the inputs they write although their
-    schema does not say so (``mutates``: argument names)."""
+    run as their decomposition (``decompose=True``), the inputs they write although their
+    schema does not say so (``mutates``: argument names), how a write into a view they made
+    from moved pieces reaches the base (``write_back``), and the role of a torch factory of
+    that name in global mode (``factory``). An op may be registered in several lines, each
+    giving what the others do not."""
+    given = {"rule": rule, "kernels": tuple(kernels or ()), "rewrite": rewrite,
+             "decompose": decompose, "mutates": tuple(mutates), "write_back": write_back,
+             "factory": factory}
+    given = {k: v for k, v in given.items() if v}
     for name in names:
-        if name in RULES or name in DECOMPOSE or name in MUTATES:
-            raise GlobalTensorError(f"internal: op {name} registered twice")
-        if mutates:
-            MUTATES[name] = tuple(mutates)
-        if rule is not None:
-            RULES[name] = rule
-        if rewrite is not None:
-            REWRITES[name] = rewrite
-        if decompose:
-            DECOMPOSE.add(name)
+        entry = OPS.get(name, _EMPTY)
+        twice = [k for k in given if getattr(entry, k)]
+        if twice:
+            raise GlobalTensorError(f"internal: op {name}'s {', '.join(twice)} registered twice")
+        OPS[name] = replace(entry, **given)
     for kernel, fn in (kernels or {}).items():
         if KERNELS.setdefault(kernel, fn) is not fn:
             raise GlobalTensorError(f"internal: kernel {kernel} registered twice")
@@ -265,9 +278,19 @@ def register_tag(tag: str, *, rule: Callable) -> None:
     TAG_RULES[tag] = rule
 
 
+def entry(name: str) -> OpEntry:
+    """``name``'s entry (an empty one for an op nobody registered)."""
+    return OPS.get(name, _EMPTY)
+
+
+def factory_roles() -> dict[str, str]:
+    """torch factory name -> its role in global mode (``mode.py`` reads it)."""
+    return {name: e.factory for name, e in OPS.items() if e.factory}
+
+
 def rule_for(call: Call):
     """The rule function for ``call``, or None when the op has no rule."""
-    fn = RULES.get(call.op) or RULES.get(call.packet)
+    fn = entry(call.op).rule or entry(call.packet).rule
     if fn is None:
         for tag, tag_rule in TAG_RULES.items():
             if tag in call.tags:
@@ -327,12 +350,42 @@ def broadcasting(rows, shapes, inputs=None, frame=None) -> Rule:
                                           for i in range(len(shapes))))
 
 
-def describe(call: Call) -> str:
-    """The rows of ``call``'s rule, one per line (for docs and error messages)."""
-    rule = rows_for(call)
-    if rule is None:
-        return f"{call.op}: no rule (runs on broadcast inputs)"
-    return "\n".join(f"{call.op}: {r}" for r in rule.rows)
+def describe(op, call: Call | None = None) -> str:
+    """What the registry knows about ``op`` (an overload or packet name, or a :class:`Call`),
+    one fact per line; with a sample ``call``, the rows of its rule for that call.
+
+        >>> print(describe("select"))  # doctest: +SKIP
+        select
+          rule: globaltensor.ops.views.select
+          write_back: globaltensor.ops.views._scatter_select
+    """
+    if isinstance(op, Call):
+        op, call = op.op, op
+    names = tuple(dict.fromkeys((op, op.split(".")[0])))
+    lines = [op]
+    for f in fields(OpEntry):
+        value = next((getattr(entry(n), f.name) for n in names if getattr(entry(n), f.name)), None)
+        if value:
+            lines.append(f"  {f.name}: {_shown(value)}")
+    if len(lines) == 1:
+        lines.append("  nothing registered (an op with a torch tag may have its tag's rule)")
+    if call is not None:
+        rule = rows_for(call)
+        shapes = ", ".join(str(list(s)) for s in call.shapes)
+        if rule is None:
+            lines.append(f"  rows for ({shapes}): none, runs on broadcast inputs")
+        else:
+            lines.append(f"  rows for ({shapes}):")
+            lines += [f"    {r}" for r in rule.rows]
+    return "\n".join(lines)
+
+
+def _shown(value) -> str:
+    if callable(value):
+        return f"{value.__module__}.{value.__qualname__}"
+    if isinstance(value, tuple):
+        return ", ".join(value)
+    return "yes" if value is True else str(value)
 
 
 class KernelContext:

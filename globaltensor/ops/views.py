@@ -16,6 +16,8 @@ from ..errors import GlobalTensorError
 from ..sbp import Split
 from .signature import B, P, S, Call, Row, Rule, dim_of, dims_of, keep_whole, register, repeat, sig
 
+aten = torch.ops.aten
+
 
 def view_groups(src, dst) -> tuple[tuple[tuple[int, ...], tuple[int, ...]], ...]:
     """Pair runs of ``src`` dims with runs of ``dst`` dims of equal product, in order.
@@ -73,13 +75,13 @@ def view(call: Call) -> Rule:
     groups = view_groups(src, dst)
     rows += [Row((S(i),), (S(j),)) for gi, gj in groups if gi and gj for i in gi for j in gj]
 
-    def check(call, mesh, ins, outs):
-        return all(_same_pieces(src, dst, gi, gj, mesh, ins[0], outs[0]) for gi, gj in groups
+    def check(call, grid, ins, outs):
+        return all(_same_pieces(src, dst, gi, gj, grid, ins[0], outs[0]) for gi, gj in groups
                    if gi and gj)
     return Rule(tuple(rows), check)
 
 
-def _same_pieces(src, dst, gi, gj, mesh, sbp_in, sbp_out) -> bool:
+def _same_pieces(src, dst, gi, gj, grid, sbp_in, sbp_out) -> bool:
     """Whether one group of a view keeps every rank's piece: the same elements, in the same
     order, so the local view of the piece is the output's piece.
 
@@ -92,38 +94,38 @@ def _same_pieces(src, dst, gi, gj, mesh, sbp_in, sbp_out) -> bool:
     size 1 cut nothing: they map to the group's first output dim."""
     if len(gi) == 1 and len(gj) == 1:
         return True
-    for a, n in enumerate(mesh):
+    for a, n in enumerate(grid):
         if n == 1 and sbp_in[a] in tuple(S(i) for i in gi) and sbp_out[a] != S(gj[0]):
             return False
-    digits_in = _digits(src, gi, mesh, sbp_in)
-    return digits_in is not None and digits_in == _digits(dst, gj, mesh, sbp_out)
+    digits_in = _digits(src, gi, grid, sbp_in)
+    return digits_in is not None and digits_in == _digits(dst, gj, grid, sbp_out)
 
 
-def _digits(shape, dims, mesh, sbp):
+def _digits(shape, dims, grid, sbp):
     """{axis: its digit} for the axes (of size > 1) that split ``dims``: ``(stride, k)`` for an
     even cut; the innermost cut of a dim may be uneven, ``(stride, k, length)``: ``k`` uneven
     pieces of a range of ``length`` at ``stride`` (the uneven rule, layout.py). None if an
     outer cut is uneven."""
     digits, stride = {}, 1
     for d in reversed(dims):
-        axes = [a for a, v in enumerate(sbp) if v == S(d) and mesh[a] > 1]
-        outer = math.prod(mesh[a] for a in axes[:-1])
+        axes = [a for a, v in enumerate(sbp) if v == S(d) and grid[a] > 1]
+        outer = math.prod(grid[a] for a in axes[:-1])
         if shape[d] % outer:
             return None
         length = shape[d] // outer
-        if axes and length % mesh[axes[-1]]:
-            digits[axes[-1]] = (stride, mesh[axes[-1]], length)
+        if axes and length % grid[axes[-1]]:
+            digits[axes[-1]] = (stride, grid[axes[-1]], length)
             stride *= length
             axes = axes[:-1]
         else:
-            stride *= length // mesh[axes[-1]] if axes else length
+            stride *= length // grid[axes[-1]] if axes else length
         for a in reversed(axes):
-            digits[a] = (stride, mesh[a])
-            stride *= mesh[a]
+            digits[a] = (stride, grid[a])
+            stride *= grid[a]
     return digits
 
 
-def _rewrite_view(decision, largs, pieces):
+def rewrite_view(decision, largs, pieces):
     """The local size: a dim kept as it is keeps the piece's size; a dim of a merge or a split
     is its global size over the axes that cut it (``_same_pieces``), but for an uneven last cut,
     the size of the input dim that axis cuts alike."""
@@ -132,19 +134,19 @@ def _rewrite_view(decision, largs, pieces):
     out = decision.outs.layout
     if not any(isinstance(v, Split) for v in out.sbp):
         return
-    local_in, mesh, sbp_in = pieces[0].shape, out.placement.shape, decision.targets[0].sbp
+    local_in, grid, sbp_in = pieces[0].shape, out.placement.shape, decision.targets[0].sbp
     size = list(out.shape)
     for gi, gj in view_groups(decision.targets[0].shape, out.shape):
         if len(gi) == 1 and len(gj) == 1:
             size[gj[0]] = local_in[gi[0]]
             continue
         for j in gj:
-            axes = [a for a, v in enumerate(out.sbp) if v == S(j) and mesh[a] > 1]
+            axes = [a for a, v in enumerate(out.sbp) if v == S(j) and grid[a] > 1]
             if axes:
-                length = size[j] // math.prod(mesh[a] for a in axes[:-1])
+                length = size[j] // math.prod(grid[a] for a in axes[:-1])
                 last = axes[-1]
-                uneven = length % mesh[last]
-                size[j] = local_in[sbp_in[last].dim] if uneven else length // mesh[last]
+                uneven = length % grid[last]
+                size[j] = local_in[sbp_in[last].dim] if uneven else length // grid[last]
     largs[1] = size
 
 
@@ -236,7 +238,7 @@ def expand(call: Call):
     return tuple(rows)
 
 
-def _rewrite_expand(decision, largs, pieces):
+def rewrite_expand(decision, largs, pieces):
     """A split dim keeps this piece's size (-1)."""
     size = list(largs[1])
     for v in decision.outs.layout.sbp:
@@ -347,13 +349,65 @@ def constant_pad(call: Call):
     return rows
 
 
-register("view", "_unsafe_view", "reshape", rule=view, rewrite=_rewrite_view)
+# ----------------------------------------------------------------------------- write-backs
+# A view op that moved its input made copies: a write into its output reaches the base through
+# its scatter (dispatch/aliasing.py runs it). write_back(get(argument name, default), output
+# index) -> scatter(base, view) -> the new base.
+
+def _scatter_select(get, k):
+    dim, index = get("dim"), get("index")
+    return lambda base, view: aten.select_scatter.default(base, view, dim, index)
+
+
+def _scatter_slice(get, k):
+    dim, start, end, step = get("dim", 0), get("start"), get("end"), get("step", 1)
+    return lambda base, view: aten.slice_scatter.default(base, view, dim, start, end, step)
+
+
+def _scatter_diagonal(get, k):
+    offset, dim1, dim2 = get("offset", 0), get("dim1", 0), get("dim2", 1)
+    return lambda base, view: aten.diagonal_scatter.default(base, view, offset, dim1, dim2)
+
+
+def _reshape_back(get, k):
+    return lambda base, view: aten.reshape.default(view, list(base.shape))
+
+
+def _permute_back(get, k):
+    dims = get("dims")
+    dims = [d % len(dims) for d in dims]
+    inverse = sorted(range(len(dims)), key=lambda i: dims[i])
+    return lambda base, view: aten.permute.default(view, inverse)
+
+
+def _transpose_back(get, k):
+    d0, d1 = get("dim0", 0), get("dim1", 1)  # t() is transpose(0, 1), or nothing below 2-D
+    return lambda base, view: view if view.dim() < 2 else aten.transpose.int(view, d0, d1)
+
+
+def _scatter_unbind(get, k):
+    dim = get("dim", 0)
+    return lambda base, view: aten.select_scatter.default(base, view, dim, k)
+
+
+def _scatter_split(get, k):
+    dim, size, sizes = get("dim", 0), get("split_size"), get("split_sizes")
+
+    def scatter(base, view):
+        n = base.shape[dim % base.dim()]
+        parts = sizes if sizes is not None else [min(size, n - s) for s in range(0, n, size)]
+        start = sum(parts[:k])
+        return aten.slice_scatter.default(base, view, dim, start, start + parts[k], 1)
+    return scatter
+
+
+register("view", "_unsafe_view", "reshape", rule=view, rewrite=rewrite_view)
 register("constant_pad_nd", rule=constant_pad)
 register("permute", rule=permute)
 register("transpose", "t", rule=transpose)
 register("squeeze", rule=squeeze, kernels={"squeeze": _k_squeeze})
 register("unsqueeze", rule=unsqueeze)
-register("expand", rule=expand, rewrite=_rewrite_expand)
+register("expand", rule=expand, rewrite=rewrite_expand)
 register("select", rule=select)
 register("slice", rule=slice_)
 register("split", "split_with_sizes", rule=split)
@@ -367,3 +421,13 @@ register("select_scatter", rule=select_scatter)
 register("slice_scatter", rule=slice_scatter)
 register("diagonal", rule=diagonal)
 register("diagonal_scatter", rule=diagonal_scatter)
+# a write into the view reaches the base (the write-backs above)
+register("select", write_back=_scatter_select)
+register("slice", write_back=_scatter_slice)
+register("diagonal", write_back=_scatter_diagonal)
+register("view", "_unsafe_view", "reshape", "_reshape_alias", "unsqueeze", "squeeze", "alias",
+         "detach", write_back=_reshape_back)
+register("permute", write_back=_permute_back)
+register("transpose", "t", write_back=_transpose_back)
+register("unbind", write_back=_scatter_unbind)
+register("split", "split_with_sizes", write_back=_scatter_split)

@@ -223,15 +223,15 @@ def candidate_terms(layout: Layout, itemsize: int, free, codes) -> tuple:
     of :class:`Bound` per axis, vectorised over the candidates, with the exchange's messages
     from :func:`overlap_products` (no rank-by-rank count: lemma "Candidate bound"). Both 0 for
     a target that is the layout's own sbp or one of ``free``'s."""
-    mesh = layout.placement.shape
+    grid = layout.placement.shape
     own = [code(v) for v in layout.sbp]
-    partial = [a for a, v in enumerate(own) if v == P and mesh[a] > 1]
+    partial = [a for a, v in enumerate(own) if v == P and grid[a] > 1]
     numel, ranks = layout.numel(), layout.placement.size
     smallest = numel / ranks
-    big = [a for a, n in enumerate(mesh) if n > 1]
+    big = [a for a, n in enumerate(grid) if n > 1]
     w = codes[big]
     v = np.array([own[a] for a in big], dtype=np.int64)[:, None]
-    n = np.array([mesh[a] for a in big], dtype=np.int64)[:, None]
+    n = np.array([grid[a] for a in big], dtype=np.int64)[:, None]
     split, summed, from_p = w >= 0, w == P, v == P
     splits = np.where(split, n, 1).prod(axis=0)
     sums = np.where(summed, n, 1).prod(axis=0)
@@ -244,7 +244,7 @@ def candidate_terms(layout: Layout, itemsize: int, free, codes) -> tuple:
         if several.any():  # the exchange after the reductions (Messages.after_reducing)
             exchange = np.where(several & (overlap_products(layout, codes) > 2), exchange + 1,
                                 exchange)
-        reduce = math.prod(mesh[a] for a in partial)
+        reduce = math.prod(grid[a] for a in partial)
         keep = np.where(from_p & summed, n, 1).prod(axis=0)
         kept = ~(from_p & ~summed).any(axis=0)  # every partial axis stays partial
         wanted = numel / (splits * sums)  # per rank, on average, the target's groups need
@@ -255,7 +255,7 @@ def candidate_terms(layout: Layout, itemsize: int, free, codes) -> tuple:
         several = comm > 1
         if several.any():  # some rank receives two messages (Messages.one_message)
             exchange = np.where(several & (overlap_products(layout, codes) > 2), 2, 1)
-        held = numel / math.prod(m for m, c in zip(mesh, own) if c >= 0)
+        held = numel / math.prod(m for m, c in zip(grid, own) if c >= 0)
         elements = np.maximum(numel / (splits * sums) - held, 0.0)
     collectives = np.minimum(comm, exchange)
     rest = itemsize * (MEMORY * smallest * np.minimum(steps, exchange) + BETA * elements)
@@ -269,12 +269,12 @@ def overlap_products(layout: Layout, codes) -> np.ndarray:
     """Per candidate, the most pieces of ``layout`` one piece of its target overlaps: the
     product over dims of ranges.most_overlaps, each dim's from the axes splitting it (a
     bitmask of them, in axis order), worked out for the (dim, mask) pairs that occur."""
-    mesh = layout.placement.shape
+    grid = layout.placement.shape
     mine = [()] * layout.ndim
-    for v, n in zip(layout.sbp, mesh):
+    for v, n in zip(layout.sbp, grid):
         if isinstance(v, Split) and n > 1:
             mine[v.dim] += (n,)
-    axes = [a for a, n in enumerate(mesh) if n > 1]
+    axes = [a for a, n in enumerate(grid) if n > 1]
     width = 1 << len(axes)
     weights = np.array([1 << k for k in range(len(axes))], dtype=np.int64)[:, None]
     dims = np.arange(layout.ndim, dtype=np.int64)[:, None, None]
@@ -285,7 +285,7 @@ def overlap_products(layout: Layout, codes) -> np.ndarray:
         d, m = divmod(key, width)
         if mine[d] or m:
             table[key] = most_overlaps(layout.shape[d], mine[d],
-                                        tuple(mesh[a] for k, a in enumerate(axes) if m >> k & 1))
+                                        tuple(grid[a] for k, a in enumerate(axes) if m >> k & 1))
     return table[keys].prod(axis=0)
 
 

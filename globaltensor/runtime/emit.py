@@ -11,20 +11,18 @@ both (shapes, padding, orders, trims), only the call differs.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 
 from .groups import all_gather_flat, reduce_scatter_flat
 
-_C10D = None
-
-
+@functools.cache
 def _ops():
-    global _C10D
-    if _C10D is None:
-        import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
-        _C10D = torch.ops._c10d_functional
-    return _C10D
+    """torch's traceable collectives (importing funcol registers them), looked up once."""
+    import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
+    return torch.ops._c10d_functional
 
 
 def is_traced(piece: torch.Tensor) -> bool:

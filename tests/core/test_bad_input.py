@@ -40,3 +40,28 @@ def test_forgotten_init_in_a_bigger_job_is_explained(monkeypatch):
 def test_shape_mismatch_error_is_a_global_tensor_error():
     assert issubclass(ShapeMismatchError, GlobalTensorError)
     assert issubclass(GlobalTensorError, ValueError) and issubclass(GlobalTensorError, RuntimeError)
+
+
+def test_an_sbp_is_normalised_once_per_to_global(monkeypatch):
+    # the Layout normalises; the boundary that needs the values first (a local tensor's
+    # to_global) normalises once and builds its layouts from the values
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    from globaltensor import _cache, convert, layout, sbp
+    _cache.clear_all()  # the targets of to_global(sbp=...) are cached
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(args)
+        return sbp.normalize(*args, **kwargs)
+
+    for module in (convert, layout):
+        monkeypatch.setattr(module, "normalize", counting)
+    p = p1()
+    x = torch.arange(4.0).to_global(placement=p, sbp=S(0))
+    assert len(calls) == 1
+    calls.clear()
+    x.to_global(sbp=(B,))  # a list-like argument: not taken from the warm path's memo
+    assert len(calls) == 1
+    calls.clear()
+    x.to_global(placement=p, sbp=[B])  # unhashable: computed, not cached
+    assert len(calls) == 1

@@ -176,3 +176,76 @@ def test_the_planner_is_used_through_its_facade_and_public_names():
             assert inside or target == "globaltensor.plan", f"{name} imports {target}"
             private = [n for n in names if n.startswith("_")]
             assert not private, f"{name} imports {private} from {target}"
+
+
+def test_no_private_name_crosses_modules():
+    # a name with a leading underscore is its module's own: no `from .x import _y` between
+    # globaltensor's modules, and no `x._y` on a module imported as `x` (package-private
+    # *modules*, such as _cache, are imported by name; torch's privates are torch's business)
+    for name, path in _MODULES.items():
+        modules = set()
+        for target, names in _import_froms(path):
+            if not target.startswith("globaltensor"):
+                continue
+            private = [n for n in names if n.startswith("_") and not n.startswith("__")
+                       and f"{target}.{n}" not in _MODULES]
+            assert not private, f"{name} imports {private} from {target}"
+            modules.update(n for n in names if f"{target}.{n}" in _MODULES)
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Import):
+                modules.update(a.asname or a.name.split(".")[0] for a in node.names
+                               if a.name.startswith("globaltensor"))
+        for node in ast.walk(ast.parse(path.read_text())):
+            if (isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name)
+                    and node.value.id in modules and node.attr.startswith("_")
+                    and not node.attr.startswith("__")):
+                pytest.fail(f"{name} reads {node.value.id}.{node.attr} (line {node.lineno})")
+
+
+def _identifiers(tree):
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Name):
+            yield node.id, node.lineno
+        elif isinstance(node, ast.arg):
+            yield node.arg, node.lineno
+        elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+            yield node.name, node.lineno
+        elif isinstance(node, ast.Attribute):
+            yield node.attr, node.lineno
+        elif isinstance(node, ast.alias):
+            yield node.asname or node.name, getattr(node, "lineno", 0)
+
+
+def test_one_vocabulary_grid_not_mesh():
+    # a placement's shape is its `grid`; `axis` is a placement axis, `dim` a tensor dim
+    for name, path in _MODULES.items():
+        for ident, line in _identifiers(ast.parse(path.read_text())):
+            parts = ident.lower().strip("_").split("_")
+            assert "mesh" not in parts, f"{name}:{line}: `{ident}`: call a placement's shape `grid`"
+
+
+# the only `global` statements: process-wide state installed or cached once per process
+GLOBALS = {
+    "globaltensor.world": {"_LAST_RANK"},  # cached_rank: a one-entry cache keyed by the world's group
+    "globaltensor.testing": {"_installed"},  # run_ranks makes torch's registry per-thread, once
+}
+
+
+def test_configuration_is_never_a_module_global_set_with_global():
+    found = {}
+    for name, path in _MODULES.items():
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Global):
+                found.setdefault(name, set()).update(node.names)
+    assert found == GLOBALS, "configuration is an argument or a contextvars.ContextVar"
+
+
+def test_short_files_and_functions():
+    # house style 10: no file over 450 lines, no function over 60 (docstring included)
+    for name, path in _MODULES.items():
+        text = path.read_text()
+        assert text.count("\n") <= 450, f"{name} has {text.count(chr(10))} lines"
+        for node in ast.walk(ast.parse(text)):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                length = node.end_lineno - node.lineno + 1
+                assert length <= 60, f"{name}.{node.name} has {length} lines"

@@ -19,7 +19,7 @@ import torch
 from globaltensor import ops
 from globaltensor.layout import Layout
 from globaltensor.ops import B, S, Call, Ref, choose
-from globaltensor.ops.views import _rewrite_view
+from globaltensor.ops.views import rewrite_view
 
 from helpers import G2, G22
 
@@ -64,7 +64,7 @@ def run_view(full: torch.Tensor, in_layout: Layout, out_layout: Layout) -> torch
     for coord in in_layout.placement.coords():
         piece = full[in_layout.slices(coord)].clone()
         largs = [piece, list(out_layout.shape)]
-        _rewrite_view(decision, largs, [piece])
+        rewrite_view(decision, largs, [piece])
         local = largs[0].view(largs[1])
         assert tuple(local.shape) == out_layout.local_shape(coord), (in_layout, out_layout, coord)
         out[out_layout.slices(coord)] = local

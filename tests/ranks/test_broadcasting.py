@@ -125,7 +125,7 @@ class _Recorder(TorchDispatchMode):
 def _families() -> dict:
     """Rule functions whose rows have a broadcasting input -> the op names registered with them
     (``pointwise`` for the tag rule)."""
-    rules = dict(signature.RULES)
+    rules = {name: e.rule for name, e in signature.OPS.items() if e.rule}
     rules.update({f"tag:{k}": v for k, v in signature.TAG_RULES.items()})
     families = {}
     for name, fn in rules.items():

@@ -7,7 +7,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.ops import Call, Ref, rows_for
-from globaltensor.ops.nn import loss_count
+from globaltensor.ops.losses import loss_count
 from globaltensor.sbp import Split
 from globaltensor.testing import run_ranks
 from helpers import check, gen

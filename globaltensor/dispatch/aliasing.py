@@ -8,6 +8,8 @@ written value back through the view's scatter (``select_scatter``, ``slice_scatt
 ``diagonal_scatter``, the inverse permutation or shape), and so on up a chain of views. A view
 that aliases its input's pieces but whose input is linked inherits a link that only passes the
 write on. A linked view whose write cannot be scattered back raises instead of losing the write.
+This module is the mechanism; each view op's scatter is registered with the op
+(``register(..., write_back=...)`` in ``ops/views.py``).
 
 Reads are not tracked: a detached view read after its base is written holds the value it had.
 """
@@ -17,7 +19,7 @@ import torch
 
 from .. import world
 from ..errors import GlobalTensorError
-from ..ops import arg_value
+from ..ops import arg_value, entry
 from ..redistribute import redistribute_local
 from ..sbp import format_sbp
 from ..tensor import GlobalTensor
@@ -25,64 +27,6 @@ from .args import local_tensor_error
 
 aten = torch.ops.aten
 LINK = "_gt_view_of"  # in a view's __dict__: (base, scatter(base, view) -> new base, or None)
-
-
-def _scatter_select(get, k):
-    dim, index = get("dim"), get("index")
-    return lambda base, view: aten.select_scatter.default(base, view, dim, index)
-
-
-def _scatter_slice(get, k):
-    dim, start, end, step = get("dim", 0), get("start"), get("end"), get("step", 1)
-    return lambda base, view: aten.slice_scatter.default(base, view, dim, start, end, step)
-
-
-def _scatter_diagonal(get, k):
-    offset, dim1, dim2 = get("offset", 0), get("dim1", 0), get("dim2", 1)
-    return lambda base, view: aten.diagonal_scatter.default(base, view, offset, dim1, dim2)
-
-
-def _reshape_back(get, k):
-    return lambda base, view: aten.reshape.default(view, list(base.shape))
-
-
-def _permute_back(get, k):
-    dims = get("dims")
-    dims = [d % len(dims) for d in dims]
-    inverse = sorted(range(len(dims)), key=lambda i: dims[i])
-    return lambda base, view: aten.permute.default(view, inverse)
-
-
-def _transpose_back(get, k):
-    d0, d1 = get("dim0", 0), get("dim1", 1)  # t() is transpose(0, 1), or nothing below 2-D
-    return lambda base, view: view if view.dim() < 2 else aten.transpose.int(view, d0, d1)
-
-
-def _scatter_unbind(get, k):
-    dim = get("dim", 0)
-    return lambda base, view: aten.select_scatter.default(base, view, dim, k)
-
-
-def _scatter_split(get, k):
-    dim, size, sizes = get("dim", 0), get("split_size"), get("split_sizes")
-
-    def scatter(base, view):
-        n = base.shape[dim % base.dim()]
-        parts = sizes if sizes is not None else [min(size, n - s) for s in range(0, n, size)]
-        start = sum(parts[:k])
-        return aten.slice_scatter.default(base, view, dim, start, start + parts[k], 1)
-    return scatter
-
-
-# packet -> (get(argument name, default), output index) -> scatter(base, view) -> the new base
-SCATTER = {
-    "select": _scatter_select, "slice": _scatter_slice, "diagonal": _scatter_diagonal,
-    "view": _reshape_back, "_unsafe_view": _reshape_back, "reshape": _reshape_back,
-    "_reshape_alias": _reshape_back, "unsqueeze": _reshape_back, "squeeze": _reshape_back,
-    "alias": _reshape_back, "detach": _reshape_back,
-    "permute": _permute_back, "transpose": _transpose_back, "t": _transpose_back,
-    "unbind": _scatter_unbind, "split": _scatter_split, "split_with_sizes": _scatter_split,
-}
 
 
 def is_view(func) -> bool:
@@ -98,7 +42,7 @@ def link(result, base, op: str, args, kwargs, moved: bool) -> None:
     if not moved and LINK not in base.__dict__:
         return
     outputs = result if isinstance(result, (list, tuple)) else [result]
-    make = SCATTER.get(op.split(".")[0])
+    make = entry(op.split(".")[0]).write_back  # registered with the op (ops/views.py)
     for k, out in enumerate(outputs):
         if out is None:
             continue
