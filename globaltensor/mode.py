@@ -40,7 +40,7 @@ from .ops import factory_roles
 from .placement import Placement
 from .sbp import Broadcast, PartialSum, Split, normalize
 from .dispatch.adopt import active, agree_on_value, modes
-from .packed import HANDLERS
+from . import packed, rnn
 from .runtime.emit import is_traced
 from .tensor import GlobalTensor
 
@@ -59,6 +59,10 @@ _FACTORIES = {getattr(torch, name): role for name, role in factory_roles().items
 _OURS = "globaltensor"
 
 __all__ = ["GlobalMode", "active", "global_mode"]
+
+
+# torch functions global mode hands to globaltensor when an argument is global
+HANDLERS = {**packed.HANDLERS, **rnn.HANDLERS}
 
 
 class GlobalMode(TorchFunctionMode):
@@ -89,7 +93,7 @@ class GlobalMode(TorchFunctionMode):
         kwargs = kwargs or {}
         kind = _FACTORIES.get(func)
         if kind is None:  # the common case: any other torch call, run as it is
-            handler = HANDLERS.get(func)  # packed sequences (packed.py)
+            handler = HANDLERS.get(func)  # packed sequences, recurrent layers
             if handler is not None and _any_global(args, kwargs):
                 return handler(*args, **kwargs)
             result = func(*args, **kwargs)

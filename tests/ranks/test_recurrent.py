@@ -187,3 +187,51 @@ def test_lstm_kernel_keeps_the_batch_split(batch_first, grid, batch):
             torch.testing.assert_close(got, w, rtol=1e-5, atol=1e-5)
         for got, w in zip(grads, want[3]):
             torch.testing.assert_close(got, w, rtol=1e-4, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- layers on pieces
+# nn.GRU, nn.RNN and a float64 nn.LSTM are composites above the dispatcher (their input
+# projection flattens time and batch: no aten rule keeps a split batch through it); global mode
+# runs them on each rank's sequences (globaltensor/rnn.py).
+
+
+@pytest.mark.parametrize("cell", ["GRU", "RNN", "LSTM"])
+@pytest.mark.parametrize("grid, batch", [(G2, S(0)), (G22, (B, S(0)))], ids=["2", "2x2"])
+@pytest.mark.parametrize("initial", [True, False], ids=["h0", "no h0"])
+def test_recurrent_layers_run_on_each_ranks_sequences(cell, grid, batch, initial):
+    torch.manual_seed(2)
+    layer = getattr(torch.nn, cell)(F, H, num_layers=2, bidirectional=True,
+                                    batch_first=True).double()
+    x = torch.randn(BATCH, T, F, dtype=torch.float64)
+    h0 = torch.randn(4, BATCH, H, dtype=torch.float64)
+    state = ((h0, h0 * 0.5) if cell == "LSTM" else h0) if initial else None
+
+    def loss(out, h):
+        h = h[0] + 2 * h[1] if isinstance(h, tuple) else h
+        return out.pow(2).sum() + h.sum()
+
+    reference = copy.deepcopy(layer)
+    out, h = reference(x, state)
+    loss(out, h).backward()
+    want = [out.detach(), [p.grad for p in reference.parameters()]]
+    batch = batch if isinstance(batch, tuple) else (batch,)
+    on_dim1 = tuple(S(1) if v == S(0) else v for v in batch)
+
+    def body(rank):
+        m = copy.deepcopy(layer).to_global(grid, (B,) * grid.ndim)
+        gx = gt.tensor(x, placement=grid, sbp=batch)
+        gs = None
+        if initial:
+            gs = tuple(gt.tensor(v, placement=grid, sbp=on_dim1) for v in state) \
+                if cell == "LSTM" else gt.tensor(h0, placement=grid, sbp=on_dim1)
+        with gt.comm_trace() as forward:
+            out, h = m(gx, gs)
+        loss(out, h).backward()
+        return (out.sbp, out.full_tensor(), [p.grad.full_tensor() for p in m.parameters()],
+                forward.counts())
+
+    for out_sbp, got, grads, counts in run_ranks(body, grid.size, timeout=240):
+        assert out_sbp == batch and not counts, (out_sbp, counts)  # no move in forward
+        torch.testing.assert_close(got, want[0], rtol=1e-10, atol=1e-10)
+        for g, w in zip(grads, want[1]):
+            torch.testing.assert_close(g, w, rtol=1e-9, atol=1e-9)
