@@ -376,3 +376,133 @@ def test_hf_models_train_compiled_data_parallel_and_on_a_2x2_grid(which, attn, w
         for n, p in reference.named_parameters():
             torch.testing.assert_close(torch.tensor(r["params"][n], dtype=torch.float64),
                                        p.detach(), rtol=1e-5, atol=2e-5, msg=n)
+
+
+# --------------------------------------------------------------------------- user redistributions
+
+
+def _moves(x):
+    """to_global (B, then P -> S(1)), to_local and full_tensor in user code, under autograd."""
+    y = (x * 2).to_global(sbp=B)
+    z = x.to_global(sbp=P).to_global(sbp=S(1))
+    return y.to_local().sum() + (z * z).full_tensor().sum()
+
+
+def _moves_no_grad(x):
+    return (x * 2).to_global(sbp=B).to_local() + 1
+
+
+def _check_user_moves(local_rank):
+    gt.init()
+    placement = _grid(2)
+    out = {}
+    for name, fn, grad in (("grad", _moves, True), ("no grad", _moves_no_grad, False)):
+        # 5 rows over 2 ranks: uneven pieces
+        x = gt.tensor(torch.arange(20.).reshape(5, 4), placement=placement,
+                      sbp=S(0)).requires_grad_(grad)
+        counter, seen = _collectives("aot_eager")
+        compiled = torch.compile(fn, backend=counter, fullgraph=True)
+        got, want = compiled(x), fn(x)
+        row = {"equal": torch.equal(got, want), "frames": counter.frame_count,
+               "collectives": sorted({c.split(".")[1] for c in seen})}
+        if grad:
+            got.backward()
+            grad_compiled = x.grad.full_tensor()
+            x.grad = None
+            want.backward()
+            row["grad_equal"] = torch.equal(grad_compiled, x.grad.full_tensor())
+        compiled(x)
+        row["steady_dispatches"] = _dispatches_in(compiled, x)
+        out[name] = row
+    return out
+
+
+def test_to_global_to_local_and_full_tensor_trace_inside_a_compiled_function():
+    """A global tensor's to_global / to_local / full_tensor in compiled user code: one graph
+    (fullgraph), the redistributions as functional collectives in it, no Python dispatch in a
+    steady call, values and gradients as eager."""
+    for rank, r in enumerate(gt.spawn(_check_user_moves, nproc_per_node=2, timeout=300)):
+        for name, row in r.items():
+            where = f"rank {rank}, {name}"
+            assert row["equal"] and row.get("grad_equal", True), f"{where}: {row}"
+            assert row["frames"] == 1 and row["steady_dispatches"] == 0, f"{where}: {row}"
+            assert "all_gather_into_tensor" in row["collectives"], f"{where}: {row}"
+        assert "reduce_scatter_tensor" in r["grad"]["collectives"], r["grad"]
+
+
+# --------------------------------------------------------------------------- a CNN with BatchNorm
+
+
+def _cnn():
+    torch.manual_seed(0)
+    c = 4
+
+    def block(cin):
+        return [torch.nn.Conv2d(cin, c, 3, padding=1, bias=False), torch.nn.BatchNorm2d(c),
+                torch.nn.ReLU()]
+    return torch.nn.Sequential(*block(3), torch.nn.MaxPool2d(2), *block(c),
+                               torch.nn.AdaptiveAvgPool2d(1), torch.nn.Flatten(),
+                               torch.nn.Linear(c, 5))
+
+
+def _cnn_batches(rows):
+    g = torch.Generator().manual_seed(2)
+    return [(torch.randn(rows, 3, 8, 8, generator=g), torch.randint(0, 5, (rows,), generator=g))
+            for _ in range(STEPS)]
+
+
+def _cnn_loss(model, x, y):
+    return torch.nn.functional.cross_entropy(model(x), y)
+
+
+def _cnn_train(model, batches, loss_of, place):
+    """Train mode (batch statistics, running statistics updated): losses, then the parameters,
+    gradients and BatchNorm buffers after the last step."""
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    losses = []
+    for x, y in batches:
+        opt.zero_grad()
+        loss = loss_of(model, *place(x, y))
+        loss.backward()
+        opt.step()
+        losses.append(_full(loss.detach()).item())
+    state = {n: _full(p.detach()).tolist() for n, p in model.named_parameters()}
+    state.update({f"{n}.grad": _full(p.grad).tolist() for n, p in model.named_parameters()})
+    state.update({n: _full(b).tolist() for n, b in model.named_buffers()})
+    return losses, state
+
+
+def _check_cnn(local_rank, backend, rows):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gt.init()
+    placement = _grid(gt.env.get_world_size())
+
+    def place(x, y):
+        return (gt.tensor(x, placement=placement, sbp=S(0)),
+                gt.tensor(y, placement=placement, sbp=S(0)))
+
+    batches = _cnn_batches(rows)
+    eager = _cnn_train(_cnn().to_global(placement, B), batches, _cnn_loss, place)
+    counter = CompileCounterWithBackend(backend)
+    loss_of = torch.compile(_cnn_loss, backend=counter, fullgraph=True)
+    compiled = _cnn_train(_cnn().to_global(placement, B), batches, loss_of, place)
+    return {"eager": eager, "compiled": compiled, "frames": counter.frame_count}
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+def test_cnn_with_batchnorm_trains_compiled_data_parallel_as_eager_and_one_process(backend):
+    """BatchNorm in train mode on a batch split over the ranks takes the whole batch's
+    statistics (sync-BN semantics): compiled, the losses, gradients, parameters and running
+    statistics equal eager global and one process on the whole batch; one graph."""
+    rows = 6
+    losses, state = _cnn_train(_cnn(), _cnn_batches(rows), _cnn_loss, lambda x, y: (x, y))
+    results = gt.spawn(_check_cnn, args=(backend, rows), nproc_per_node=2, timeout=600)
+    for rank, r in enumerate(results):
+        assert r["frames"] == 1, f"rank {rank}: {r['frames']} graphs"
+        for which in ("eager", "compiled"):
+            got_losses, got = r[which]
+            assert got_losses == pytest.approx(losses, rel=1e-5), f"rank {rank} {which}"
+            for name, want in state.items():
+                torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want),
+                                           rtol=1e-4, atol=1e-5, msg=f"rank {rank} {which} {name}")
