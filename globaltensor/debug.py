@@ -289,12 +289,13 @@ _USER_CALLS = {
 }
 
 
-def user_call(skip: int = 1) -> str | None:
+def user_call(skip: int = 1, frame=None) -> str | None:
     """The user-level call that led here (``item()``, ``print``, ``full_tensor()``,
     ``to_global``, ``aten.mm`` for an operator), read from the call stack; None when none is
     known. Walks only globaltensor's and torch's own frames, so it costs microseconds: call it
-    only when debugging or tracing, never on the warm path."""
-    frame = sys._getframe(skip)
+    only when debugging or tracing, never on the warm path. ``frame``: start there instead (a
+    waiting thread's, read by the stall report's watchdog)."""
+    frame = sys._getframe(skip) if frame is None else frame
     found = None
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
@@ -310,10 +311,10 @@ def user_call(skip: int = 1) -> str | None:
     return found
 
 
-def user_line(skip: int = 1) -> str:
+def user_line(skip: int = 1, frame=None) -> str:
     """The user's source line that led here: the innermost frame outside globaltensor and torch,
     as ``file:line (`code`)``; for an op inside backward, the line that called backward."""
-    frame = sys._getframe(skip)
+    frame = sys._getframe(skip) if frame is None else frame
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
         if not module.startswith(("globaltensor", "torch")):

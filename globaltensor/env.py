@@ -100,3 +100,6 @@ def sub_placement(placement, axis):
     axis (``Placement.along(axis, rank)`` for any rank)."""
     return placement.along(axis, get_rank())
 
+__all__ = ["get_rank", "get_world_size", "init", "is_initialized", "LocalInfo", "get_local_rank",
+           "get_local_world_size", "get_node_rank", "get_node_size", "set_local_info",
+           "rank_zero_only", "print0", "sub_placement"]

@@ -30,3 +30,6 @@ class RankMismatchError(GlobalTensorError):
 
 class LaunchError(GlobalTensorError):
     """The launcher was given options it cannot run, or the job could not start."""
+
+__all__ = ["GlobalTensorError", "PlacementError", "SbpError", "ShapeMismatchError",
+           "CollectiveTimeoutError", "RankMismatchError", "LaunchError"]

@@ -18,6 +18,7 @@ from __future__ import annotations
 import atexit
 import contextvars
 import datetime
+import json
 import os
 import sys
 import time
@@ -83,17 +84,29 @@ class WorldExit:
         self.store, self.rank, self.world_size = store, rank, world_size
         self.timeout, self.generation = timeout, generation
         self.done, self.pid = False, os.getpid()  # a forked child exiting is not this rank
+        self.progress = lambda: None  # this rank's collective number (world.py sets it)
 
     def key(self, rank: int) -> str:
         return f"gt/exit/{self.generation}/{rank}"
+
+    def announce(self, store, failed: bool) -> None:
+        """Before closing its groups: say where the others look (``left``) that this rank leaves,
+        and after which collective, so a rank still waiting for it names it."""
+        try:
+            store.set(leaving_key(self.generation, self.rank),
+                      json.dumps(["failed" if failed else "ok", self.progress()]))
+        except Exception:  # noqa: BLE001 - rank 0 (the store) is gone: nothing left to tell
+            pass
 
     def __call__(self, failed: bool | None = None) -> None:
         if self.done or os.getpid() != self.pid:
             return
         self.done = True
         failed = exiting_with_error() if failed is None else failed
-        close_groups()
         store, self.store = self.store, None
+        if store is not None and self.world_size > 1:
+            self.announce(store, failed)
+        close_groups()
         if store is None or self.world_size == 1:
             return
         if self.rank != 0:
@@ -125,6 +138,25 @@ class WorldExit:
               f"longer", file=sys.stderr, flush=True)
 
 
+def leaving_key(generation: int, rank: int) -> str:
+    return f"gt/leaving/{generation}/{rank}"
+
+
+def left(store, generation: int, ranks) -> dict[int, tuple[str, int | None]]:
+    """Which of ``ranks`` have left the world: rank -> ("ok" | "failed", its collective number
+    when it left). Empty when the store is gone."""
+    out = {}
+    try:
+        for r in ranks:
+            key = leaving_key(generation, r)
+            if store.check([key]):
+                status, number = json.loads(store.get(key))
+                out[r] = (status, number)
+    except Exception:  # noqa: BLE001 - the store broke: nothing to learn from it
+        return {}
+    return out
+
+
 def _has(store, key: str) -> bool:
     try:
         return bool(store.check([key]))
@@ -132,7 +164,7 @@ def _has(store, key: str) -> bool:
         return False
 
 
-def register(rank: int, world_size: int, timeout: datetime.timedelta | None) -> None:
+def register(rank: int, world_size: int, timeout: datetime.timedelta | None) -> "WorldExit":
     """After gt.init made a world: the rendezvous, then the exit that replaces an earlier one."""
     timeout = timeout or c10d.default_pg_timeout
     store = c10d._get_default_store() if world_size > 1 else None
@@ -144,6 +176,7 @@ def register(rank: int, world_size: int, timeout: datetime.timedelta | None) -> 
     leave = WorldExit(store, rank, world_size, timeout, generation)
     _CURRENT.set(leave)
     atexit.register(leave)
+    return leave
 
 
 def leave_world(failed: bool) -> None:

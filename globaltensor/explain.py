@@ -53,3 +53,5 @@ def explain(x, placement=None, sbp=None) -> Explanation:
         )
     dst = target_layout(x._layout, placement, sbp, "explain")
     return Explanation(plan(x._layout, dst), x.element_size(), str(x.dtype).replace("torch.", ""))
+
+__all__ = ["explain", "Explanation"]

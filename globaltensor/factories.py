@@ -102,21 +102,38 @@ def _make(fill, size, placement, sbp, dtype, requires_grad):
 
 
 def zeros(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """A global tensor of zeros of global shape ``size``; each rank allocates only its piece.
+
+    >>> x = gt.zeros(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
+    """
     return _make(lambda s, d, dev: torch.zeros(s, dtype=d, device=dev), size, placement, sbp,
                  dtype, requires_grad)
 
 
 def ones(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """A global tensor of ones of global shape ``size``; each rank allocates only its piece.
+
+    >>> x = gt.ones(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.broadcast)
+    """
     return _make(lambda s, d, dev: torch.ones(s, dtype=d, device=dev), size, placement, sbp,
                  dtype, requires_grad)
 
 
 def empty(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """An uninitialised global tensor of global shape ``size`` (each rank's piece only).
+
+    >>> x = gt.empty(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
+    """
     return _make(lambda s, d, dev: torch.empty(s, dtype=d, device=dev), size, placement, sbp,
                  dtype, requires_grad)
 
 
 def full(size, fill_value, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+    """A global tensor of global shape ``size`` filled with ``fill_value`` (int64 for an int,
+    bool for a bool, as torch.full).
+
+    >>> x = gt.full((8, 4), 7.0, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
+    """
     size, fill_value = _size_sequence(size, "full"), _checked_number(fill_value, "fill_value")
     if dtype is None and isinstance(fill_value, bool):
         dtype = torch.bool

@@ -310,3 +310,5 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     sys.exit(main())
+
+__all__ = ["main", "run", "parse_args", "LaunchConfig", "free_port", "auto_nproc"]

@@ -224,3 +224,5 @@ def _checked_axes(axes, ndim: int):
 
 
 placement = Placement
+
+__all__ = ["Placement", "placement", "PlacementError", "DEVICE_TYPES"]

@@ -175,3 +175,5 @@ def rand_local(layout: Layout, dtype=torch.float32, device=None, rank: int | Non
 
         rank = env.get_rank()
     return uniform_piece(layout, layout.placement.coord_of(rank), dtype, device)
+
+__all__ = ["manual_seed", "get_state", "set_state"]

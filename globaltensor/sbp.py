@@ -148,3 +148,6 @@ def format_sbp(values) -> str:
     """Compact form, the tuple a user would write: ``(S(0), B)``, and ``(S(0),)`` for one axis."""
     values = tuple(values)
     return "(" + ", ".join(str(v) for v in values) + (",)" if len(values) == 1 else ")")
+
+__all__ = ["Split", "Broadcast", "PartialSum", "SbpValue", "broadcast", "partial_sum", "B", "P",
+           "split", "S", "normalize", "format_sbp", "SbpError"]

@@ -230,3 +230,5 @@ def _stop(procs) -> None:
     for p in procs:
         signal_tree(p.pid, signal.SIGKILL)
         p.join(5.0)
+
+__all__ = ["spawn", "SpawnError"]

@@ -17,10 +17,11 @@ import time
 from dataclasses import dataclass
 
 from .errors import LaunchError
+from .reporting import (DIFFERENT_COLLECTIVES_HINT, describe_exit, failure_report,  # noqa: F401
+                        first_failure, stderr_tail)
 
-STDERR_TAIL_LINES = 20  # how much of a failed rank's stderr the report shows (no traceback)
 STDERR_KEPT_LINES = 400  # how much is kept to find the last traceback in
-TRACEBACK_LINES = 80  # the most of a traceback the report shows (its end)
+HOLD_S = 3.0  # a rank still running this long after writing a traceback shows it
 PARTIAL_LINE_S = 0.2  # a line with no newline yet (a progress bar) is shown after this long
 STOP_GRACE_S = 5.0  # after the first signal, how long ranks get to exit before SIGKILL
 POLL_S = 0.05
@@ -65,17 +66,6 @@ def signal_tree(pid: int, sig: int) -> None:
         os.kill(pid, sig)
     except (ProcessLookupError, PermissionError):
         pass
-
-
-def describe_exit(code: int) -> str:
-    """'exited with code 3' / 'was killed by SIGKILL' for a Popen-style return code."""
-    if code < 0:
-        try:
-            name = signal.Signals(-code).name
-        except ValueError:
-            name = f"signal {-code}"
-        return f"was killed by {name}"
-    return f"exited with code {code}"
 
 
 def exit_status(code: int) -> int:
@@ -137,6 +127,8 @@ class RankProcess:
         self.rank, self.local_rank, self.proc = rank, local_rank, proc
         self.stderr_tail: collections.deque[str] = collections.deque(maxlen=STDERR_KEPT_LINES)
         self.readers: list[threading.Thread] = []
+        self.held = Held()
+        self.ended: float | None = None  # when the supervisor saw it exit (monotonic)
 
     @property
     def pid(self) -> int:
@@ -145,8 +137,10 @@ class RankProcess:
     def pump(self, stream: str, console: Console | None, log_path: str | None) -> None:
         pipe = getattr(self.proc, stream)
         tail = self.stderr_tail if stream == "stderr" else None
+        held = self.held if stream == "stderr" else None
         t = threading.Thread(target=_pump, name=f"rank{self.rank}-{stream}", daemon=True,
-                             args=(pipe, f"[rank {self.rank}] ", stream, console, log_path, tail))
+                             args=(pipe, f"[rank {self.rank}] ", stream, console, log_path, tail,
+                                   held))
         t.start()
         self.readers.append(t)
 
@@ -155,7 +149,31 @@ class RankProcess:
             t.join(max(0.0, deadline - time.monotonic()))
 
 
-def _pump(pipe, prefix, stream, console, log_path, tail) -> None:
+class Held:
+    """A rank's traceback on stderr, held back from the console: a rank about to die shows it in
+    the launcher's report instead (the first failing rank's in full, one line for the others).
+    A rank still running HOLD_S after it, or ending with success, shows it after all."""
+
+    def __init__(self):
+        self.lines: list[str] = []
+        self.last = 0.0
+        self.failing = False  # the job is failing: keep holding, the report shows it
+
+    def takes(self, line: str) -> bool:
+        if not self.lines and not line.startswith("Traceback (most recent call"):
+            return False
+        self.lines.append(line)
+        self.last = time.monotonic()
+        return True
+
+    def release(self, console, stream: str, prefix: str) -> None:
+        lines, self.lines = self.lines, []
+        for line in lines:
+            if console:
+                console.line(stream, prefix, line, final=True)
+
+
+def _pump(pipe, prefix, stream, console, log_path, tail, held=None) -> None:
     """Echo a rank's pipe line by line with its prefix, as soon as a line ends (``\n``; or
     ``\r``: a progress bar's update, kept open on the console and rewritten in place by the
     next) or has waited PARTIAL_LINE_S without ending (shown open, then completed in place);
@@ -171,16 +189,22 @@ def _pump(pipe, prefix, stream, console, log_path, tail) -> None:
             tail.append(line + "\n")
         if end == "\r" and (not line or line == open_text[0]):
             return
+        if held is not None and end == "\n" and held.takes(line):
+            return
         open_text[0] = line if end == "\r" else None
         if console:
             console.line(stream, prefix, line, final=end == "\n")
 
     try:
         while True:
-            if pending != shown and not select.select([fd], [], [], PARTIAL_LINE_S)[0]:
-                # a partial line (or a bar's update, its \r last): show it now, open
-                show(pending[:-1] if pending.endswith(b"\r") else pending, "\r")
-                shown = pending
+            ready = select.select([fd], [], [], PARTIAL_LINE_S)[0]
+            if held is not None and held.lines and not held.failing \
+                    and time.monotonic() - held.last > HOLD_S:
+                held.release(console, stream, prefix)  # the rank went on after its traceback
+            if not ready:
+                if pending != shown:  # a partial line (or a bar's update, its \r last): show
+                    show(pending[:-1] if pending.endswith(b"\r") else pending, "\r")  # it open
+                    shown = pending
                 continue
             chunk = os.read(fd, 65536)
             if not chunk:
@@ -312,6 +336,9 @@ def supervise(ranks: list[RankProcess], deadline: float | None, signals: Signals
         if signals.received:
             return Outcome("signal", signum=signals.received[0])
         codes = {r.rank: r.proc.poll() for r in ranks}
+        for r in ranks:
+            if r.ended is None and codes[r.rank] is not None:
+                r.ended = time.monotonic()
         failed = [rank for rank, code in codes.items() if code not in (None, 0)]
         if failed:
             return Outcome("failed", rank=failed[0])
@@ -334,66 +361,30 @@ def finish(ranks: list[RankProcess], outcome: Outcome, signals: Signals, console
     hurry = lambda: len(signals.received) > 1  # noqa: E731 - a second Ctrl-C skips the grace
     first = signal.SIGINT if outcome.kind == "signal" and outcome.signum == signal.SIGINT \
         else signal.SIGTERM
+    for r in ranks:  # a failing job's tracebacks go to the report, not the console
+        r.held.failing = outcome.kind == "failed"
     if outcome.kind == "signal":
         console.note(f"received {signal.Signals(outcome.signum).name}: stopping ranks {running}")
     stop(ranks, first, STOP_GRACE_S if running else 0, hurry)
     for r in ranks:
         r.join_readers(time.monotonic() + 2.0)
+        if outcome.kind != "failed":
+            r.held.release(console, "stderr", f"[rank {r.rank}] ")
     if outcome.kind == "ok":
         return 0
     if outcome.kind == "signal":
         return 128 + outcome.signum
     if outcome.kind == "timeout":
         done = sorted({r.rank for r in ranks} - set(outcome.running))
+        had = f" (ranks {done} had finished)" if done else ""
         console.note(f"timed out after {config.timeout:g}s: ranks {list(outcome.running)} were "
-                     f"still running (ranks {done} had finished); stopped them. Raise --timeout "
-                     f"if the job needs longer, or look for a rank stuck in a collective\n"
+                     f"still running{had}; stopped them. Raise --timeout if the job needs "
+                     f"longer, or look for a rank stuck in a collective\n"
                      f"{DIFFERENT_COLLECTIVES_HINT}")
         return EXIT_TIMEOUT
-    failed = next(r for r in ranks if r.rank == outcome.rank)
+    seen = next(r for r in ranks if r.rank == outcome.rank)
+    failed = first_failure(ranks, outcome.rank)
     stopped = [x for x in running if x != failed.rank]
-    console.note(failure_report(failed, config, port, stopped))
-    return exit_status(failed.proc.returncode) or 1
-
-
-DIFFERENT_COLLECTIVES_HINT = (
-    "hint: ranks may have run different collectives (x.item() or print(x) under `if rank == 0:` "
-    "is the usual one: use gt.print0): rerun with GT_DEBUG=1 to name the operation and rank")
-# words in a rank's stderr that say its peers ran something else, or left
-_MISMATCH_WORDS = ("mismatch", "connection closed by peer", "connection reset by peer",
-                   "timed out", "timeout")
-
-
-def failure_report(failed: RankProcess, config, port: int,
-                   stopped: list[int]) -> str:
-    """The lines the launcher prints when a rank fails."""
-    how = describe_exit(failed.proc.returncode)
-    lines = [f"rank {failed.rank} (local rank {failed.local_rank} on node {config.node_rank}, "
-             f"pid {failed.pid}) {how}; stopped the other ranks still running: {stopped}"]
-    tail, what = stderr_tail(list(failed.stderr_tail))
-    if tail:
-        lines.append(f"{what} of rank {failed.rank}'s stderr:")
-        lines += ["  | " + line.rstrip("\n") for line in tail]
-    else:
-        lines.append(f"rank {failed.rank} wrote nothing to stderr")
-    text = "".join(tail).lower()
-    if "address already in use" in text:
-        lines.append(f"hint: master port {port} looks taken; pass "
-                     f"another --master_port (or leave it out on a single node)")
-    elif "gt_debug:" not in text and (failed.proc.returncode == -signal.SIGABRT
-                                      or any(w in text for w in _MISMATCH_WORDS)):
-        lines.append(DIFFERENT_COLLECTIVES_HINT)  # (GT_DEBUG's own message names them already)
-    return "\n".join(lines)
-
-
-def stderr_tail(kept: list[str]) -> tuple[list[str], str]:
-    """What the report shows of a rank's stderr: from its last ``Traceback`` on (at most
-    TRACEBACK_LINES, the end), else its last STDERR_TAIL_LINES lines; and how to title it."""
-    starts = [i for i, line in enumerate(kept) if line.startswith("Traceback (most recent call")]
-    if not starts:
-        tail = kept[-STDERR_TAIL_LINES:]
-        return tail, f"last {len(tail)} line{'s' * (len(tail) > 1)}"
-    tail = kept[starts[-1]:]
-    if len(tail) > TRACEBACK_LINES:
-        return tail[-TRACEBACK_LINES:], f"the last {TRACEBACK_LINES} lines of the last traceback"
-    return tail, "the last traceback"
+    after = seen if failed.rank in running else None  # the cause was still exiting: stopped
+    console.note(failure_report(failed, config, port, stopped, others=ranks, after=after))
+    return exit_status(seen.proc.returncode) or 1

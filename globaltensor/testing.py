@@ -245,3 +245,5 @@ def _script_path(path_or_source, folder: str) -> str:
     with open(path, "w") as f:
         f.write(path_or_source)
     return path
+
+__all__ = ["run_ranks", "run_script", "CompletedRun", "RankFailed", "RanksHung"]

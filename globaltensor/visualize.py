@@ -80,3 +80,5 @@ def visualize(x, max_rows: int = 16, max_cols: int = 16) -> str:
             f"make one with x.to_global(placement=..., sbp=...)"
         )
     return draw(layout, max_rows, max_cols)
+
+__all__ = ["visualize", "draw"]

@@ -11,7 +11,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import exits
+from . import exits, watch
 from .errors import GlobalTensorError
 
 
@@ -65,7 +65,17 @@ def init_world(rank: int, world_size: int, backend: str | None, timeout, store=N
         dist.init_process_group(backend, store=store, rank=rank, world_size=world_size, **kwargs)
     else:
         dist.init_process_group(backend, init_method="env://", rank=rank, world_size=world_size, **kwargs)
-    exits.register(rank, world_size, world_timeout())
+    leave = exits.register(rank, world_size, world_timeout())
+    if world_size > 1:  # the stall report, and ranks that left named by those waiting for them
+        watched = watch.start(c10d._get_default_store(), rank, world_size, leave.generation)
+        leave.progress = lambda: watched.count
+
+
+def start_watch(stall_s: float | None = None) -> "watch.Watch":
+    """Watch a world made without init_world (gt.testing's thread-ranks): stall reports after
+    ``stall_s`` seconds (None: GT_STALL_REPORT)."""
+    return watch.start(c10d._get_default_store(), dist.get_rank(), dist.get_world_size(),
+                       stall_s=stall_s)
 
 
 def destroy_world() -> None:

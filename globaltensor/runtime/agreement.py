@@ -11,19 +11,20 @@ world (the default process group; each thread-rank of the test harness has its o
 """
 from __future__ import annotations
 
-import datetime
+import time
 import weakref
 import zlib
 
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .. import debug
+from .. import debug, watch
 from ..debug import Descriptor
 from ..errors import CollectiveTimeoutError, RankMismatchError
 from ..world import is_initialized, world_timeout
 
 _PREFIX = "gt_debug"
+POLL_S = (0.0002, 0.05)  # a check polls the store for the others: first and longest pause
 # default process group -> {scope: number of checks this rank started in it}
 _SEQ: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 
@@ -82,11 +83,16 @@ def agree(op: str, facts: dict, ranks=None, timeout: float | None = None) -> Non
 
 def _wait_all(store, scope, words, ranks, keys, mine: Descriptor, me: int, timeout) -> None:
     seconds = timeout if timeout is not None else world_timeout().total_seconds()
+    watched = watch.current()
+    if watched is not None:
+        watched.enter(watch.Waiting(f"the GT_DEBUG check of {mine.title()}", ranks))
     try:
-        store.wait(keys, datetime.timedelta(seconds=seconds))
+        cause = _poll(store, keys, seconds, watched, ranks, mine)
+    finally:
+        if watched is not None:
+            watched.leave()
+    if cause is None:
         return
-    except RuntimeError as e:  # DistStoreError: "Wait timeout"; or the store went away
-        cause = e
     try:
         present = {r: store.check([k]) for r, k in zip(ranks, keys)}
     except RuntimeError as e:
@@ -101,6 +107,27 @@ def _wait_all(store, scope, words, ranks, keys, mine: Descriptor, me: int, timeo
     raise CollectiveTimeoutError(
         debug.missing_message(me, mine, missing, last, seconds, words)
     ) from None
+
+
+def _poll(store, keys, seconds: float, watched, ranks, mine: Descriptor):
+    """Wait until every key is there (None), or the timeout passed (the error); polled, not a
+    store wait, so that a rank that left the job meanwhile is seen at once: its waiters raise
+    naming it (``watch.finished_message``) instead of waiting out the timeout."""
+    start, pause = time.monotonic(), POLL_S[0]
+    while True:
+        try:
+            if store.check(keys):
+                return None
+        except RuntimeError as e:  # the store went away
+            return e
+        if time.monotonic() - start > seconds:
+            return CollectiveTimeoutError("Wait timeout")
+        if pause >= POLL_S[1]:  # waiting for a while: has a missing rank left the job?
+            finished = watch.finished_message(watched, ranks, f"global operation {mine}")
+            if finished is not None:
+                raise CollectiveTimeoutError("GT_DEBUG: " + finished)
+        time.sleep(pause)
+        pause = min(pause * 2, POLL_S[1])
 
 
 def _previous(store, scope: str, seq: int, rank: int) -> Descriptor | None:

@@ -18,7 +18,7 @@ import inspect
 
 import torch.distributed as dist
 
-from .. import debug, world
+from .. import debug, watch, world
 from ..errors import CollectiveTimeoutError, GlobalTensorError
 from . import failure
 from .agreement import whereabouts
@@ -41,27 +41,51 @@ def is_peer_lost(error: BaseException) -> bool:
 class guard:
     """Context manager: re-raise a collective's timeout as a CollectiveTimeoutError that explains."""
 
-    __slots__ = ("op", "ranks")
+    __slots__ = ("op", "ranks", "step", "watch")
 
-    def __init__(self, op, ranks=None):
+    def __init__(self, op, ranks=None, step=None):
         self.op = op
         self.ranks = ranks
+        self.step = step  # the plan step it runs, for the stall report
 
     def __enter__(self):
+        self.watch = watch.current()  # the stall report's record of this rank's wait
+        if self.watch is not None:
+            self.watch.enter(self)
         return self
 
     def __exit__(self, exc_type, exc, tb):
+        if self.watch is not None:
+            self.watch.leave()
         if exc is None or not isinstance(exc, RuntimeError) or isinstance(exc, GlobalTensorError):
             return False
         if is_timeout(exc) or is_peer_lost(exc):
             message = failure.seen()  # a peer's local computation failed: its error, not ours
             if message is not None:
                 raise failure.failed_elsewhere(message, self._op()) from exc
+            finished = watch.finished_message(self.watch, self._ranks() or [], self._op())
+            if finished is not None:  # a peer finished its program while this rank waits
+                raise GlobalTensorError(finished) from None
         if is_timeout(exc):
             raise CollectiveTimeoutError(timeout_message(self._op(), self._ranks(), exc)) from exc
         if is_peer_lost(exc):
             raise GlobalTensorError(peer_lost_message(self._op(), self._ranks(), exc)) from exc
         return False
+
+    def waiting_in(self, frame, world_size: int) -> tuple[str, str]:
+        """(name, detail) of this wait for the stall report, read from the waiting thread's
+        ``frame`` by the watchdog thread: ``item()``, ``all_reduce over [0, 1]``."""
+        if isinstance(self.op, str):
+            name = self.op
+        else:
+            name = (debug.user_call(frame=frame) if frame is not None else None) or "a collective"
+        try:
+            ranks = self.ranks() if callable(self.ranks) else self.ranks
+        except Exception:  # noqa: BLE001 - only for the report
+            ranks = None
+        ranks = list(range(world_size)) if ranks is None else [int(r) for r in ranks]
+        kind = getattr(self.step, "kind", type(self.step).__name__) if self.step else ""
+        return name, (f"{kind} over {ranks}" if kind else f"over {ranks}")
 
     def _op(self) -> str:
         return self.op() if callable(self.op) else str(self.op)
@@ -123,7 +147,8 @@ def _arrivals(ranks) -> str:
 
 def step_guard(plan, index: int) -> guard:
     """The guard for step ``index`` of a redistribution plan (its words are built only on failure)."""
-    return guard(lambda: _step_words(plan, index), ranks=lambda: _step_ranks(plan.steps[index]))
+    return guard(lambda: _step_words(plan, index), ranks=lambda: _step_ranks(plan.steps[index]),
+                 step=plan.steps[index])
 
 
 def _step_words(plan, index: int) -> str:

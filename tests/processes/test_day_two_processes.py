@@ -33,8 +33,9 @@ def test_item_under_rank_zero_gets_a_hint_and_gt_debug_names_it():
     assert plain.returncode == 1
     assert "GlobalTensorError: item(): redistribution Layout(placement('cpu', ranks=[0, 1]), " \
            "(P,), []) -> " in plain.stderr
-    assert "[launch] hint: ranks may have run different collectives" in plain.stderr
-    assert "rerun with GT_DEBUG=1 to name the operation and rank" in plain.stderr
+    # rank 1 finished while rank 0 waits in item(): the error says so, and names the trap
+    assert "rank 1 finished (exit 0) after its collective #" in plain.stderr
+    assert "under `if rank == 0:` the other ranks never join it (use gt.print0" in plain.stderr
     checked = run_script(trap, 2, timeout=60, env=dict(ENV, GT_TIMEOUT="10", GT_DEBUG="1"))
     assert checked.returncode == 1
     assert "rank 0: #5 item()(dtype=torch.float32, source=Layout(placement('cpu', ranks=[0, 1]), " \
@@ -152,7 +153,9 @@ def test_failure_report_starts_at_the_last_traceback_without_torch_prefixes(caps
                           "[launch]   | Traceback (most recent call last):",
                           '[launch]   |   File "train.py", line 3, in <module>',
                           "[launch]   | RuntimeError: boom"]
-    assert "[rank 0] RuntimeError: boom\n" in err and "[rank0]:" not in err
+    # the traceback is held back from the live output: shown once, in the report
+    assert err.count("RuntimeError: boom") == 1 and "[rank0]:" not in err
+    assert "[rank 0] noise 29\n" in err
 
 
 def test_sigabrt_gets_the_different_collectives_hint(capsys):
@@ -162,6 +165,49 @@ def test_sigabrt_gets_the_different_collectives_hint(capsys):
     assert ("[launch] hint: ranks may have run different collectives (x.item() or print(x) under "
             "`if rank == 0:` is the usual one: use gt.print0): rerun with GT_DEBUG=1 to name the "
             "operation and rank") in err
+
+
+_RAISES = """
+import torch, globaltensor as gt
+gt.init()
+x = torch.ones(6).to_global(gt.placement("cpu", [0, 1]), gt.sbp.split(0))
+if gt.env.get_rank() == 1:
+    raise ValueError("bad value on rank 1")
+for i in range(100):
+    x = (x + 1).to_global(sbp=gt.sbp.broadcast).to_global(sbp=gt.sbp.split(0))
+"""
+
+
+def test_one_rank_raising_shows_its_error_first_in_full_and_no_hint(tmp_path):
+    run = run_script(_RAISES, 2, timeout=60, env=dict(ENV, GT_TIMEOUT="30"),
+                     launcher_args=["--logdir", str(tmp_path)])
+    assert run.returncode == 1
+    report = run.stderr[run.stderr.index("[launch] rank 1 (local rank 1"):].splitlines()
+    assert report[1] == "[launch] the last traceback of rank 1's stderr:"
+    assert report[-1] == "[launch]   | ValueError: bad value on rank 1"  # nothing after it
+    assert run.stderr.count("Traceback") == 1 and "hint" not in run.stderr
+    assert ": []" not in run.stderr
+    assert "ValueError: bad value" in (tmp_path / "rank_1.stderr").read_text()
+
+
+_EARLY = """
+import torch, globaltensor as gt
+gt.init()
+x = torch.ones(4).to_global(gt.placement("cpu", [0, 1]), gt.sbp.split(0))
+for i in range(3 if gt.env.get_rank() == 1 else 1000):  # rank 1 runs out of data
+    x = (x + 1).to_global(sbp=gt.sbp.broadcast).to_global(sbp=gt.sbp.split(0))
+"""
+
+
+def test_a_rank_finishing_early_under_gt_debug_is_named_at_once():
+    start = time.monotonic()
+    run = run_script(_EARLY, 2, timeout=60, env=dict(ENV, GT_DEBUG="1", GT_TIMEOUT="60"))
+    assert time.monotonic() - start < 30  # the debug check's timeout is 60 s: nobody waited
+    assert run.returncode == 1
+    assert re.search(r"GT_DEBUG: global operation #\d+ .*: rank 1 finished \(exit 0\) after its "
+                     r"collective #\d+ while rank 0 still runs", run.stderr), run.stderr
+    assert "[launch] rank 1 finished (exit 0) while the others still ran" in run.stderr
+    assert "hint" not in run.stderr
 
 
 _SLURM_RANK = """

@@ -1,0 +1,231 @@
+"""What each rank waits in: the stall report (``GT_STALL_REPORT``) and ranks that left the job.
+
+Every guarded collective (runtime/guard.py) and every GT_DEBUG check enters this rank's
+``Watch``: one tuple stored, a clock read and a counter (the rank's collective number), well
+under a microsecond and no communication. A daemon thread per world looks at it every ``tick``:
+
+- a wait older than ``publish_s`` (a few seconds) is written once to the world's store under
+  ``gt/wait/<generation>/<rank>`` (the operation, its number, the user's line, its ranks) and
+  deleted when it ends;
+- a wait older than ``GT_STALL_REPORT`` seconds (default 30; 0 turns the report off): the other
+  ranks' records are read, and when every other rank waits too (or has left the job), the report
+  is printed once on this rank's stderr, naming what each rank waits in.
+
+Nothing is written while no wait lasts ``publish_s``. Ranks that left the job are read from the
+keys ``exits.py`` writes as a rank leaves (``exits.left``): a rank still waiting for one of them
+names it ("rank 1 finished (exit 0) after collective #30 while ranks [0] still run").
+"""
+from __future__ import annotations
+
+import contextvars
+import json
+import os
+import sys
+import threading
+import time
+
+from . import debug, exits
+from .errors import GlobalTensorError
+
+__all__ = ["Watch", "Waiting", "current", "start", "stop", "stall_seconds", "stall_report",
+           "finished_message"]
+
+DEFAULT_STALL_S = 30.0
+PUBLISH_S = 5.0  # a wait this old is written to the store (at most half the stall time)
+_WATCH: contextvars.ContextVar["Watch | None"] = contextvars.ContextVar("gt_watch", default=None)
+
+
+def current() -> "Watch | None":
+    """This context's world's Watch (None outside a watched world)."""
+    return _WATCH.get()
+
+
+def stall_seconds(environ=os.environ) -> float:
+    """GT_STALL_REPORT in seconds (default 30); 0 turns the stall report off."""
+    raw = environ.get("GT_STALL_REPORT", "").strip()
+    if not raw:
+        return DEFAULT_STALL_S
+    try:
+        seconds = float(raw)
+    except ValueError:
+        seconds = -1.0
+    if not seconds >= 0:
+        raise GlobalTensorError(
+            f"expected GT_STALL_REPORT to be a number of seconds >= 0, found {raw!r}; e.g. "
+            f"GT_STALL_REPORT=10, 0 to turn the stall report off, or unset it ({DEFAULT_STALL_S:g}s)")
+    return seconds
+
+
+class Waiting:
+    """A wait that is not a guarded collective (a GT_DEBUG check): its name and ranks."""
+
+    __slots__ = ("name", "ranks")
+
+    def __init__(self, name: str, ranks):
+        self.name, self.ranks = name, ranks
+
+    def waiting_in(self, frame, world_size: int) -> tuple[str, str]:
+        return self.name, f"over {list(self.ranks)}"
+
+
+class Watch:
+    """This rank's current wait in one world, and what its watchdog thread knows."""
+
+    def __init__(self, store, rank: int, world_size: int, generation: int, stall_s: float):
+        self.store, self.rank, self.world_size = store, rank, world_size
+        self.generation, self.stall_s = generation, stall_s
+        self.publish_s = min(PUBLISH_S, stall_s / 2) if stall_s else PUBLISH_S
+        self.tick = min(1.0, stall_s / 4) if stall_s else 1.0
+        self.count = 0  # collectives entered: the rank's collective number
+        self.depth = 0
+        self.now: tuple | None = None  # (number, what, thread id, since) of the current wait
+        self.closed = False
+        self.published = 0
+        self.reported = 0
+
+    # -- the waiting thread: the hot path
+    def enter(self, what) -> None:
+        self.depth += 1
+        if self.depth == 1:
+            self.count += 1
+            self.now = (self.count, what, threading.get_ident(), time.monotonic())
+
+    def leave(self) -> None:
+        self.depth -= 1
+        if self.depth <= 0:
+            self.depth, self.now = 0, None
+
+    # -- the store
+    def key(self, rank: int) -> str:
+        return f"gt/wait/{self.generation}/{rank}"
+
+    def left(self, ranks) -> dict[int, tuple[str, int | None]]:
+        """Ranks among ``ranks`` that have left the job: rank -> (status, collective number)."""
+        return exits.left(self.store, self.generation, [r for r in ranks if r != self.rank])
+
+    # -- the watchdog thread
+    def run(self) -> None:
+        while not self.closed:
+            time.sleep(self.tick)
+            try:
+                self.look()
+            except Exception:  # noqa: BLE001 - the store went away with its owner: stop watching
+                return
+
+    def look(self) -> None:
+        now = self.now
+        if now is None or time.monotonic() - now[3] < self.publish_s:
+            if self.published:
+                self.published = 0
+                self.store.delete_key(self.key(self.rank))
+            return
+        number, what, ident, since = now
+        if self.published != number:
+            self.store.set(self.key(self.rank), json.dumps(self.describe(number, what, ident)))
+            self.published = number
+        if self.stall_s and self.reported != number and time.monotonic() - since >= self.stall_s:
+            report = self.report(time.monotonic() - since)
+            if report is not None:
+                self.reported = number
+                print(report, file=sys.stderr, flush=True)
+
+    def describe(self, number: int, what, ident: int) -> dict:
+        frame = sys._current_frames().get(ident)
+        name, detail = what.waiting_in(frame, self.world_size)
+        line = debug.user_line(frame=frame) if frame is not None else "<unknown line>"
+        return {"number": number, "name": name, "detail": detail, "line": _short(line)}
+
+    def report(self, waited: float) -> str | None:
+        """The stall report, or None while some other rank is not waiting (it is working)."""
+        others = [r for r in range(self.world_size) if r != self.rank]
+        left = self.left(others)
+        waits = {self.rank: json.loads(self.store.get(self.key(self.rank)))}
+        for r in others:
+            if r in left:
+                continue
+            if not self.store.check([self.key(r)]):
+                return None
+            waits[r] = json.loads(self.store.get(self.key(r)))
+        return stall_report(waits, left, waited)
+
+
+def stall_report(waits: dict[int, dict], left: dict, waited: float) -> str:
+    """The text: ranks grouped by what they wait in (pure, for the tests)."""
+    groups: dict[tuple, list[int]] = {}
+    for rank, w in sorted(waits.items()):
+        groups.setdefault((w["name"], w["number"], w["line"], w["detail"]), []).append(rank)
+    parts = [f"{_ranks(ranks)} wait{'s' * (len(ranks) == 1)} in {name} (collective #{number}, "
+             f"{detail}) at {line}" for (name, number, line, detail), ranks in groups.items()]
+    parts += [_left_words(r, status, n) for r, (status, n) in sorted(left.items())]
+    return (f"globaltensor: no rank has made progress for {waited:.0f}s (GT_STALL_REPORT): "
+            + "; ".join(parts) + ". Expected every rank to reach the same collectives in the same "
+            "order (SPMD): a read of a global value (x.item(), print(x)) under `if rank == 0:` "
+            "is the usual cause (use gt.print0); GT_DEBUG=1 names the first operation that "
+            "differs. The job goes on waiting until the timeout (GT_TIMEOUT).")
+
+
+def finished_message(watch: "Watch | None", ranks, where: str) -> str | None:
+    """What a rank waiting in ``where`` with ``ranks`` raises when some of them finished (left
+    with exit 0) while it still runs; None when none did."""
+    if watch is None:
+        return None
+    left = {r: v for r, v in watch.left(ranks).items() if v[0] == "ok"}
+    if not left:
+        return None
+    gone = "; ".join(_left_words(r, status, n) for r, (status, n) in sorted(left.items()))
+    still = [r for r in ranks if r not in left]
+    if where.startswith(_VALUE_READS):
+        why = ("Rank {me} reads a global value there, which is a collective: under `if rank == 0:` "
+               "the other ranks never join it (use gt.print0, or read the value on every rank).")
+    else:
+        why = ("Expected every rank to run the same global operations (SPMD): a rank that runs "
+               "out of data must stop with the others (gt.data.loader gives every rank the same "
+               "number of batches; or agree on the number of steps first, e.g. with "
+               "gt.comm.all_reduce of a count).")
+    return (f"{where}: {gone} while {_ranks(still)} still run{'s' * (len(still) == 1)} (rank "
+            f"{watch.rank} waits here, its collective #{watch.count}). "
+            + why.format(me=watch.rank))
+
+
+_VALUE_READS = ("item()", "print", "tolist()", "numpy()", "full_tensor()")
+
+
+def _left_words(rank: int, status: str, number) -> str:
+    how = "finished (exit 0)" if status == "ok" else "left with an error"
+    at = f" after its collective #{number}" if number is not None else ""
+    return f"rank {rank} {how}{at}"
+
+
+def _ranks(ranks) -> str:
+    ranks = sorted(ranks)
+    return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {ranks}"
+
+
+def _short(line: str) -> str:
+    """A user line with its file relative to the working directory when it is below it."""
+    path, sep, rest = line.partition(":")
+    rel = os.path.relpath(path) if os.path.isabs(path) else path
+    return (rel if not rel.startswith("..") else path) + sep + rest
+
+
+def start(store, rank: int, world_size: int, generation: int = 0,
+          stall_s: float | None = None) -> Watch:
+    """Watch this context's world (its guards and checks enter the Watch); a daemon thread
+    reports stalls. Replaces an earlier world's Watch in this context."""
+    previous = _WATCH.get()
+    if previous is not None:
+        previous.closed = True
+    watch = Watch(store, rank, world_size, generation,
+                  stall_seconds() if stall_s is None else stall_s)
+    _WATCH.set(watch)
+    if world_size > 1 and store is not None:
+        threading.Thread(target=watch.run, name=f"gt-watch-{rank}", daemon=True).start()
+    return watch
+
+
+def stop() -> None:
+    """This context's world is over: its watchdog thread ends."""
+    watch = _WATCH.get()
+    if watch is not None:
+        watch.closed = True
+        _WATCH.set(None)

@@ -1,0 +1,71 @@
+"""The stall report (GT_STALL_REPORT, globaltensor/watch.py): when no rank has made progress for
+that long, every rank prints what each rank waits in, long before the timeout (issue 34 item 2).
+In real processes: tests/processes/test_day_two_processes.py."""
+import datetime
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import globaltensor as gt
+from globaltensor import watch, world
+from globaltensor.testing import RankFailed, RanksHung, run_ranks
+
+
+def _shorten_world_timeout(seconds: float) -> None:
+    backend = dist.group.WORLD._get_backend(torch.device("cpu"))
+    backend._set_default_timeout(datetime.timedelta(seconds=seconds))
+
+
+def test_item_under_if_rank_zero_is_reported_within_the_stall_time(capsys):
+    def body(rank):
+        _shorten_world_timeout(4)
+        world.start_watch(stall_s=1)
+        p = gt.placement("cpu", [0, 1])
+        x = torch.ones(2).to_global(p, gt.sbp.partial_sum)
+        if rank == 0:
+            return x.sum().item()  # the classic: rank 1 never joins this all_reduce
+        return gt.comm.all_reduce(torch.ones(1))
+
+    start = time.monotonic()
+    with pytest.raises((RankFailed, RanksHung)):
+        run_ranks(body, 2, timeout=20)
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "no rank has made progress" in line]
+    assert len(lines) == 2, err  # once on every rank
+    text = lines[0]
+    assert "rank 0 waits in item() (collective #" in text and "all_reduce over [0, 1])" in text
+    assert "rank 1 waits in gt.comm.all_reduce (collective #" in text
+    assert "test_stall_ranks.py:" in text and "`return x.sum().item()" in text
+    assert "gt.print0" in text
+    assert time.monotonic() - start < 15
+
+
+def test_no_report_while_one_rank_works(capsys):
+    def body(rank):
+        world.start_watch(stall_s=0.5)
+        if rank == 0:
+            time.sleep(2)  # working (no collective): not a stall
+        gt.comm.barrier()
+        return rank
+
+    assert run_ranks(body, 2, timeout=20) == [0, 1]
+    assert "no rank has made progress" not in capsys.readouterr().err
+
+
+def test_the_report_text_groups_ranks_and_names_ranks_that_left():
+    waits = {r: {"name": "gt.comm.barrier", "number": 7, "line": "t.py:3", "detail": "over [0, 1, 2]"}
+             for r in (1, 2)}
+    waits[0] = {"name": "item()", "number": 8, "line": "t.py:9", "detail": "all_reduce over [0, 1]"}
+    text = watch.stall_report(waits, {3: ("ok", 12)}, 30.2)
+    assert text.startswith("globaltensor: no rank has made progress for 30s (GT_STALL_REPORT): "
+                           "rank 0 waits in item() (collective #8, all_reduce over [0, 1]) at "
+                           "t.py:9; ranks [1, 2] wait in gt.comm.barrier (collective #7, over "
+                           "[0, 1, 2]) at t.py:3; rank 3 finished (exit 0) after its collective #12.")
+
+
+def test_stall_seconds_reads_the_environment():
+    assert watch.stall_seconds({}) == 30 and watch.stall_seconds({"GT_STALL_REPORT": "2.5"}) == 2.5
+    with pytest.raises(gt.GlobalTensorError, match="GT_STALL_REPORT"):
+        watch.stall_seconds({"GT_STALL_REPORT": "soon"})
