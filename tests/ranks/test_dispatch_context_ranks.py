@@ -66,12 +66,12 @@ def collectives(monkeypatch):
             return fn(*args, **kwargs)
         return counted
 
-    def run_step(step, local, rank):
+    def run_step(step, local, rank, *rest):  # rest: the emitter (and what else execute passes)
         if rank in calls["on"] and step.kind in _STEP_KINDS:
             calls.setdefault(rank, []).append(step.kind)
         inside.step = True
         try:
-            return real_step(step, local, rank)
+            return real_step(step, local, rank, *rest)
         finally:
             inside.step = False
 
