@@ -1,6 +1,6 @@
 """Launch a globaltensor job: ``python launch.py --nproc_per_node 4 script.py [args...]``.
 
-A thin entry point; the launcher lives in globaltensor/launch.py (see docs/launcher.md).
+A thin entry point; the launcher lives in globaltensor/launch/ (see docs/launcher.md).
 """
 import sys
 

@@ -17,7 +17,7 @@ from .factories import (arange, empty, empty_like, eye, full, full_like, hann_wi
                         randint_like, randn, randn_like, randperm, tensor, zeros, zeros_like)
 from .random import manual_seed
 from .mode import global_mode
-from .spawn import spawn
+from .launch.spawn import spawn
 from .trace import comm_trace
 from .policy import communication
 from .verify import verify

@@ -1,4 +1,4 @@
-"""``python -m globaltensor --nproc_per_node 4 train.py``: the launcher (see globaltensor/launch.py)."""
+"""``python -m globaltensor --nproc_per_node 4 train.py``: the launcher (see globaltensor/launch/cli.py)."""
 import sys
 
 from .launch import main

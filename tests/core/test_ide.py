@@ -12,7 +12,7 @@ PUBLIC = ["globaltensor", "globaltensor.env", "globaltensor.sbp", "globaltensor.
           "globaltensor.debug", "globaltensor.data", "globaltensor.factories",
           "globaltensor.random", "globaltensor.explain", "globaltensor.visualize",
           "globaltensor.policy", "globaltensor.trace", "globaltensor.verify",
-          "globaltensor.testing", "globaltensor.spawn", "globaltensor.launch",
+          "globaltensor.testing", "globaltensor.launch.spawn", "globaltensor.launch",
           "globaltensor.comm", "globaltensor.nn", "globaltensor.checkpoint",
           "globaltensor.errors", "globaltensor.mode"]
 NOT_API = {"annotations", "contextvars", "dataclass", "dataclasses", "torch", "os", "sys",

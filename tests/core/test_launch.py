@@ -6,7 +6,8 @@ import sys
 
 import pytest
 
-from globaltensor import launch, supervise
+from globaltensor import launch
+from globaltensor.launch import supervise
 from globaltensor.launch import LaunchConfig, LaunchError, parse_args
 from globaltensor.testing import CompletedRun
 

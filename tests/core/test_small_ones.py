@@ -4,7 +4,7 @@ import pytest
 
 import globaltensor as gt
 from globaltensor.errors import SbpError
-from globaltensor.launch import _parser, program_name
+from globaltensor.launch.cli import _parser, program_name
 from globaltensor.layout import Layout
 from globaltensor.visualize import draw
 
@@ -27,6 +27,7 @@ def test_visualize_caps_the_blocks_drawn():
 
 @pytest.mark.parametrize("argv0, prog", [("/venv/bin/gtrun", "gtrun"),
                                          ("/x/globaltensor/__main__.py", "python -m globaltensor"),
+                                         ("/x/globaltensor/launch/__main__.py", "launch.py"),
                                          ("launch.py", "launch.py")])
 def test_launcher_names_itself_and_shows_an_example(argv0, prog):
     assert program_name(argv0) == prog

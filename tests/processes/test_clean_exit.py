@@ -17,7 +17,7 @@ import pytest
 
 import globaltensor as gt
 from globaltensor import launch
-from globaltensor.spawn import SpawnError
+from globaltensor.launch.spawn import SpawnError
 from globaltensor.testing import run_script
 
 REPEAT, SLOW_REPEAT = 2, 20  # 2: a short script and a working one per way

@@ -15,7 +15,8 @@ import sys
 
 import pytest
 
-from globaltensor import launch, supervise
+from globaltensor import launch
+from globaltensor.launch import supervise
 from globaltensor.testing import CompletedRun, run_script
 
 from helpers import BEHAVE, ROOT, SCRIPTS

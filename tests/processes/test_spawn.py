@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from globaltensor.spawn import SpawnError
+from globaltensor.launch.spawn import SpawnError
 
 
 def _world(local_rank, scale):

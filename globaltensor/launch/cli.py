@@ -13,7 +13,8 @@ writes is echoed with a ``[rank R]`` prefix. When a rank fails, the others are s
 launcher exits non-zero, naming the rank, how it ended and the tail of its stderr.
 See docs/launcher.md for every option and what happens on each fault.
 
-This module and supervise.py (the processes) use only the standard library (and
+This module (the user at the shell: options and main), supervise.py (the processes) and
+reporting.py (what is printed when ranks fail) use only the standard library (and
 globaltensor.errors); they never call torch.
 """
 from __future__ import annotations
@@ -28,8 +29,8 @@ import sys
 import time
 from dataclasses import dataclass
 
-from ._version import __version__
-from .errors import LaunchError
+from .._version import __version__
+from ..errors import LaunchError
 from .supervise import Console, RankProcess, Signals, finish, start_ranks, stop, supervise
 
 DEFAULT_MULTINODE_PORT = 29500
@@ -119,11 +120,14 @@ Every option also takes torchrun's spelling (--nproc-per-node, --master-port, ..
 
 def program_name(argv0: str | None = None) -> str:
     """How the user started the launcher, for its usage line: ``gtrun``, ``python -m
-    globaltensor`` or ``launch.py``."""
-    name = os.path.basename(sys.argv[0] if argv0 is None else argv0)
+    globaltensor`` or ``launch.py`` (``python -m globaltensor.launch`` too, as before it was a
+    package)."""
+    path = sys.argv[0] if argv0 is None else argv0
+    name = os.path.basename(path)
     if name.startswith("gtrun"):
         return "gtrun"
-    return "python -m globaltensor" if name == "__main__.py" else "launch.py"
+    in_launch = os.path.basename(os.path.dirname(path)) == "launch"  # launch/__main__.py
+    return "python -m globaltensor" if name == "__main__.py" and not in_launch else "launch.py"
 
 
 def _parser(prog: str | None = None) -> argparse.ArgumentParser:
@@ -307,8 +311,5 @@ def main(argv: list[str] | None = None) -> int:
         print(f"launch.py: error: {e}", file=sys.stderr)
         return EXIT_USAGE
 
-
-if __name__ == "__main__":
-    sys.exit(main())
 
 __all__ = ["main", "run", "parse_args", "LaunchConfig", "free_port", "auto_nproc"]

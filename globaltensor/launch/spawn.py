@@ -23,7 +23,7 @@ import sys
 import time
 import traceback
 
-from .errors import GlobalTensorError
+from ..errors import GlobalTensorError
 
 _POLL_S = 0.05
 _STOP_GRACE_S = 5.0
@@ -47,17 +47,17 @@ def spawn(fn, args=(), nproc_per_node: int = 1, *, nnodes: int = 1, node_rank: i
     ``fn`` is then a no-op). A process that raises (or dies) stops the others and raises ``SpawnError`` here
     with its rank and traceback; so does a job still running after ``timeout`` seconds.
     """
-    from . import launch, supervise  # the launcher's config checks, environment and process tree
+    from . import cli, supervise  # the launcher's config checks, environment and process tree
 
     try:
-        config = launch.LaunchConfig(nproc_per_node=nproc_per_node, script="<gt.spawn>",
-                                     nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
-                                     master_port=master_port, timeout=timeout)
-    except launch.LaunchError as e:  # the launcher's checks, told with spawn's argument names
+        config = cli.LaunchConfig(nproc_per_node=nproc_per_node, script="<gt.spawn>",
+                                  nnodes=nnodes, node_rank=node_rank, master_addr=master_addr,
+                                  master_port=master_port, timeout=timeout)
+    except cli.LaunchError as e:  # the launcher's checks, told with spawn's argument names
         raise SpawnError(str(e).replace("--", "")) from None
     _check_backend(backend)
     payload = _pickle_payload(fn, args)
-    port = launch.choose_port(config)
+    port = cli.choose_port(config)
     ctx = multiprocessing.get_context(start_method)
     inherited = {k: os.environ[k] for k in ("OMP_NUM_THREADS",) if k in os.environ}
     procs, conns = [], []
@@ -112,7 +112,7 @@ def _child(payload: bytes, local_rank: int, env: dict, conn, backend=None) -> No
     try:
         fn, args = pickle.loads(payload)
         if backend is not None:
-            from . import world  # the world first, with the backend asked for (Ignite's way)
+            from .. import world  # the world first, with the backend asked for (Ignite's way)
 
             world.init(backend=backend)
         message = ("ok", fn(local_rank, *args))
@@ -141,7 +141,7 @@ def _leave_world(failed: bool) -> None:
     """Leave as gt.init's atexit hook would (a forked process never runs atexit): close the
     groups; rank 0 waits for the others to leave unless ``fn`` failed here."""
     if "torch" in sys.modules:
-        from . import exits  # only once torch is imported: spawn itself does not import it
+        from .. import exits  # only once torch is imported: spawn itself does not import it
 
         try:
             exits.leave_world(failed)

@@ -1,7 +1,7 @@
 """The launcher's processes: start one per rank, pump their output, watch, stop, report.
 
-Used by ``launch.py`` (and ``gt.spawn`` for the process tree); only the standard library, never
-torch. A ``config`` here is a ``launch.LaunchConfig``.
+Used by ``cli.py`` (and ``gt.spawn`` for the process tree); only the standard library, never
+torch. A ``config`` here is a ``cli.LaunchConfig``.
 """
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ import threading
 import time
 from dataclasses import dataclass
 
-from .errors import LaunchError
+from ..errors import LaunchError
 from .reporting import (DIFFERENT_COLLECTIVES_HINT, describe_exit, failure_report,  # noqa: F401
                         first_failure, stderr_tail)
 
