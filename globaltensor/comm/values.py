@@ -15,7 +15,7 @@ from ..debug import Verbatim
 from ..errors import GlobalTensorError
 from ..runtime.meta import exchange_meta
 from .built import all_reduce_in_place, gather_padded, gather_stacked
-from .common import (BITWISE, Red, agree, kind, no_async, object_device, op_fact, root, size,
+from .common import (BITWISE, Red, agree, kind, no_async, object_device, op_fact, peer, root, size,
                      tensor_fact, to_reduce_op)
 
 
@@ -208,5 +208,5 @@ def recv(src: int | None, group_src: int | None, group):
         raise GlobalTensorError("expected src= (or group_src=) to receive an object, found neither; "
                                 "say which rank sent it")
     box = [None]
-    dist.recv_object_list(box, group=group, group_src=root(group, src, group_src, "src"))
+    dist.recv_object_list(box, group=group, group_src=peer(group, src, group_src, "src"))
     return box[0]

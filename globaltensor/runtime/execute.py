@@ -28,6 +28,7 @@ from .groups import all_gather_flat as _all_gather_flat
 from .groups import group_along, group_of_ranks, groups_along
 from .groups import reduce_scatter_flat as _reduce_scatter_flat
 from .guard import step_guard
+from .layoutcheck import check_first_use, data_tag
 from .pairwise import (all_reduce_pairwise, gather_pairwise, member_coords, offsets, prod,
                        reduce_scatter_pairwise, send_recv, sizes_along)
 
@@ -38,16 +39,17 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         return local
     if local.is_conj() or local.is_neg():  # a lazy view's bits (a _conj piece): no collective
         local = local.resolve_conj().resolve_neg()  # sends them, so move the values they mean
+    check_first_use(plan, local, rank)  # ranks that disagree: an error, never a crash (layoutcheck)
     cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:
             local = local.narrow(dim, start, length)
         # a contiguous view clones contiguous by default (and the keyword costs ~10 us cold)
         return local.clone() if local.is_contiguous() else local.clone(memory_format=torch.contiguous_format)
-    out = local
+    out, tag = local, data_tag(plan, local.dtype)
     for index, step in enumerate(plan.steps):
         with step_guard(plan, index):  # a timeout names the step and its ranks
-            out = _run_step(step, out, rank)
+            out = _run_step(step, out, rank, tag)
     if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         return out.clone(memory_format=torch.contiguous_format)
     return out.contiguous()
@@ -75,10 +77,11 @@ def _cuts(plan: Plan, rank: int):
     return tuple(cuts)
 
 
-def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
+def _run_step(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
+    """One step; point-to-point messages travel on the plan's ``tag`` (layoutcheck.data_tag)."""
     after = step.after
     if isinstance(step, Exchange):
-        return _exchange(step, local, rank)
+        return _exchange(step, local, rank, tag)
     # every rank of the world creates the axis's groups together, members or not
     n = after.placement.shape[step.axis]
     pairwise = _pairwise(step)
@@ -97,11 +100,11 @@ def _run_step(step, local: torch.Tensor, rank: int) -> torch.Tensor:
     if pairwise:  # point-to-point: no group needed
         match step:
             case AllGather():
-                return gather_pairwise(step, local, coord)
+                return gather_pairwise(step, local, coord, tag)
             case ReduceScatter():
-                return reduce_scatter_pairwise(step, local, coord)
+                return reduce_scatter_pairwise(step, local, coord, tag)
             case AllReduce():
-                return all_reduce_pairwise(step, local, coord)
+                return all_reduce_pairwise(step, local, coord, tag)
     group, ranks = group_along(after.placement, step.axis, coord)
     match step:
         case AllGather():
@@ -265,7 +268,7 @@ def _zero_fill(step: ZeroFill, local, coord) -> torch.Tensor:
     return out
 
 
-def _exchange(step: Exchange, local, rank: int) -> torch.Tensor:
+def _exchange(step: Exchange, local, rank: int, tag: int) -> torch.Tensor:
     """Sends/recvs as one batch, then broadcasts in plan order; pieces land in a new tensor."""
     before, after = step.before, step.after
     for move in step.broadcasts:  # every rank creates every broadcast group, in order
@@ -282,10 +285,11 @@ def _exchange(step: Exchange, local, rank: int) -> torch.Tensor:
         if move.src == rank and move.is_local:
             out[relative(move.region, want)] = local[relative(move.region, have)]
         elif move.src == rank:
-            ops.append(dist.P2POp(dist.isend, local[relative(move.region, have)].contiguous(), move.dsts[0]))
+            ops.append(dist.P2POp(dist.isend, local[relative(move.region, have)].contiguous(),
+                                  move.dsts[0], tag=tag))
         elif move.dsts[0] == rank:
             buf = local.new_empty(box_shape(move.region))
-            ops.append(dist.P2POp(dist.irecv, buf, move.src))
+            ops.append(dist.P2POp(dist.irecv, buf, move.src, tag=tag))
             landing.append((move.region, buf))
     send_recv(ops)
     for region, buf in landing:

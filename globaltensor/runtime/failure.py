@@ -50,6 +50,13 @@ def local_failure(op: str, ranks, error: BaseException) -> LocalOpFailed:
     return LocalOpFailed(message)
 
 
+def publish_and_close(message: str) -> None:
+    """Ranks found to disagree (this rank raises ``message`` itself): publish it for the peers
+    that wait elsewhere (their guard raises it as LocalOpFailed) and close this rank's groups."""
+    _publish(message)
+    close_groups()
+
+
 def seen() -> str | None:
     """The failure another rank published, if any (never waits)."""
     store = _store()
