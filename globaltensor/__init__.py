@@ -25,12 +25,14 @@ from . import pydata
 from .grads import install_grad_methods
 from .nn.module import install_module_methods
 from . import checkpoint
+from .runtime.failure import install_exception_report
 
 install_tensor_methods()
 pydata.install()
 install_grad_methods()
 install_module_methods()
 checkpoint.install_checkpoint_methods()
+install_exception_report()  # a rank whose program raises names itself in every rank's error
 
 __all__ = [
     "GlobalTensor",

@@ -121,11 +121,9 @@ def _arrivals(ranks) -> str:
     return text
 
 
-def step_guard(plan, index: int, note=None) -> guard:
-    """The guard for step ``index`` of a redistribution plan (its words are built only on
-    failure; ``note``, a function, adds what the step was doing)."""
-    return guard(lambda: _step_words(plan, index) + (note() if note else ""),
-                 ranks=lambda: _step_ranks(plan.steps[index]))
+def step_guard(plan, index: int) -> guard:
+    """The guard for step ``index`` of a redistribution plan (its words are built only on failure)."""
+    return guard(lambda: _step_words(plan, index), ranks=lambda: _step_ranks(plan.steps[index]))
 
 
 def _step_words(plan, index: int) -> str:

@@ -188,3 +188,32 @@ def test_a_rank_outside_a_subgroup_is_named():
     for err in out[:2]:
         assert "expected dst to be the global rank of a member of the group [0, 1], found dst=2" \
             in err[1]
+
+
+# --- 4. GT_DEBUG: numbers take part in the agreement where an input is B or P --------------------
+
+
+@pytest.mark.parametrize("sbp", [B, P], ids=["B", "P"])
+def test_debug_names_a_per_rank_float_on_a_replicated_input(sbp):
+    def body(rank):
+        gt.set_debug(True, timeout=20)
+        x = gt.ones(4, placement=P3(), sbp=sbp)
+        return error_or_none(lambda: x * (3.0 if rank == 1 else 2.0))
+
+    out = run_ranks(body, 3, timeout=60)
+    assert [o[0] for o in out] == ["RankMismatchError"] * 3, out
+    assert len({o[1] for o in out}) == 1
+    assert "aten.mul.Tensor(" in out[0][1] and "rank 1 differs" in out[0][1]
+    assert "3.0" in out[0][1] and "2.0" in out[0][1]
+
+
+def test_debug_still_lets_a_split_input_take_a_per_rank_float_and_agreeing_floats_pass():
+    def body(rank):
+        gt.set_debug(True, timeout=20)
+        y = gt.ones(6, placement=P3(), sbp=S(0)) * (rank + 1.0)  # per-rank scale on pieces
+        z = gt.ones(3, placement=P3(), sbp=B) * 2.5  # the same on every rank
+        return y.full_tensor().tolist(), z.full_tensor().tolist()
+
+    for _ in range(20):
+        for y, z in run_ranks(body, 3, timeout=60):
+            assert y == [1.0, 1.0, 2.0, 2.0, 3.0, 3.0] and z == [2.5] * 3
