@@ -25,7 +25,7 @@ from ..steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, Local
                      ReduceScatter, ZeroFill)
 from ..sbp import Broadcast
 from .groups import all_gather_flat as _all_gather_flat
-from .groups import group_along, group_of_ranks, groups_along
+from .groups import byte_view, group_along, group_of_ranks, groups_along
 from .groups import reduce_scatter_flat as _reduce_scatter_flat
 from .guard import step_guard
 from .layoutcheck import check_first_use, data_tag
@@ -39,6 +39,7 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         return local
     if local.is_conj() or local.is_neg():  # a lazy view's bits (a _conj piece): no collective
         local = local.resolve_conj().resolve_neg()  # sends them, so move the values they mean
+    _check_summable(plan, local.dtype)
     check_first_use(plan, local, rank)  # ranks that disagree: an error, never a crash (layoutcheck)
     cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
@@ -53,6 +54,29 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         return out.clone(memory_format=torch.contiguous_format)
     return out.contiguous()
+
+
+def _check_summable(plan: Plan, dtype: torch.dtype) -> None:
+    """A plan that adds partial sums, for a dtype torch cannot add (uint16, uint32, uint64,
+    float8): the same clear error on every rank, before anything moves."""
+    message = _STATIC.computed(plan, ("sums", dtype), _sum_message)
+    if message is not None:
+        raise GlobalTensorError(message)
+
+
+def _sum_message(plan: Plan, where) -> str | None:
+    dtype = where[1]
+    if not any(isinstance(s, (AllReduce, ReduceScatter)) or (isinstance(s, Exchange)
+               and s.before.is_partial) for s in plan.steps):
+        return None
+    try:
+        torch.zeros(1, dtype=dtype).add_(torch.zeros(1, dtype=dtype))
+        return None
+    except (RuntimeError, NotImplementedError) as e:
+        return (f"redistributing {plan.src!r} -> {plan.dst!r} adds the partial sums, and torch "
+                f"cannot add {dtype} ({str(e).splitlines()[0][:120]}); expected a dtype torch "
+                f"adds: cast first (x.to(torch.float32) or a wider integer type), or keep the "
+                f"tensor split or broadcast")
 
 
 # (id(obj), where) -> what obj needs there: a plan's local-slice cuts per rank (None when the
@@ -84,7 +108,9 @@ def _run_step(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
         return _exchange(step, local, rank, tag)
     # every rank of the world creates the axis's groups together, members or not
     n = after.placement.shape[step.axis]
-    pairwise = _pairwise(step)
+    pairwise = _pairwise(step) or (local.dtype in _GLOO_CANNOT_REDUCE  # int16: p2p sums it
+                                   and after.placement.type == "cpu"
+                                   and isinstance(step, (ReduceScatter, AllReduce)))
     if n > 1 and not pairwise and not isinstance(step, (LocalSlice, ZeroFill)):
         groups_along(after.placement, step.axis)
     coord = after.placement.coord_of(rank)
@@ -156,6 +182,10 @@ def _pairwise(step) -> bool:
         and isinstance(step, (AllGather, ReduceScatter, AllReduce)))
 
 
+# dtypes torch adds but gloo's reductions reject ("Invalid scalar type"): summed point to point
+_GLOO_CANNOT_REDUCE = frozenset({torch.int16})
+
+
 def _group_order(ranks) -> list[int]:
     """Axis indices in the order of the group's ranks: torch numbers the members of a group
     by their global rank, not by their place on the placement axis."""
@@ -177,7 +207,7 @@ def _all_gather(step: AllGather, local, coord, group, ranks) -> torch.Tensor:
         send.narrow(d, 0, local.shape[d]).copy_(local)
     buf = send.new_empty([n * padded[0]] + padded[1:])
     if buf.numel():
-        _all_gather_flat(buf, send, group=group)
+        _all_gather_flat(byte_view(buf), byte_view(send), group=group)  # any dtype: its bytes
     if d == 0 and order == sorted(order) and min(sizes[:-1], default=big) == big:
         return buf[: sum(sizes)]  # even, or only the last piece short: its padding is the tail
     blocks = buf.view([n] + padded)
@@ -225,7 +255,9 @@ def _all_to_all(step: AllToAll, local, coord, group, ranks) -> torch.Tensor:
             run.view(m.chunk_shapes[k]).copy_(local.narrow(j, m.starts[k], m.lengths[k]))
     recv = send.new_empty(sum(m.recv_splits))
     if step.before.numel():  # decided by the plan, so every member agrees
-        dist.all_to_all_single(recv, send, m.recv_splits, m.send_splits, group=group)
+        size = send.element_size()  # bytes: gloo rejects some dtypes (int16, uint16, float8...)
+        dist.all_to_all_single(byte_view(recv), byte_view(send), [n * size for n in m.recv_splits],
+                               [n * size for n in m.send_splits], group=group)
     if i == 0 and m.in_order:
         return recv.view(m.mine)
     if m.in_order and m.even_i:
@@ -296,10 +328,10 @@ def _exchange(step: Exchange, local, rank: int, tag: int) -> torch.Tensor:
         out[relative(region, want)] = buf
     for move in step.broadcasts:
         if rank == move.src:
-            dist.broadcast(local[relative(move.region, have)].contiguous(), src=move.src,
-                           group=group_of_ranks(move.group))
+            dist.broadcast(byte_view(local[relative(move.region, have)].contiguous()),
+                           src=move.src, group=group_of_ranks(move.group))
         elif rank in move.dsts:
             buf = local.new_empty(box_shape(move.region))
-            dist.broadcast(buf, src=move.src, group=group_of_ranks(move.group))
+            dist.broadcast(byte_view(buf), src=move.src, group=group_of_ranks(move.group))
             out[relative(move.region, want)] = buf
     return out

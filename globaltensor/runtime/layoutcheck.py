@@ -69,21 +69,27 @@ def _describe(plan, dtype):
 def check_first_use(plan, local: torch.Tensor, rank: int) -> None:
     """On this rank's first run of ``plan`` with ``local.dtype`` in this world: exchange records
     with the other ranks of the plan's placements and raise on every rank if any differ."""
-    word, record, _ = _words(plan, local.dtype)
+    word, record, members = _words(plan, local.dtype)[:2] + (_members(plan),)
+    if len(members) == 1 or not dist.is_initialized():  # nobody to disagree with
+        return
     seen = _seen_in_world()
     if word in seen:
         return
     if len(seen) >= MAX_SEEN:
         seen.clear()
     seen.add(word)
-    members = sorted(set(plan.src.placement.flat_ranks) | set(plan.dst.placement.flat_ranks))
-    if rank not in members or len(members) == 1:
+    if rank not in members:
         return
     call = debug.user_call(2)  # only on a first use: microseconds
     records = _exchange(plan, local, record, [r for r in members if r != rank])
     records[rank] = record
     if any(r != record for r in records.values()):
         raise _mismatch(records, call)
+
+
+def _members(plan) -> list[int]:
+    return _WORDS.computed(plan, "members", lambda p, _: sorted(
+        set(p.src.placement.flat_ranks) | set(p.dst.placement.flat_ranks)))
 
 
 def _seen_in_world() -> set:
