@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .._cache import ById
+from .._cache import MISSING, ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative
 from ..steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
@@ -28,7 +28,7 @@ from .groups import all_gather_flat as _all_gather_flat
 from .groups import byte_view, group_along, group_of_ranks, groups_along
 from .groups import reduce_scatter_flat as _reduce_scatter_flat
 from .guard import step_guard
-from .layoutcheck import check_first_use, data_tag
+from .layoutcheck import check_first_use
 from .pairwise import (all_reduce_pairwise, gather_pairwise, member_coords, offsets, prod,
                        reduce_scatter_pairwise, send_recv, sizes_along)
 
@@ -40,14 +40,14 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     if local.is_conj() or local.is_neg():  # a lazy view's bits (a _conj piece): no collective
         local = local.resolve_conj().resolve_neg()  # sends them, so move the values they mean
     _check_summable(plan, local.dtype)
-    check_first_use(plan, local, rank)  # ranks that disagree: an error, never a crash (layoutcheck)
+    tag = check_first_use(plan, local, rank)  # ranks that disagree: an error, not a crash
     cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:
             local = local.narrow(dim, start, length)
         # a contiguous view clones contiguous by default (and the keyword costs ~10 us cold)
         return local.clone() if local.is_contiguous() else local.clone(memory_format=torch.contiguous_format)
-    out, tag = local, data_tag(plan, local.dtype)
+    out = local
     for index, step in enumerate(plan.steps):
         with step_guard(plan, index):  # a timeout names the step and its ranks
             out = _run_step(step, out, rank, tag)
@@ -59,7 +59,9 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
 def _check_summable(plan: Plan, dtype: torch.dtype) -> None:
     """A plan that adds partial sums, for a dtype torch cannot add (uint16, uint32, uint64,
     float8): the same clear error on every rank, before anything moves."""
-    message = _STATIC.computed(plan, ("sums", dtype), _sum_message)
+    message = _STATIC.get((id(plan), ("sums", dtype)), MISSING)  # the warm path: one lookup
+    if message is MISSING:
+        message = _STATIC.computed(plan, ("sums", dtype), _sum_message)
     if message is not None:
         raise GlobalTensorError(message)
 

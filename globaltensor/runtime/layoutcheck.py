@@ -34,6 +34,7 @@ import torch.distributed.distributed_c10d as c10d
 from .. import debug
 from .._cache import ById
 from ..errors import ShapeMismatchError
+from ..steps import LocalSlice, ZeroFill
 from . import failure
 from .guard import step_guard
 from .pairwise import send_recv
@@ -42,61 +43,72 @@ RECORD_BYTES = 1024  # one fixed size on every rank: a record can never overflow
 CHECK_TAG = 2 ** 31 - 1  # above every data tag (data_tag() is at most 2**31 - 3)
 MAX_SEEN = 65536  # plans (with a dtype) remembered per world; all ranks clear at the same point
 
-# (id(plan), dtype) -> (word, record bytes, data tag); pins the plan
+# (id(plan), dtype) -> (word, record bytes, data tag, ranks to check with); pins the plan
 _WORDS = ById(8192)
 # default process group -> {word of every plan this rank has run in that world}
 _SEEN: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
+# torch keeps the default group in ``_world._default_pg`` (a property ``default_pg`` reads it)
+_DEFAULT_PG = "_default_pg" if hasattr(c10d._world, "_default_pg") else "default_pg"
+_LAST: tuple = (lambda: None, None)  # (weak reference to the world asked last, its record)
 
 
 def data_tag(plan, dtype: torch.dtype) -> int:
     """The tag this plan's data messages travel on (even; a second phase adds one): derived
     from the checksum of its layouts and dtype, so another plan's messages never match."""
-    return _words(plan, dtype)[2]
-
-
-def _words(plan, dtype):
-    return _WORDS.computed(plan, dtype, _describe)
+    return _WORDS.computed(plan, dtype, _describe)[2]
 
 
 def _describe(plan, dtype):
+    """(checksum, record, data tag, the ranks to check with: None for a plan that sends nothing
+    between ranks (local slices and zero fills) or has one rank)."""
     text = f"{str(dtype).replace('torch.', '')} {plan.src!r} -> {plan.dst!r}"
     word = zlib.crc32(text.encode())
     raw = word.to_bytes(8, "little") + text.encode()[:RECORD_BYTES - 8]
     record = raw + bytes(RECORD_BYTES - len(raw))
-    return word, record, 2 + 2 * (word % (2 ** 30 - 2))
+    members = sorted(set(plan.src.placement.flat_ranks) | set(plan.dst.placement.flat_ranks))
+    local = all(isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
+    return word, record, 2 + 2 * (word % (2 ** 30 - 2)), (
+        None if local or len(members) == 1 else members)
 
 
-def check_first_use(plan, local: torch.Tensor, rank: int) -> None:
+def check_first_use(plan, local: torch.Tensor, rank: int) -> int:
     """On this rank's first run of ``plan`` with ``local.dtype`` in this world: exchange records
-    with the other ranks of the plan's placements and raise on every rank if any differ."""
-    word, record, members = _words(plan, local.dtype)[:2] + (_members(plan),)
-    if len(members) == 1 or not dist.is_initialized():  # nobody to disagree with
-        return
+    with the other ranks of the plan's placements and raise on every rank if any differ.
+    Returns the plan's data tag."""
+    facts = _WORDS.get((id(plan), local.dtype))  # the warm path: one dict lookup
+    if facts is None:
+        facts = _WORDS.computed(plan, local.dtype, _describe)
+    word, record, tag, members = facts
+    if members is None:  # nobody to disagree with
+        return tag
     seen = _seen_in_world()
-    if word in seen:
-        return
+    if seen is None or word in seen:
+        return tag
     if len(seen) >= MAX_SEEN:
         seen.clear()
     seen.add(word)
     if rank not in members:
-        return
+        return tag
     call = debug.user_call(2)  # only on a first use: microseconds
     records = _exchange(plan, local, record, [r for r in members if r != rank])
     records[rank] = record
     if any(r != record for r in records.values()):
         raise _mismatch(records, call)
+    return tag
 
 
-def _members(plan) -> list[int]:
-    return _WORDS.computed(plan, "members", lambda p, _: sorted(
-        set(p.src.placement.flat_ranks) | set(p.dst.placement.flat_ranks)))
-
-
-def _seen_in_world() -> set:
-    world = c10d._get_default_group()
+def _seen_in_world() -> set | None:
+    """This world's record (None without a world): an attribute read and a compare when the
+    world is the one asked last (``world.cached_rank``'s way)."""
+    global _LAST
+    world = getattr(c10d._world, _DEFAULT_PG)
+    last, seen = _LAST
+    if last() is world or world is None:
+        return seen if world is not None else None
     seen = _SEEN.get(world)
     if seen is None:
         seen = _SEEN[world] = set()
+    _LAST = (weakref.ref(world), seen)
     return seen
 
 
