@@ -66,12 +66,12 @@ def collectives(monkeypatch):
             return fn(*args, **kwargs)
         return counted
 
-    def run_step(step, local, rank):
+    def run_step(step, local, rank, *tag):  # (the plan's message tag, runtime/layoutcheck.py)
         if rank in calls["on"] and step.kind in _STEP_KINDS:
             calls.setdefault(rank, []).append(step.kind)
         inside.step = True
         try:
-            return real_step(step, local, rank)
+            return real_step(step, local, rank, *tag)
         finally:
             inside.step = False
 
