@@ -23,8 +23,13 @@ reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduc
 def byte_view(t: "torch.Tensor") -> "torch.Tensor":
     """A contiguous tensor's bytes as one flat uint8 view (no copy). Collectives that only move
     data (gathers, all_to_all, broadcast) send these: gloo's typed collectives reject int16,
-    uint16, uint32, uint64 and float8 ("Invalid scalar type"), bytes of any dtype they take."""
-    return t.reshape(-1).view(torch.uint8)
+    uint16, uint32, uint64 and float8 ("Invalid scalar type"), bytes of any dtype they take.
+    (A contiguous tensor of one element may keep any stride, which a dtype view refuses: it is
+    restrided first, a view still.)"""
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 # default process group -> {key: ProcessGroup, or None for the world's own group}. Weakly

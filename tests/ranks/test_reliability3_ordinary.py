@@ -158,3 +158,18 @@ def test_raw_errors_became_global_tensor_errors_on_every_rank_with_short_message
     for (name, _, words), err in zip(_RAW, out[0]):
         assert err is not None and words in err[1], (name, err)
         assert len(err[1]) < 600, name  # a 1 MB argument does not land in the message
+
+
+def test_byte_views_of_one_element_with_any_stride_are_views():
+    """A contiguous one-element tensor may keep any stride (a slice [::3][:1]); a dtype view
+    refuses it, which made the root of a placement change's broadcast raise alone (the fuzzer's
+    2x2 programs then hung). byte_view restrides it, still a view."""
+    from globaltensor.runtime.groups import byte_view
+    base = torch.arange(6.0)
+    one = base[3::3][:1]
+    assert one.is_contiguous() and one.stride() == (3,)
+    view = byte_view(one)
+    view.zero_()
+    assert view.shape == (8,) and base.tolist() == [0.0, 1, 2, 0, 4, 5]
+    assert byte_view(torch.zeros(0)).shape == (0,)
+    assert byte_view(torch.tensor(2.0, dtype=torch.float16)).shape == (2,)
