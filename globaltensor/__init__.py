@@ -28,6 +28,7 @@ from .grads import install_grad_methods
 from .nn.module import install_module_methods
 from . import checkpoint
 from . import data
+from .runtime.failure import install_exception_report
 
 install_tensor_methods()
 # p["tp"]: the placement is pure and never asks which rank runs; indexing it does
@@ -36,6 +37,7 @@ pydata.install()
 install_grad_methods()
 install_module_methods()
 checkpoint.install_checkpoint_methods()
+install_exception_report()  # a rank whose program raises names itself in every rank's error
 
 __all__ = [
     "GlobalTensor",

@@ -12,7 +12,7 @@ import torch
 from . import debug as _debug
 from . import env, world
 from ._cache import ById, memo
-from .errors import GlobalTensorError, ShapeMismatchError
+from .errors import GlobalTensorError, SbpError, ShapeMismatchError
 from .layout import Layout, trusted
 from .placement import Placement
 from .plan import plan as _plan
@@ -37,9 +37,14 @@ def device_for(placement: Placement) -> torch.device:
 
 
 def _check_grad_sbp(grad_sbp, placement: Placement, ndim: int) -> None:
-    """Reject a bad grad_sbp now, not at backward time."""
+    """Reject a bad grad_sbp now, not at backward time. It is the sbp of the input's gradient,
+    so it is checked against the placement where backward applies it: the input's."""
     if grad_sbp is not None:
-        resolve(normalize(grad_sbp, placement.ndim, placement.axes), ndim)
+        try:
+            resolve(normalize(grad_sbp, placement.ndim, placement.axes), ndim)
+        except SbpError as e:
+            raise SbpError(f"grad_sbp is the sbp of the input's gradient, on the input's "
+                           f"placement {placement!r}: {e}") from None
 
 
 def check_placement(placement) -> Placement:
@@ -227,7 +232,7 @@ def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
             if rank is not None and not watching():  # a trace or the profiler: the full path
                 return rewrapped(self, _execute(hit[1], self._local, rank), hit[0])
     dst = _cached_target(src, placement, sbp)
-    _check_grad_sbp(grad_sbp, dst.placement, len(src.shape))
+    _check_grad_sbp(grad_sbp, src.placement, len(src.shape))  # where backward applies it
     if _debug.is_debug():
         check("to_global", source=src, target=dst, dtype=self.dtype, grad_sbp=grad_sbp,
                      copy=copy)

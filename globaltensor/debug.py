@@ -30,7 +30,7 @@ from dataclasses import dataclass
 import torch
 
 from .errors import GlobalTensorError
-from .sbp import SBP_TYPES, format_sbp
+from .sbp import SBP_TYPES, Split, format_sbp
 
 # None: not decided in this context yet -> read GT_DEBUG once and remember it here
 FLAG: contextvars.ContextVar = contextvars.ContextVar("globaltensor_debug", default=None)
@@ -229,11 +229,25 @@ def missing_message(me: int, mine: Descriptor, missing: list[int], last: dict[in
 
 def op_args(args, kwargs) -> "Verbatim":
     """An operator's arguments as every rank must share them: global tensors by layout and dtype,
-    local tensors by shape and dtype, ints and flags by value; floats are left out (a scale may
-    rightly differ per rank, e.g. 1 / local batch size on a split tensor)."""
-    parts = [_arg_text(a) for a in args]
-    parts += [f"{k}={_arg_text(v)}" for k, v in (kwargs or {}).items()]
+    local tensors by shape and dtype, ints and flags by value. Floats and complex numbers by value
+    too where a global input is broadcast or a partial sum on some axis (a per-rank number would
+    make its replicas differ, or its sum depend on how it is split); on split-only inputs they are
+    left out (a scale may rightly differ per rank, e.g. 1 / local batch size)."""
+    numbers = _replicated(args) or _replicated(tuple((kwargs or {}).values()))
+    parts = [_arg_text(a, numbers) for a in args]
+    parts += [f"{k}={_arg_text(v, numbers)}" for k, v in (kwargs or {}).items()]
     return Verbatim("(" + ", ".join(parts) + ")")
+
+
+def _replicated(values) -> bool:
+    """Whether a global tensor among ``values`` (or in their lists) is B or P on some axis."""
+    for value in values:
+        layout = getattr(value, "_layout", None)
+        if layout is not None and any(not isinstance(v, Split) for v in layout.sbp):
+            return True
+        if isinstance(value, (list, tuple)) and _replicated(value):
+            return True
+    return False
 
 
 class Verbatim(str):
@@ -245,13 +259,13 @@ class Verbatim(str):
         return str.__str__(self)
 
 
-def _arg_text(value) -> str:
+def _arg_text(value, numbers: bool = False) -> str:
     if isinstance(value, torch.Tensor):
         return fact_text(value)
     if isinstance(value, (float, complex)):
-        return "<number>"
+        return repr(value) if numbers else "<number>"
     if isinstance(value, (list, tuple)):
-        inner = ", ".join(_arg_text(v) for v in value)
+        inner = ", ".join(_arg_text(v, numbers) for v in value)
         return f"[{inner}]" if isinstance(value, list) else f"({inner})"
     if value is None or isinstance(value, (bool, int, str, torch.dtype, torch.device,
                                            torch.memory_format, torch.layout)):

@@ -46,8 +46,19 @@ def _checked_number(value, what: str):
         return value.item()
     if not isinstance(value, numbers.Number):
         raise GlobalTensorError(
-            f"expected {what} to be a number, found {value!r} ({type(value).__name__})"
+            f"expected {what} to be a number, found {repr(value)[:80]} ({type(value).__name__})"
         )
+    return value
+
+
+def _fits(value, dtype, what: str):
+    """``value`` as torch would store it in ``dtype``: a clear error where it does not fit."""
+    try:
+        torch.full((), value, dtype=dtype)
+    except (OverflowError, RuntimeError, TypeError) as e:
+        raise GlobalTensorError(
+            f"expected {what} to fit in {dtype}, found {value!r} ({type(e).__name__}: {e}); pass "
+            f"a value in its range or a wider dtype") from None
     return value
 
 
@@ -76,8 +87,16 @@ def _holds_value(layout: Layout, coord) -> bool:
     return all(coord[a] == 0 for a in layout.partial_axes)
 
 
+def _checked_flag(value, what: str) -> bool:
+    if not isinstance(value, bool):
+        raise GlobalTensorError(f"expected {what} to be True or False, found "
+                                f"{repr(value)[:80]} ({type(value).__name__})")
+    return value
+
+
 def _finish(local: torch.Tensor, layout: Layout, coord, requires_grad: bool) -> GlobalTensor:
-    if requires_grad and not (local.dtype.is_floating_point or local.dtype.is_complex):
+    if _checked_flag(requires_grad, "requires_grad") and not (local.dtype.is_floating_point
+                                                           or local.dtype.is_complex):
         raise GlobalTensorError(
             f"requires_grad=True needs a floating point or complex dtype, found {local.dtype}; "
             f"pass dtype=torch.float32 or leave requires_grad off"
@@ -139,6 +158,7 @@ def full(size, fill_value, *, placement=None, sbp=None, dtype=None, requires_gra
         dtype = torch.bool
     elif dtype is None and isinstance(fill_value, int):
         dtype = torch.int64
+    _fits(fill_value, _checked_dtype(dtype) or torch.get_default_dtype(), "full's fill_value")
     return _make(lambda s, d, dev: torch.full(s, fill_value, dtype=d, device=dev), size,
                  placement, sbp, dtype, requires_grad)
 
@@ -151,13 +171,23 @@ def _random(piece, size, placement, sbp, dtype, requires_grad):
     return _finish(local, layout, coord, requires_grad)
 
 
+def _floating(dtype, op: str):
+    if dtype is not None and isinstance(dtype, torch.dtype) and not dtype.is_floating_point:
+        raise GlobalTensorError(
+            f"gt.{op} expects a floating point dtype, found {dtype} (torch.{op} raises for it "
+            f"too); use gt.randint for integers, or cast: gt.{op}(...).to({dtype})")
+    return dtype
+
+
 def rand(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
     """U[0, 1): the same global values for a given gt.manual_seed whatever the placement or sbp."""
+    _floating(dtype, "rand")
     return _random(random.uniform_piece, size, placement, sbp, dtype, requires_grad)
 
 
 def randn(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
     """N(0, 1): the same global values for a given gt.manual_seed whatever the placement or sbp."""
+    _floating(dtype, "randn")
     return _random(random.normal_piece, size, placement, sbp, dtype, requires_grad)
 
 
@@ -171,6 +201,8 @@ def randint(low, high=None, size=None, *, placement=None, sbp=None, dtype=torch.
             f"randint expects low < high and a size, found low={low}, high={high}, size={size}"
         )
     size = _size_sequence(size, "randint")
+    for bound, what in ((low, "low"), (high, "high")):
+        _fits(bound, torch.int64, f"randint's {what}")
 
     def piece(layout, coord, dt, device):
         return random.randint_piece(low, high, layout, coord, dtype, device)
@@ -187,6 +219,9 @@ def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, req
     _checked_dtype(dtype)
     if step == 0:
         raise GlobalTensorError("arange expects a non-zero step, found 0")
+    if not all(math.isfinite(v) for v in (start, end, step)):
+        raise GlobalTensorError(f"arange expects finite start, end and step, found start={start}, "
+                                f"end={end}, step={step}; pass finite numbers")
     n = max(0, math.ceil((end - start) / step))
     layout = _layout((n,), placement, sbp)
     coord = layout.placement.coord_of(env.get_rank())

@@ -46,6 +46,9 @@ def _to_array(ranks) -> np.ndarray:
             raise PlacementError(
                 f"expected integer ranks, found {r!r} ({type(r).__name__}) in {ranks!r}"
             )
+        if not -2 ** 63 <= int(r) < 2 ** 63:
+            raise PlacementError(f"expected ranks below the world size, found {int(r)}; pass "
+                                 f"ranks in [0, world size)")
     return np.array([int(r) for r in flat], dtype=np.int64).reshape(arr.shape if arr.ndim else (1,))
 
 

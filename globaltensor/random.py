@@ -55,6 +55,11 @@ def manual_seed(seed: int) -> None:
         from .errors import GlobalTensorError
 
         raise GlobalTensorError(f"manual_seed expects an int, found {seed!r} ({type(seed).__name__})")
+    if not -2 ** 63 <= seed < 2 ** 64:
+        from .errors import GlobalTensorError
+
+        raise GlobalTensorError(f"manual_seed expects a seed in [-2**63, 2**64) (torch's range), "
+                                f"found {seed}; pass a smaller seed, e.g. seed % 2**64")
     _STATE.set(_State(seed & _MASK64))
     torch.manual_seed(seed)
 

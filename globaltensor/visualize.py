@@ -69,10 +69,17 @@ def draw(layout: Layout, max_rows: int = 16, max_cols: int = 16) -> str:
     return "\n".join(lines)
 
 
-def visualize(x, max_rows: int = 16, max_cols: int = 16) -> str:
+def visualize(x, max_rows: int = 16, max_cols: int = 16, **unknown) -> str:
     """``gt.visualize(x)``: the drawing of a global tensor's layout (no communication)."""
     from .errors import GlobalTensorError
 
+    if unknown:
+        raise GlobalTensorError(f"visualize takes x, max_rows and max_cols, found "
+                                f"{sorted(unknown)}; e.g. gt.visualize(x, max_rows=8)")
+    for name, value in (("max_rows", max_rows), ("max_cols", max_cols)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise GlobalTensorError(f"expected {name} to be an int >= 1, found "
+                                    f"{repr(value)[:80]} ({type(value).__name__})")
     layout = getattr(x, "_layout", x)
     if not isinstance(layout, Layout):
         raise GlobalTensorError(

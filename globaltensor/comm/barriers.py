@@ -12,7 +12,7 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .. import env
-from ..errors import CollectiveTimeoutError
+from ..errors import CollectiveTimeoutError, GlobalTensorError
 from .common import agree, ensure_world
 from ..runtime.guard import guarded
 
@@ -44,9 +44,17 @@ def rank_zero_first(local: bool = False, group=None):
 
 
 def _as_timedelta(timeout) -> datetime.timedelta | None:
-    if timeout is None or isinstance(timeout, datetime.timedelta):
-        return timeout
-    return datetime.timedelta(seconds=float(timeout))
+    """None, or a timeout > 0 (seconds or a timedelta); anything else a clear error."""
+    if timeout is None:
+        return None
+    seconds = timeout.total_seconds() if isinstance(timeout, datetime.timedelta) else (
+        float(timeout) if isinstance(timeout, (int, float)) and not isinstance(timeout, bool)
+        else None)
+    if seconds is None or not 0 < seconds < float("inf"):
+        raise GlobalTensorError(
+            f"expected timeout to be a number of seconds > 0 or a datetime.timedelta, found "
+            f"{repr(timeout)[:80]} ({type(timeout).__name__}); e.g. timeout=30")
+    return timeout if isinstance(timeout, datetime.timedelta) else datetime.timedelta(seconds=seconds)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -30,7 +30,8 @@ import torch.distributed as dist
 from ..errors import GlobalTensorError
 from . import built, torch_style, values
 from .barriers import barrier, monitored_barrier, rank_zero_first
-from .common import ReduceOp, Red, ensure_world, group_rank, group_size, kind, root, to_reduce_op
+from .common import (ReduceOp, Red, checked_tag, dense, ensure_world, group_rank, group_size, kind,
+                     peer, root, stand_in, to_reduce_op, written)
 from ..runtime.guard import guarded
 from .torch_style import (all_gather_into_tensor, all_to_all, all_to_all_single, gather, irecv,
                           isend, reduce, reduce_scatter, reduce_scatter_tensor, scatter)
@@ -102,9 +103,9 @@ def broadcast(tensor, src: int | None = None, group=None, async_op: bool = False
 def send(tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None):
     """torch style for a tensor; any other value is pickled and sent (``recv(src=...)`` gets it)."""
     ensure_world()
-    gdst = root(group, dst, group_dst, "dst")
+    gdst = peer(group, dst, group_dst, "dst")
     if isinstance(tensor, torch.Tensor):
-        return dist.send(tensor, group=group, tag=tag, group_dst=gdst)
+        return dist.send(dense(tensor), group=group, tag=checked_tag(tag), group_dst=gdst)
     return values.send(tensor, gdst, group)
 
 
@@ -113,9 +114,12 @@ def recv(tensor=None, src: int | None = None, group=None, tag: int = 0, group_sr
     """torch style with a tensor (returns the sender's rank); without one, returns the object
     that rank ``src`` sent with ``send(obj, dst)``."""
     ensure_world()
-    if tensor is not None:
-        return dist.recv(tensor, src=src, group=group, tag=tag, group_src=group_src)
-    return values.recv(src, group_src, group)
+    if tensor is None:
+        return values.recv(src, group_src, group)
+    gsrc = None if src is None and group_src is None else peer(group, src, group_src, "src")
+    stand, back = stand_in(tensor)
+    sender = dist.recv(stand, group=group, tag=checked_tag(tag), group_src=gsrc)
+    return written(sender, stand, tensor, back, async_op=False)
 
 
 # the built operations under the names tests/ranks/test_comm.py calls directly

@@ -49,15 +49,68 @@ def group_rank(group=None) -> int:
 
 
 def root(group, rank: int | None, group_rank: int | None, role: str) -> int:
-    """The group-relative rank of ``rank`` (global) or ``group_rank``; 0 when neither is given."""
+    """The group-relative rank of ``rank`` (global) or ``group_rank``; 0 when neither is given.
+    Both are checked here, on the calling rank, before anything is sent: a rank outside the
+    group would otherwise leave every rank waiting for the whole timeout."""
     if rank is not None and group_rank is not None:
         raise GlobalTensorError(f"expected one of {role} and group_{role}, found both "
                                 f"({role}={rank}, group_{role}={group_rank}); pass only one")
     if rank is None:
-        return 0 if group_rank is None else group_rank
+        if group_rank is None:
+            return 0
+        return _checked_index(group_rank, size(group), f"group_{role}", "the group's size")
+    world = dist.get_world_size()
+    rank = _checked_index(rank, world, role, "the world size")
     if group is None or group is dist.group.WORLD:
         return rank
+    members = dist.get_process_group_ranks(group)
+    if rank not in members:
+        raise GlobalTensorError(
+            f"expected {role} to be the global rank of a member of the group {sorted(members)}, "
+            f"found {role}={rank}; pass a member's global rank, or group_{role}= its index in "
+            f"the group")
     return dist.get_group_rank(group, rank)
+
+
+def peer(group, rank: int | None, group_rank: int | None, role: str) -> int:
+    """A point-to-point peer (send's dst, recv's src) as a group rank: checked like ``root``,
+    and never this rank itself (gloo would wait for a message to itself until the timeout)."""
+    if rank is None and group_rank is None:
+        raise GlobalTensorError(f"expected {role}= (a global rank) or group_{role}=, found "
+                                f"neither; pass the peer's rank")
+    r = root(group, rank, group_rank, role)
+    if r == my_group_rank(group):
+        given = f"{role}={rank}" if rank is not None else f"group_{role}={group_rank}"
+        raise GlobalTensorError(f"expected {role} to be another rank than this one, found {given} "
+                                f"(this rank); a rank cannot send to or receive from itself")
+    return r
+
+
+def checked_tag(tag) -> int:
+    """A point-to-point tag: an int in [0, 2**31) (gloo's and torch's range)."""
+    return _checked_index(tag, 2 ** 31, "tag", "a non-negative 32-bit int", "pass such an int")
+
+
+def _checked_index(value, bound: int, name: str, what: str,
+                   fix: str = "pass the rank of a member") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        try:
+            if isinstance(value, bool):
+                raise TypeError
+            value = int(value.__index__())  # numpy and 0-dim integer tensors
+        except (AttributeError, TypeError, ValueError, RuntimeError):
+            raise GlobalTensorError(
+                f"expected {name} to be an int, found {_short(value)} "
+                f"({type(value).__name__}); pass an int") from None
+    if not 0 <= value < bound:
+        raise GlobalTensorError(
+            f"expected {name} in [0, {bound}) ({what}), found {name}={value}; {fix}")
+    return value
+
+
+def _short(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + f"... ({len(text)} characters)"
 
 
 def backend_for(tensor: torch.Tensor, group) -> str:
@@ -170,6 +223,51 @@ def finish(result, work, async_op: bool, then=None):
     if then is not None:
         then()
     return result
+
+
+# ---------------------------------------------------------------------------------------------
+# torch style on views: a contiguous stand-in, written back
+# ---------------------------------------------------------------------------------------------
+
+
+def stand_in(x):
+    """(what to hand to torch, write-back or None) for an output argument: a tensor or a list of
+    them. torch's backends treat a tensor as its storage from the first element on, so a
+    non-contiguous view (``base[::2]``) would get wrong values and ``base`` writes outside the
+    view: such an output gets a contiguous copy, written into the view once the call is done."""
+    if isinstance(x, torch.Tensor):
+        if x.is_contiguous():
+            return x, None
+        copy = x.contiguous()  # its values too: broadcast's root and all_reduce read them
+        return copy, lambda: x.copy_(copy)
+    if isinstance(x, (list, tuple)) and any(isinstance(t, torch.Tensor) and not t.is_contiguous()
+                                            for t in x):
+        pairs = [stand_in(t) for t in x]
+        backs = [back for _, back in pairs if back is not None]
+        return type(x)(t for t, _ in pairs), lambda: [back() for back in backs]
+    return x, None
+
+
+def dense(x):
+    """An input argument (a tensor or a list of them) as contiguous tensors (copied where
+    needed)."""
+    if isinstance(x, torch.Tensor):
+        return x.contiguous()
+    if isinstance(x, (list, tuple)):
+        return type(x)(t.contiguous() if isinstance(t, torch.Tensor) else t for t in x)
+    return x
+
+
+def written(got, stand, original, back, async_op: bool):
+    """What a torch-style call run on ``stand`` (the stand-in of ``original``) returns: the
+    write-back runs when the call completes (in ``wait()`` when async); the stand-in returned
+    becomes the caller's own argument."""
+    if back is None:
+        return got
+    if async_op:
+        return PendingWork(got, back)
+    back()
+    return original if got is stand else got
 
 
 def done(result, async_op: bool):

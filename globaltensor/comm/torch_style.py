@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 from . import built
-from .common import ReduceOp, agree, done, ensure_world, finish, op_fact, root, size, tensor_fact
+from .common import (ReduceOp, agree, checked_tag, dense, done, ensure_world, finish, op_fact, peer,
+                     root, size, stand_in, tensor_fact, written)
 from ..runtime.guard import guarded
 
 # ---------------------------------------------------------------------------------------------
@@ -24,23 +25,29 @@ from ..runtime.guard import guarded
 
 def all_reduce_tensor(tensor: torch.Tensor, op, group, async_op: bool):
     agree("all_reduce", group, tensor=tensor_fact(tensor), reduce_op=op_fact(op), async_op=async_op)
-    return built.all_reduce_in_place(tensor, op, group, async_op)
+    stand, back = stand_in(tensor)
+    got = built.all_reduce_in_place(stand, op, group, async_op)
+    return written(got, stand, tensor, back, async_op)
 
 
 def all_gather_list(tensor_list, tensor: torch.Tensor, group, async_op: bool):
     """Fill ``tensor_list`` with every rank's ``tensor``; its entries may differ in size."""
     agree("all_gather", group, outputs=[tensor_fact(t) for t in tensor_list],
           tensor=tensor_fact(tensor, shape=False), async_op=async_op)
-    if len({tuple(t.shape) for t in tensor_list}) <= 1:
-        return finish(tensor_list, dist.all_gather(tensor_list, tensor, group, async_op), async_op)
-    built.gather_uneven_into(tensor_list, tensor, group)
-    return done(tensor_list, async_op)
+    stand, back = stand_in(tensor_list)
+    if len({tuple(t.shape) for t in stand}) <= 1:
+        got = finish(stand, dist.all_gather(stand, dense(tensor), group, async_op), async_op)
+    else:
+        built.gather_uneven_into(stand, dense(tensor), group)
+        got = done(stand, async_op)
+    return written(got, stand, tensor_list, back, async_op)
 
 
 def broadcast_tensor(tensor: torch.Tensor, group_src: int, group, async_op: bool):
     agree("broadcast", group, tensor=tensor_fact(tensor), group_src=group_src, async_op=async_op)
-    work = dist.broadcast(tensor, group=group, async_op=async_op, group_src=group_src)
-    return finish(tensor, work, async_op)
+    stand, back = stand_in(tensor)
+    work = dist.broadcast(stand, group=group, async_op=async_op, group_src=group_src)
+    return written(finish(stand, work, async_op), stand, tensor, back, async_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -56,8 +63,10 @@ def reduce(tensor, dst: int | None = None, op=ReduceOp.SUM, group=None, async_op
     gdst = root(group, dst, group_dst, "dst")
     agree("reduce", group, tensor=tensor_fact(tensor), reduce_op=op_fact(op), group_dst=gdst,
           async_op=async_op)
-    return built.reduce_in_place(tensor, op, group, async_op, lambda t, o, a: dist.reduce(
+    stand, back = stand_in(tensor)
+    got = built.reduce_in_place(stand, op, group, async_op, lambda t, o, a: dist.reduce(
         t, op=o, group=group, async_op=a, group_dst=gdst))
+    return written(got, stand, tensor, back, async_op)
 
 
 @guarded("gather")
@@ -94,10 +103,18 @@ def _gather_or_scatter(call: _Rooted, tensor, pieces, rank, group_rank, group, a
     r = root(group, rank, group_rank, call.role)
     agree(call.name, group, tensor=tensor_fact(tensor), **{f"group_{call.role}": r},
           async_op=async_op)
+    if call.fills_list:  # gather: the list is written, the tensor read
+        original, (stand, back) = pieces, stand_in(pieces)
+        tensor = dense(tensor)
+    else:  # scatter: the tensor is written, the list read
+        original, (stand, back) = tensor, stand_in(tensor)
+        pieces = dense(pieces)
+    args = (tensor, stand) if call.fills_list else (stand, pieces)
     if built.lacks_gather_scatter(tensor, group):
-        return done(call.by_p2p(tensor, pieces, r, group), async_op)
-    work = call.native(tensor, pieces, group=group, async_op=async_op, **{f"group_{call.role}": r})
-    return finish(pieces if call.fills_list else tensor, work, async_op)
+        got = done(call.by_p2p(*args, r, group), async_op)
+        return written(got, stand, original, back, async_op)
+    work = call.native(*args, group=group, async_op=async_op, **{f"group_{call.role}": r})
+    return written(finish(stand, work, async_op), stand, original, back, async_op)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -111,10 +128,12 @@ def reduce_scatter(output, input_list, op=ReduceOp.SUM, group=None, async_op: bo
     ensure_world()
     agree("reduce_scatter", group, output=tensor_fact(output), reduce_op=op_fact(op),
           async_op=async_op)
-    return built.reduce_scatter_lowered(
-        output, op, group, async_op, stacked=lambda: torch.stack(list(input_list)),
-        native=lambda o: dist.reduce_scatter(output, list(input_list), o, group=group,
-                                             async_op=async_op))
+    stand, back = stand_in(output)
+    inputs = dense(list(input_list))
+    got = built.reduce_scatter_lowered(
+        stand, op, group, async_op, stacked=lambda: torch.stack(inputs),
+        native=lambda o: dist.reduce_scatter(stand, inputs, o, group=group, async_op=async_op))
+    return written(got, stand, output, back, async_op)
 
 
 @guarded("reduce_scatter_tensor")
@@ -123,11 +142,14 @@ def reduce_scatter_tensor(output, input, op=ReduceOp.SUM, group=None, async_op: 
     ensure_world()
     agree("reduce_scatter_tensor", group, output=tensor_fact(output),
           input=tensor_fact(input), reduce_op=op_fact(op), async_op=async_op)
-    return built.reduce_scatter_lowered(
-        output, op, group, async_op,
-        stacked=lambda: input.reshape((size(group),) + tuple(output.shape)),
-        native=lambda o: dist.reduce_scatter_single(output, input, o, group=group,
+    stand, back = stand_in(output)
+    source = dense(input)
+    got = built.reduce_scatter_lowered(
+        stand, op, group, async_op,
+        stacked=lambda: source.reshape((size(group),) + tuple(output.shape)),
+        native=lambda o: dist.reduce_scatter_single(stand, source, o, group=group,
                                                     async_op=async_op))
+    return written(got, stand, output, back, async_op)
 
 
 @guarded("all_gather_into_tensor")
@@ -136,8 +158,9 @@ def all_gather_into_tensor(output_tensor, input_tensor, group=None, async_op: bo
     ensure_world()
     agree("all_gather_into_tensor", group, output=tensor_fact(output_tensor),
           input=tensor_fact(input_tensor), async_op=async_op)
-    work = dist.all_gather_single(output_tensor, input_tensor, group=group, async_op=async_op)
-    return finish(output_tensor, work, async_op)
+    stand, back = stand_in(output_tensor)
+    work = dist.all_gather_single(stand, dense(input_tensor), group=group, async_op=async_op)
+    return written(finish(stand, work, async_op), stand, output_tensor, back, async_op)
 
 
 @guarded("all_to_all")
@@ -145,8 +168,9 @@ def all_to_all(output_tensor_list, input_tensor_list, group=None, async_op: bool
     """torch style: rank r's ``input_tensor_list[s]`` lands in rank s's ``output_tensor_list[r]``."""
     ensure_world()
     agree("all_to_all", group, tensors=len(input_tensor_list), async_op=async_op)
-    work = dist.all_to_all(output_tensor_list, input_tensor_list, group=group, async_op=async_op)
-    return finish(output_tensor_list, work, async_op)
+    stand, back = stand_in(output_tensor_list)
+    work = dist.all_to_all(stand, dense(input_tensor_list), group=group, async_op=async_op)
+    return written(finish(stand, work, async_op), stand, output_tensor_list, back, async_op)
 
 
 @guarded("all_to_all_single")
@@ -154,20 +178,25 @@ def all_to_all_single(output, input, output_split_sizes=None, input_split_sizes=
                       async_op: bool = False):
     ensure_world()
     agree("all_to_all_single", group, dtype=str(input.dtype), async_op=async_op)
-    work = dist.all_to_all_single(output, input, output_split_sizes, input_split_sizes,
+    stand, back = stand_in(output)
+    work = dist.all_to_all_single(stand, dense(input), output_split_sizes, input_split_sizes,
                                   group=group, async_op=async_op)
-    return finish(output, work, async_op)
+    return written(finish(stand, work, async_op), stand, output, back, async_op)
 
 
 @guarded("isend")
 def isend(tensor, dst: int | None = None, group=None, tag: int = 0, group_dst: int | None = None):
     ensure_world()
-    return dist.isend(tensor, dst=dst, group=group, tag=tag, group_dst=group_dst)
+    gdst = peer(group, dst, group_dst, "dst")
+    return dist.isend(dense(tensor), group=group, tag=checked_tag(tag), group_dst=gdst)
 
 
 @guarded("irecv")
 def irecv(tensor, src: int | None = None, group=None, tag: int = 0, group_src: int | None = None):
     ensure_world()
-    return dist.irecv(tensor, src=src, group=group, tag=tag, group_src=group_src)
+    gsrc = None if src is None and group_src is None else peer(group, src, group_src, "src")
+    stand, back = stand_in(tensor)
+    work = dist.irecv(stand, group=group, tag=checked_tag(tag), group_src=gsrc)
+    return work if back is None else written(work, stand, tensor, back, async_op=True)
 
 

@@ -15,7 +15,7 @@ from ..debug import Verbatim
 from ..errors import GlobalTensorError
 from ..runtime.meta import exchange_meta
 from .built import all_reduce_in_place, gather_padded, gather_stacked
-from .common import (BITWISE, Red, agree, kind, no_async, object_device, op_fact, root, size,
+from .common import (BITWISE, Red, agree, kind, no_async, object_device, op_fact, peer, root, size,
                      tensor_fact, to_reduce_op)
 
 
@@ -62,10 +62,57 @@ def all_reduce(data, op, group, async_op: bool):
     op = to_reduce_op(op)
     leaves, paths, spec = _flatten(data)
     k = kind(op)
-    buffers = [_reduce_buffer(leaf, path, k, group) for leaf, path in zip(leaves, paths)]
+    buffers, ends = [], []
+    for leaf, path in zip(leaves, paths):
+        pair = _number_pair(leaf, k, group)
+        buffers += pair if pair is not None else [_reduce_buffer(leaf, path, k, group)]
+        ends.append(len(buffers))
     with torch.no_grad():
         reduced = _reduce_grouped(buffers, op, group)
-    return pytree.tree_unflatten([_back_to_leaf(v, r, k) for v, r in zip(leaves, reduced)], spec)
+    out = [_back_to_leaf(v, reduced[end - 1], k) if end - start == 1
+           else _pair_back(v, reduced[start].item(), reduced[start + 1].item(), k)
+           for v, start, end in zip(leaves, [0] + ends[:-1], ends)]
+    return pytree.tree_unflatten(out, spec)
+
+
+# the identity of each op in the int64 and float64 halves of a Python number (_number_pair)
+_IDENTITY = {Red.SUM: (0, 0.0), Red.PRODUCT: (1, 1.0), Red.MIN: (2 ** 63 - 1, math.inf),
+             Red.MAX: (-2 ** 63, -math.inf)}
+
+
+def _number_pair(leaf, op_kind, group) -> list[torch.Tensor] | None:
+    """A Python int or float travels as an int64 and a float64 value, on every rank whatever its
+    type there (so the collectives match even where one rank has 3 and another 3.5): an int in
+    the int64 half, reduced exactly (a float64 rounds above 2**53), a float in the other; the
+    other half holds the op's identity. None for any other leaf or op."""
+    if (isinstance(leaf, bool) or not isinstance(leaf, (int, float))
+            or op_kind not in _IDENTITY):
+        return None
+    whole, frac = _IDENTITY[op_kind]
+    if isinstance(leaf, int):
+        if not -2 ** 63 <= leaf < 2 ** 63:
+            raise GlobalTensorError(f"expected Python ints to all_reduce within int64, found "
+                                    f"{leaf}; pass float({leaf}) to reduce it as a float")
+        whole = leaf
+    else:
+        frac = leaf
+    device = object_device(group)
+    return [torch.tensor(whole, dtype=torch.int64, device=device),
+            torch.tensor(frac, dtype=torch.float64, device=device)]
+
+
+def _pair_back(leaf, whole: int, frac: float, op_kind):
+    """The reduced halves of a Python number as one value of the caller's type."""
+    no_whole, no_frac = _IDENTITY[op_kind]
+    if frac == no_frac:
+        value = whole  # only ints took part: exact
+    elif whole == no_whole:
+        value = frac
+    else:
+        combine = {Red.SUM: lambda a, b: a + b, Red.PRODUCT: lambda a, b: a * b,
+                   Red.MIN: min, Red.MAX: max}[op_kind]
+        value = combine(whole, frac)
+    return int(round(value)) if isinstance(leaf, int) else float(value)
 
 
 def _reduce_buffer(leaf, path: str, op_kind, group) -> torch.Tensor:
@@ -208,5 +255,5 @@ def recv(src: int | None, group_src: int | None, group):
         raise GlobalTensorError("expected src= (or group_src=) to receive an object, found neither; "
                                 "say which rank sent it")
     box = [None]
-    dist.recv_object_list(box, group=group, group_src=root(group, src, group_src, "src"))
+    dist.recv_object_list(box, group=group, group_src=peer(group, src, group_src, "src"))
     return box[0]

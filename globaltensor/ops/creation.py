@@ -12,7 +12,7 @@ on every rank); "first", the first rank's draw, sent to the others.
 """
 from __future__ import annotations
 
-from .signature import S, Call, Row, register, sig
+from .signature import B, S, Call, Row, register, sig
 
 
 def like(call: Call) -> tuple[Row, ...]:
@@ -21,7 +21,10 @@ def like(call: Call) -> tuple[Row, ...]:
     nd = len(call.shapes[0])
     kernel = "random" if call.packet.startswith("rand") else None
     rows = [sig("B -> B", kernel), sig("P -> B", kernel)]
-    return tuple(rows + [Row((S(d),), (S(d),), kernel) for d in range(nd)])
+    rows += [Row((S(d),), (S(d),), kernel) for d in range(nd)]
+    # fill(self, value) with a 0-dim global value (fill_ / y[1:3] = v): the value whole, as B
+    extra = (B,) * (len(call.shapes) - 1)
+    return tuple(Row(r.ins + extra, r.outs, r.kernel) for r in rows)
 
 
 def new_full(call: Call) -> tuple[Row, ...]:

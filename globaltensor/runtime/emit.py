@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .groups import all_gather_flat, reduce_scatter_flat
+from .groups import all_gather_flat, byte_view, reduce_scatter_flat
 
 @functools.cache
 def _ops():
@@ -43,8 +43,8 @@ class Eager:
     def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:
         """The members' ``send`` buffers stacked along dim 0, in the group's rank order."""
         buf = send.new_empty([n * send.shape[0]] + list(send.shape[1:]))
-        if buf.numel():
-            all_gather_flat(buf, send, group=group)
+        if buf.numel():  # any dtype: its bytes (gloo rejects some: int16, uint16, float8...)
+            all_gather_flat(byte_view(buf), byte_view(send), group=group)
         return buf
 
     @staticmethod
@@ -64,8 +64,11 @@ class Eager:
     @staticmethod
     def all_to_all(send, recv_splits, send_splits, group, communicate: bool) -> torch.Tensor:
         recv = send.new_empty(sum(recv_splits))
-        if communicate:
-            dist.all_to_all_single(recv, send, recv_splits, send_splits, group=group)
+        if communicate:  # any dtype: its bytes
+            size = send.element_size()
+            dist.all_to_all_single(byte_view(recv), byte_view(send),
+                                   [k * size for k in recv_splits],
+                                   [k * size for k in send_splits], group=group)
         return recv
 
 

@@ -18,16 +18,17 @@ import os
 import torch
 import torch.distributed as dist
 
-from .._cache import ById
+from .._cache import MISSING, ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative
 from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
                      ReduceScatter, ZeroFill)
 from ..sbp import Broadcast
-from .groups import group_along, group_of_ranks, groups_along
 from .emit import EAGER, emitter_for
-from .guard import step_guard
 from .exchange import exchange_traced
+from .groups import byte_view, group_along, group_of_ranks, groups_along
+from .guard import step_guard
+from .layoutcheck import check_first_use
 from .pairwise import (all_reduce_pairwise, gather_pairwise, member_coords, offsets, prod,
                        reduce_scatter_pairwise, send_recv, sizes_along)
 
@@ -38,6 +39,8 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         return local
     if local.is_conj() or local.is_neg():  # a lazy view's bits (a _conj piece): no collective
         local = local.resolve_conj().resolve_neg()  # sends them, so move the values they mean
+    _check_summable(plan, local.dtype)
+    tag = check_first_use(plan, local, rank)  # ranks that disagree: an error, not a crash
     cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:
@@ -48,13 +51,38 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     out = local
     for index, step in enumerate(plan.steps):
         with step_guard(plan, index):  # a timeout names the step and its ranks
-            out = _run_step(step, out, rank, emit)
+            out = _run_step(step, out, rank, tag, emit)
     if emit.traced:  # no storage to compare: a fresh tensor unless a collective made it
         fresh = any(not isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
         return out.contiguous() if fresh else out.clone(memory_format=torch.contiguous_format)
     if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
         return out.clone(memory_format=torch.contiguous_format)
     return out.contiguous()
+
+
+def _check_summable(plan: Plan, dtype: torch.dtype) -> None:
+    """A plan that adds partial sums, for a dtype torch cannot add (uint16, uint32, uint64,
+    float8): the same clear error on every rank, before anything moves."""
+    message = _STATIC.get((id(plan), ("sums", dtype)), MISSING)  # the warm path: one lookup
+    if message is MISSING:
+        message = _STATIC.computed(plan, ("sums", dtype), _sum_message)
+    if message is not None:
+        raise GlobalTensorError(message)
+
+
+def _sum_message(plan: Plan, where) -> str | None:
+    dtype = where[1]
+    if not any(isinstance(s, (AllReduce, ReduceScatter)) or (isinstance(s, Exchange)
+               and s.before.is_partial) for s in plan.steps):
+        return None
+    try:
+        torch.zeros(1, dtype=dtype).add_(torch.zeros(1, dtype=dtype))
+        return None
+    except (RuntimeError, NotImplementedError) as e:
+        return (f"redistributing {plan.src!r} -> {plan.dst!r} adds the partial sums, and torch "
+                f"cannot add {dtype} ({str(e).splitlines()[0][:120]}); expected a dtype torch "
+                f"adds: cast first (x.to(torch.float32) or a wider integer type), or keep the "
+                f"tensor split or broadcast")
 
 
 # (id(obj), where) -> what obj needs there: a plan's local-slice cuts per rank (None when the
@@ -79,13 +107,19 @@ def _cuts(plan: Plan, rank: int):
     return tuple(cuts)
 
 
-def _run_step(step, local: torch.Tensor, rank: int, emit=EAGER) -> torch.Tensor:
+def _run_step(step, local: torch.Tensor, rank: int, tag: int, emit=EAGER) -> torch.Tensor:
+    """One step; point-to-point messages travel on the plan's ``tag`` (layoutcheck.data_tag)."""
     after = step.after
     if isinstance(step, Exchange):
-        return exchange_traced(step, local, rank) if emit.traced else _exchange(step, local, rank)
+        if emit.traced:
+            return exchange_traced(step, local, rank)
+        return _exchange(step, local, rank, tag)
     # every rank of the world creates the axis's groups together, members or not
     n = after.placement.shape[step.axis]
-    pairwise = not emit.traced and _pairwise(step)
+    pairwise = not emit.traced and (
+        _pairwise(step) or (local.dtype in _GLOO_CANNOT_REDUCE  # int16: p2p sums it
+                            and after.placement.type == "cpu"
+                            and isinstance(step, (ReduceScatter, AllReduce))))
     if n > 1 and not pairwise and not isinstance(step, (LocalSlice, ZeroFill)):
         groups_along(after.placement, step.axis)
     coord = after.placement.coord_of(rank)
@@ -101,11 +135,11 @@ def _run_step(step, local: torch.Tensor, rank: int, emit=EAGER) -> torch.Tensor:
     if pairwise:  # point-to-point: no group needed
         match step:
             case AllGather():
-                return gather_pairwise(step, local, coord)
+                return gather_pairwise(step, local, coord, tag)
             case ReduceScatter():
-                return reduce_scatter_pairwise(step, local, coord)
+                return reduce_scatter_pairwise(step, local, coord, tag)
             case AllReduce():
-                return all_reduce_pairwise(step, local, coord)
+                return all_reduce_pairwise(step, local, coord, tag)
     group, ranks = group_along(after.placement, step.axis, coord)
     match step:
         case AllGather():
@@ -155,6 +189,10 @@ def _pairwise(step) -> bool:
         and isinstance(step, (AllGather, ReduceScatter, AllReduce)))
 
 
+# dtypes torch adds but gloo's reductions reject ("Invalid scalar type"): summed point to point
+_GLOO_CANNOT_REDUCE = frozenset({torch.int16})
+
+
 def _group_order(ranks) -> list[int]:
     """Axis indices in the order of the group's ranks: torch numbers the members of a group
     by their global rank, not by their place on the placement axis."""
@@ -174,7 +212,7 @@ def _all_gather(step: AllGather, local, coord, group, ranks, emit) -> torch.Tens
     else:
         send = local.new_zeros(padded)
         send.narrow(d, 0, local.shape[d]).copy_(local)
-    buf = emit.all_gather(send, n, group)
+    buf = emit.all_gather(send, n, group)  # any dtype: the eager emitter moves its bytes
     if d == 0 and order == sorted(order) and min(sizes[:-1], default=big) == big:
         return buf[: sum(sizes)]  # even, or only the last piece short: its padding is the tail
     blocks = buf.view([n] + padded)
@@ -262,7 +300,7 @@ def _zero_fill(step: ZeroFill, local, coord) -> torch.Tensor:
     return out
 
 
-def _exchange(step: Exchange, local, rank: int) -> torch.Tensor:
+def _exchange(step: Exchange, local, rank: int, tag: int) -> torch.Tensor:
     """Sends/recvs as one batch, then broadcasts in plan order; pieces land in a new tensor."""
     before, after = step.before, step.after
     for move in step.broadcasts:  # every rank creates every broadcast group, in order
@@ -279,20 +317,21 @@ def _exchange(step: Exchange, local, rank: int) -> torch.Tensor:
         if move.src == rank and move.is_local:
             out[relative(move.region, want)] = local[relative(move.region, have)]
         elif move.src == rank:
-            ops.append(dist.P2POp(dist.isend, local[relative(move.region, have)].contiguous(), move.dsts[0]))
+            ops.append(dist.P2POp(dist.isend, local[relative(move.region, have)].contiguous(),
+                                  move.dsts[0], tag=tag))
         elif move.dsts[0] == rank:
             buf = local.new_empty(box_shape(move.region))
-            ops.append(dist.P2POp(dist.irecv, buf, move.src))
+            ops.append(dist.P2POp(dist.irecv, buf, move.src, tag=tag))
             landing.append((move.region, buf))
     send_recv(ops)
     for region, buf in landing:
         out[relative(region, want)] = buf
     for move in step.broadcasts:
         if rank == move.src:
-            dist.broadcast(local[relative(move.region, have)].contiguous(), src=move.src,
-                           group=group_of_ranks(move.group))
+            dist.broadcast(byte_view(local[relative(move.region, have)].contiguous()),
+                           src=move.src, group=group_of_ranks(move.group))
         elif rank in move.dsts:
             buf = local.new_empty(box_shape(move.region))
-            dist.broadcast(buf, src=move.src, group=group_of_ranks(move.group))
+            dist.broadcast(byte_view(buf), src=move.src, group=group_of_ranks(move.group))
             out[relative(move.region, want)] = buf
     return out

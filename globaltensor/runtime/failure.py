@@ -15,8 +15,16 @@ A peer whose collective ends that way (or times out) reads the store (``guard`` 
 it are released in turn. The world is over after such a failure, as after NCCL's abort: the job
 ends with the same clear error on every rank instead of a hang (docs/reliability.md,
 "Timeouts").
+
+The same key carries two other first failures: ranks found to disagree on a tensor they
+redistribute (``publish_and_close``, from runtime/layoutcheck.py), and a rank whose program raised
+(``report_exception``, from ``sys.excepthook``, before the rank's connections close): a peer that
+then finds its collective closed raises "rank 1 left the job: its program raised ...", the rank's
+own report, not a group and a network address nor a guess from the order of exits.
 """
 from __future__ import annotations
+
+import sys
 
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
@@ -48,6 +56,13 @@ def local_failure(op: str, ranks, error: BaseException) -> LocalOpFailed:
     _publish(message)
     close_groups()
     return LocalOpFailed(message)
+
+
+def publish_and_close(message: str) -> None:
+    """Ranks found to disagree (this rank raises ``message`` itself): publish it for the peers
+    that wait elsewhere (their guard raises it as LocalOpFailed) and close this rank's groups."""
+    _publish(message)
+    close_groups()
 
 
 def seen() -> str | None:
@@ -86,11 +101,46 @@ def _publish(message: str) -> None:
     store = _store()
     if store is None:
         return
-    try:
-        if not store.check([KEY]):  # the first failure is the cause; later ones follow from it
-            store.set(KEY, message)
+    try:  # atomic: the first failure is the cause; later ones follow from it
+        store.compare_set(KEY, "", message)
     except Exception:  # noqa: BLE001 - publishing is best effort: the error is raised regardless
         pass
+
+
+def report_exception(error: BaseException) -> None:
+    """This rank's program raised ``error`` and the rank is about to leave: tell the others
+    (through the store, before this rank's connections close) so that their errors name it
+    instead of a group and a network address. Nothing in a world of one."""
+    if not dist.is_initialized() or isinstance(error, KeyboardInterrupt):
+        return
+    try:
+        me, n = dist.get_rank(), dist.get_world_size()
+    except Exception:  # noqa: BLE001 - the world is already closing: nothing to tell
+        return
+    if n < 2 or isinstance(error, LocalOpFailed):  # a LocalOpFailed is already published
+        return
+    _publish(
+        f"rank {me} left the job: its program raised {type(error).__name__}: "
+        f"{_first_line(error)}. Every other rank stops with this error at its next "
+        f"collective with rank {me}: an SPMD program cannot go on with one rank missing. Look at "
+        f"rank {me}'s traceback (its error output) for the cause.")
+
+
+def install_exception_report() -> None:
+    """Chain ``sys.excepthook`` so an uncaught exception is reported (``report_exception``)
+    before the process exits; installed once, when globaltensor is imported."""
+    previous = sys.excepthook
+    if getattr(previous, "globaltensor_reports", False):
+        return
+
+    def hook(kind, value, tb):
+        try:
+            report_exception(value)
+        finally:
+            previous(kind, value, tb)
+
+    hook.globaltensor_reports = True
+    sys.excepthook = hook
 
 
 def _store():

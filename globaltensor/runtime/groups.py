@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import weakref
 
+import torch
 import torch.distributed as dist
 
 from ..placement import Placement
@@ -17,6 +18,19 @@ from ..world import world_timeout
 # torch 2.13 renames the flat collectives; older versions only have the old names
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+
+
+def byte_view(t: "torch.Tensor") -> "torch.Tensor":
+    """A contiguous tensor's bytes as one flat uint8 view (no copy). Collectives that only move
+    data (gathers, all_to_all, broadcast) send these: gloo's typed collectives reject int16,
+    uint16, uint32, uint64 and float8 ("Invalid scalar type"), bytes of any dtype they take.
+    (A contiguous tensor of one element may keep any stride, which a dtype view refuses: it is
+    restrided first, a view still.)"""
+    flat = t.reshape(-1)
+    if flat.numel() <= 1 and flat.stride(0) != 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
+
 
 # default process group -> {key: ProcessGroup, or None for the world's own group}. Weakly
 # keyed, and never holding the world's group itself: after dist.destroy_process_group() nothing

@@ -9,7 +9,7 @@ import torch.distributed.distributed_c10d as c10d
 from .. import world
 from ..errors import GlobalTensorError
 from ..placement import Placement
-from .groups import all_gather_flat, group_along, groups_along
+from .groups import all_gather_flat, byte_view, group_along, groups_along
 from .guard import guard
 
 MAX_NDIM = 64  # fixed-size records, so every rank's fit in one collective
@@ -86,4 +86,4 @@ def broadcast_along(placement: Placement, axis: int, tensor: torch.Tensor, rank:
     group, ranks = group_along(placement, axis, coord)
     with guard(lambda: f"to_global: broadcasting rank {ranks[0]}'s data along axis {axis} of "
                        f"{placement!r} (sync_data=True)", ranks=ranks):
-        dist.broadcast(tensor, src=ranks[0], group=group)
+        dist.broadcast(byte_view(tensor), src=ranks[0], group=group)  # any dtype: its bytes

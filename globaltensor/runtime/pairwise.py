@@ -58,7 +58,7 @@ def prod(xs) -> int:
     return n
 
 
-def gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
+def gather_pairwise(step: AllGather, local, coord, tag: int = 0) -> torch.Tensor:
     """An all_gather without padding or a group: this rank sends its piece as it is to every
     other member and receives each member's piece, all posted as one batch. Along dim 0 each
     piece is received straight into its rows of the result; along another dim into a buffer,
@@ -71,11 +71,11 @@ def gather_pairwise(step: AllGather, local, coord) -> torch.Tensor:
     ops, landing = [], []
     for k, peer in m.peers:
         if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, peer))
+            ops.append(dist.P2POp(dist.isend, send, peer, tag=tag))
         place = out.narrow(d, m.starts[k], m.sizes[k])
         if place.numel():  # (a member's piece with another dim of size 0 is not sent either)
             buf = place if d == 0 else local.new_empty(place.shape)
-            ops.append(dist.P2POp(dist.irecv, buf, peer))
+            ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
             landing.append((place, buf))
     send_recv(ops)
     for place, buf in landing:
@@ -108,7 +108,7 @@ class _Pairs:
         self.out_shape = box_shape(step.after.box(coord))
 
 
-def reduce_scatter_pairwise(step: ReduceScatter, local, coord) -> torch.Tensor:
+def reduce_scatter_pairwise(step: ReduceScatter, local, coord, tag: int = 0) -> torch.Tensor:
     """P -> S(dim) without a group: this rank sends each other member that member's slice of
     dim and receives its own slice from every member, all posted as one batch; the slices are
     then summed in axis order (so every layout of the same partial value sums alike)."""
@@ -119,10 +119,10 @@ def reduce_scatter_pairwise(step: ReduceScatter, local, coord) -> torch.Tensor:
     for k, peer in m.peers:
         chunk = local.narrow(d, m.starts[k], m.sizes[k])
         if chunk.numel():  # every member's piece has the same shape: the peer expects it
-            ops.append(dist.P2POp(dist.isend, chunk.contiguous(), peer))
+            ops.append(dist.P2POp(dist.isend, chunk.contiguous(), peer, tag=tag))
         parts[k] = local.new_empty(mine.shape)  # (empty, and nothing sent, if mine is)
         if mine.numel():
-            ops.append(dist.P2POp(dist.irecv, parts[k], peer))
+            ops.append(dist.P2POp(dist.irecv, parts[k], peer, tag=tag))
     send_recv(ops)
     return sum_in_order(parts, len(m.sizes))
 
@@ -136,11 +136,12 @@ def sum_in_order(parts: dict, n: int, out=None) -> torch.Tensor:
     return out
 
 
-def all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
+def all_reduce_pairwise(step: AllReduce, local, coord, tag: int = 0) -> torch.Tensor:
     """P -> B without a group: a pairwise reduce_scatter of the flattened piece in n runs (the
     first numel % n one element longer), then a pairwise gather of the summed runs; every
     member ends with the same bits. The gather's receives are posted with the reduce_scatter's
-    messages (on their own tag), so a peer's summed run can arrive as soon as it is ready."""
+    messages (on their own tag, ``tag + 1``), so a peer's summed run can arrive as soon as it
+    is ready."""
     m = _PAIRS.computed(step, coord, _Pairs)
     flat = local.contiguous().view(-1)
     n = len(m.sizes)
@@ -150,22 +151,20 @@ def all_reduce_pairwise(step: AllReduce, local, coord) -> torch.Tensor:
     first, gather, parts = [], [], {m.me: runs[m.me]}
     for k, peer in m.peers:
         if m.sizes[k]:
-            first.append(dist.P2POp(dist.isend, runs[k], peer))
-            gather.append(dist.P2POp(dist.irecv, places[k], peer, tag=_GATHER_TAG))
+            first.append(dist.P2POp(dist.isend, runs[k], peer, tag=tag))
+            gather.append(dist.P2POp(dist.irecv, places[k], peer, tag=tag + 1))
         parts[k] = flat.new_empty(m.sizes[m.me])
         if m.sizes[m.me]:
-            first.append(dist.P2POp(dist.irecv, parts[k], peer))
+            first.append(dist.P2POp(dist.irecv, parts[k], peer, tag=tag))
     timeout = world_timeout()
     scattering = post(first)
     gathering = post(gather)
     for work in scattering:
         work.wait(timeout)
     sum_in_order(parts, n, out=places[m.me])
-    sends = [dist.P2POp(dist.isend, places[m.me], peer, tag=_GATHER_TAG)
+    sends = [dist.P2POp(dist.isend, places[m.me], peer, tag=tag + 1)
              for _, peer in m.peers if m.sizes[m.me]]
     for work in gathering + post(sends):
         work.wait(timeout)
     return out.view(local.shape)
 
-
-_GATHER_TAG = 1  # an all_reduce's second phase: its messages never match the first phase's

@@ -227,6 +227,7 @@ def test_one_vocabulary_grid_not_mesh():
 # the only `global` statements: process-wide state installed or cached once per process
 GLOBALS = {
     "globaltensor.world": {"_LAST_RANK"},  # cached_rank: a one-entry cache keyed by the world's group
+    "globaltensor.runtime.layoutcheck": {"_LAST"},  # the record of the world asked last (as above)
     "globaltensor.testing": {"_installed"},  # run_ranks makes torch's registry per-thread, once
 }
 

@@ -161,6 +161,21 @@ def _unused_message(names: list[str]) -> str:
             f"with DistributedDataParallel(..., find_unused_parameters=True)")
 
 
+def _check_arguments(module, bucket_cap_mb) -> None:
+    """Before any communication, on every rank alike."""
+    if not isinstance(module, torch.nn.Module):
+        raise GlobalTensorError(
+            f"DistributedDataParallel expects a torch.nn.Module, found {repr(module)[:80]} "
+            f"({type(module).__name__}); wrap the model itself: DistributedDataParallel(model)")
+    ok = bucket_cap_mb is None or (isinstance(bucket_cap_mb, (int, float))
+                                   and not isinstance(bucket_cap_mb, bool) and bucket_cap_mb > 0
+                                   and bucket_cap_mb * 1024 * 1024 < 2 ** 62)
+    if not ok:
+        raise GlobalTensorError(
+            f"expected bucket_cap_mb to be a number of MiB > 0 (or None for 25), found "
+            f"{repr(bucket_cap_mb)[:80]} ({type(bucket_cap_mb).__name__}); e.g. bucket_cap_mb=25")
+
+
 class DistributedDataParallel(torch.nn.Module):
     """Data parallel training: the same model on every rank, gradients averaged over ranks.
 
@@ -183,6 +198,7 @@ class DistributedDataParallel(torch.nn.Module):
                  check_reduction: bool = False, gradient_as_bucket_view: bool = False,
                  static_graph: bool = False):
         super().__init__()
+        _check_arguments(module, bucket_cap_mb)
         self.module = module
         self.device = torch.device(device_ids[0]) if device_ids else None
         self.broadcast_buffers = broadcast_buffers
