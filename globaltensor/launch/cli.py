@@ -65,6 +65,10 @@ class LaunchConfig:
         _expect(0 <= self.node_rank < self.nnodes,
                 f"0 <= --node_rank < --nnodes, found --node_rank {self.node_rank} with "
                 f"--nnodes {self.nnodes}", "number the nodes 0 .. nnodes-1")
+        _expect(bool(self.master_addr.strip()) and not any(c.isspace() for c in self.master_addr),
+                f"--master_addr a host name or address, found {self.master_addr!r}",
+                "pass the address of the node that hosts rank 0, e.g. --master_addr 10.0.0.1 "
+                "(or leave it out on one node)")
         _expect(self.master_port is None or 0 < self.master_port < 65536,
                 f"--master_port in 1..65535, found {self.master_port}", "pick a free TCP port")
         _expect(not (self.module and self.no_python), "at most one of -m and --no_python",

@@ -32,6 +32,7 @@ def test_parse_args_passes_script_options_through():
     (["--nproc_per_node", "1", "--redirect_stdout_and_stderr", "s.py"], "found no --logdir"),
     (["--nproc_per_node", "1", "--master_port", "70000", "s.py"], "found 70000"),
     (["--nproc_per_node", "1", "--timeout", "0", "s.py"], "--timeout > 0 seconds"),
+    (["--nproc_per_node", "1", "--master_addr", "", "s.py"], "a host name or address, found ''"),
 ])
 def test_bad_options_are_clear_errors(argv, message, capsys):
     with pytest.raises(LaunchError, match="expected .*" + message.replace("-", r"\-")):
