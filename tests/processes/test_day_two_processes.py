@@ -184,7 +184,12 @@ def test_one_rank_raising_shows_its_error_first_in_full_and_no_hint(tmp_path):
     assert run.returncode == 1
     report = run.stderr[run.stderr.index("[launch] rank 1 (local rank 1"):].splitlines()
     assert report[1] == "[launch] the last traceback of rank 1's stderr:"
-    assert report[-1] == "[launch]   | ValueError: bad value on rank 1"  # nothing after it
+    last = report.index("[launch]   | ValueError: bad value on rank 1")  # its traceback in full
+    others = report[last + 1:]  # then one line per other rank, naming the cause, and the logs
+    assert all(line.startswith("[launch] ") and "|" not in line for line in others), others
+    if others:
+        assert "rank 0 exited" in others[0] and "rank 1 left the job" in others[0], others
+        assert str(tmp_path) in others[-1], others
     assert run.stderr.count("Traceback") == 1 and "hint" not in run.stderr
     assert ": []" not in run.stderr
     assert "ValueError: bad value" in (tmp_path / "rank_1.stderr").read_text()
