@@ -40,14 +40,15 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     if local.is_conj() or local.is_neg():  # a lazy view's bits (a _conj piece): no collective
         local = local.resolve_conj().resolve_neg()  # sends them, so move the values they mean
     _check_summable(plan, local.dtype)
-    tag = check_first_use(plan, local, rank)  # ranks that disagree: an error, not a crash
+    emit = emitter_for(local)  # under torch.compile: functional collectives (emit.py)
+    # ranks that disagree: an error, not a crash (checked when the plan runs, not when traced)
+    tag = 0 if emit.traced else check_first_use(plan, local, rank)
     cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:
             local = local.narrow(dim, start, length)
         # a contiguous view clones contiguous by default (and the keyword costs ~10 us cold)
         return local.clone() if local.is_contiguous() else local.clone(memory_format=torch.contiguous_format)
-    emit = emitter_for(local)  # under torch.compile: functional collectives (emit.py)
     out = local
     for index, step in enumerate(plan.steps):
         with step_guard(plan, index):  # a timeout names the step and its ranks

@@ -211,7 +211,9 @@ def test_a_rank_finishing_early_under_gt_debug_is_named_at_once():
     assert run.returncode == 1
     assert re.search(r"GT_DEBUG: global operation #\d+ .*: rank 1 finished \(exit 0\) after its "
                      r"collective #\d+ while rank 0 still runs", run.stderr), run.stderr
-    assert "[launch] rank 1 finished (exit 0) while the others still ran" in run.stderr
+    # the launcher says so too when it saw rank 1 leave before it stopped the job (under load
+    # rank 1 may still be exiting then); it never blames rank 1 for the failure
+    assert not re.search(r"rank 1 \(local rank 1[^\n]*exited with code [1-9]", run.stderr)
     assert "hint" not in run.stderr
 
 
