@@ -417,6 +417,7 @@ def _check_user_moves(local_rank):
     return out
 
 
+@pytest.mark.slow  # the default run keeps the executor and the data-parallel smoke tests
 def test_to_global_to_local_and_full_tensor_trace_inside_a_compiled_function():
     """A global tensor's to_global / to_local / full_tensor in compiled user code: one graph
     (fullgraph), the redistributions as functional collectives in it, no Python dispatch in a
@@ -490,7 +491,8 @@ def _check_cnn(local_rank, backend, rows):
     return {"eager": eager, "compiled": compiled, "frames": counter.frame_count}
 
 
-@pytest.mark.parametrize("backend", ["aot_eager", pytest.param("inductor", marks=pytest.mark.slow)])
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
 def test_cnn_with_batchnorm_trains_compiled_data_parallel_as_eager_and_one_process(backend):
     """BatchNorm in train mode on a batch split over the ranks takes the whole batch's
     statistics (sync-BN semantics): compiled, the losses, gradients, parameters and running
