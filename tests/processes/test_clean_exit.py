@@ -162,7 +162,9 @@ print("survived", rank, flush=True)
 """
 
 
-@pytest.mark.parametrize("failing, how, code", [(1, "raise", 1), (1, "exit", 3), (0, "raise", 1)])
+@pytest.mark.parametrize("failing, how, code", [  # the first in the default run, all under -m slow
+    (1, "raise", 1), pytest.param(1, "exit", 3, marks=pytest.mark.slow),
+    pytest.param(0, "raise", 1, marks=pytest.mark.slow)])
 def test_a_failing_rank_exits_at_once_with_its_error(failing, how, code, tmp_path):
     start = time.monotonic()
     env = {"FAILING": str(failing), "HOW": how, "OTHER_SLEEPS": "3", "GT_TIMEOUT": "60"}
@@ -175,6 +177,7 @@ def test_a_failing_rank_exits_at_once_with_its_error(failing, how, code, tmp_pat
         assert f"KeyError: 'boom on rank {failing}'" in outs[failing][1]
 
 
+@pytest.mark.slow
 def test_rank_0_waits_for_a_killed_rank_only_until_the_timeout(tmp_path):
     env = {"FAILING": "1", "HOW": "kill", "OTHER_SLEEPS": "0", "GT_TIMEOUT": "3"}
     codes, outs, ended = _run_ranks(FAIL, "torchrun", tmp_path, env=env)

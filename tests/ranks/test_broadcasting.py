@@ -195,7 +195,8 @@ def test_every_broadcasting_op_keeps_its_size_1_dims_whole_on_2_ranks():
     assert not missing, f"families with a broadcasting input that no case here met: {missing}"
 
 
-@pytest.mark.parametrize("name", ["add", "where", "addcmul", "sdpa bool", "bce"])
+@pytest.mark.parametrize("name", ["sdpa bool"] + [pytest.param(n, marks=pytest.mark.slow)
+                                                 for n in ("add", "where", "addcmul", "bce")])
 def test_broadcasting_ops_on_a_2x2_grid(name):
     cases = [c for c in _cases() if c[0] == name]
     errors, _ = _run_cases(G22, cases, timeout=300)

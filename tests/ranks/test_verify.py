@@ -145,6 +145,7 @@ def test_random_ops_are_recorded_as_skipped_and_arguments_are_checked():
 transformers = pytest.importorskip("transformers")
 
 
+@pytest.mark.slow  # ~15 s; the planted-bug tests run by default
 def test_a_correct_llama_tensor_and_data_parallel_step_reports_nothing():
     from test_real_models import IDS, llama, megatron
 
