@@ -137,6 +137,7 @@ print("done", rank, time.time(), flush=True)
 """
 
 
+@pytest.mark.slow  # the default run checks every way of starting exits 0
 def test_rank_0_hosts_the_store_and_leaves_after_the_others(tmp_path):
     codes, outs, ended = _run_ranks(ORDER, "torchrun", tmp_path)
     assert codes == [0, 0], outs

@@ -23,7 +23,7 @@ from globaltensor.layout import Layout
 from globaltensor.testing import run_ranks
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
-CI_PROGRAMS = 120  # per world size in the suite: 2 ranks ([2]) and 4 ranks ([2, 2])
+CI_PROGRAMS = 100  # per world size in the suite: 2 ranks ([2]) and 4 ranks ([2, 2])
 
 
 # --------------------------------------------------------------------------- drawing programs
