@@ -20,3 +20,20 @@ def timed(call) -> float:
     took = torch.tensor([time.perf_counter() - start], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     return took.item()
+
+
+def dtensor_tp(model, mesh):
+    """DTensor's Megatron layout of an HF Llama (``parallelize_module``): q/k/v, gate and up
+    column-parallel, o and down row-parallel; the baseline the tensor-parallel rows compare to."""
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   parallelize_module)
+
+    plan = {}
+    for i in range(len(model.model.layers)):
+        for proj in ("q_proj", "k_proj", "v_proj"):
+            plan[f"model.layers.{i}.self_attn.{proj}"] = ColwiseParallel()
+        plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
+        plan[f"model.layers.{i}.mlp.gate_proj"] = ColwiseParallel()
+        plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
+        plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
+    return parallelize_module(model, mesh, plan)

@@ -34,7 +34,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from _common import timed  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import dtensor_tp, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 BATCH, SEQ, VOCAB = 8, 32, 256
@@ -116,21 +116,6 @@ def race(steps: dict, n: int) -> tuple[dict, dict]:
             if i >= 2:  # warm-up (the optimizers' recompile at step 2, when state fills)
                 times[name].append(took)
     return first, {k: statistics.median(v) for k, v in times.items()}
-
-
-def dtensor_tp(model, mesh):
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    plan = {}
-    for i in range(len(model.model.layers)):
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[f"model.layers.{i}.self_attn.{proj}"] = ColwiseParallel()
-        plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
-        plan[f"model.layers.{i}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
-    return parallelize_module(model, mesh, plan)
 
 
 def megatron(name, t):

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from _common import timed  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import dtensor_tp, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 from _sync_bn import sync_batch_norm
 
 S, B = gt.sbp.split, gt.sbp.broadcast
@@ -152,21 +152,6 @@ def megatron(name, t, axis_count):
     if t.dim() == 2 and any(c in name for c in row):
         return lead + (S(1),)
     return lead + (B,)
-
-
-def dtensor_tp(model, mesh):
-    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
-                                                   parallelize_module)
-
-    plan = {}
-    for i in range(len(model.model.layers)):
-        for proj in ("q_proj", "k_proj", "v_proj"):
-            plan[f"model.layers.{i}.self_attn.{proj}"] = ColwiseParallel()
-        plan[f"model.layers.{i}.self_attn.o_proj"] = RowwiseParallel()
-        plan[f"model.layers.{i}.mlp.gate_proj"] = ColwiseParallel()
-        plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
-        plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
-    return parallelize_module(model, mesh, plan)
 
 
 def bucketed_all_reduce(params, group):
