@@ -34,6 +34,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
+from globaltensor.testing import dispatches_in
 from _common import dtensor_tp, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 S, B = gt.sbp.split, gt.sbp.broadcast
@@ -83,24 +84,6 @@ def make_step(model, ids, backend=None, fullgraph=False):
 
     step.loss_of = loss_of
     return step
-
-
-def dispatches_in(fn) -> int:
-    """How many times globaltensor's __torch_dispatch__ is entered during ``fn()``."""
-    from globaltensor.dispatch import dispatch
-
-    count = [0]
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code is dispatch.__code__:
-            count[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        fn()
-    finally:
-        sys.setprofile(None)
-    return count[0]
 
 
 def race(steps: dict, n: int) -> tuple[dict, dict]:

@@ -246,4 +246,23 @@ def _script_path(path_or_source, folder: str) -> str:
         f.write(path_or_source)
     return path
 
-__all__ = ["run_ranks", "run_script", "CompletedRun", "RankFailed", "RanksHung"]
+def dispatches_in(fn, *args) -> int:
+    """How many times globaltensor's ``__torch_dispatch__`` runs during ``fn(*args)`` (0 for a
+    steady compiled step: the compiled graph holds local ops and collectives only)."""
+    from .dispatch import dispatch
+
+    count = [0]
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code is dispatch.__code__:
+            count[0] += 1
+
+    sys.setprofile(profile)
+    try:
+        fn(*args)
+    finally:
+        sys.setprofile(None)
+    return count[0]
+
+
+__all__ = ["run_ranks", "run_script", "dispatches_in", "CompletedRun", "RankFailed", "RanksHung"]

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 import globaltensor as gt
+from globaltensor.testing import dispatches_in
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 STEPS = 3
@@ -149,24 +150,6 @@ def _full(t):
     return t.full_tensor() if isinstance(t, gt.GlobalTensor) else t
 
 
-def _dispatches_in(fn, *args):
-    """How many times globaltensor's __torch_dispatch__ runs during ``fn(*args)``."""
-    from globaltensor.dispatch import dispatch
-
-    count = [0]
-
-    def profile(frame, event, arg):
-        if event == "call" and frame.f_code is dispatch.__code__:
-            count[0] += 1
-
-    sys.setprofile(profile)
-    try:
-        fn(*args)
-    finally:
-        sys.setprofile(None)
-    return count[0]
-
-
 def _collectives(backend):
     """A backend recording the functional collectives of the graphs it compiles."""
     from torch._dynamo.backends.common import aot_autograd
@@ -216,7 +199,7 @@ def _check_training(local_rank, name, backend, rows):
     compiled_loss = torch.compile(_loss, backend=backend, fullgraph=True)
     x, y = place(*batches[0])
     compiled_loss(model, x, y)
-    steady = _dispatches_in(compiled_loss, model, x, y)
+    steady = dispatches_in(compiled_loss, model, x, y)
     out_loss = _full(compiled_loss(model, x, y)).item()
     out = {"eager": eager, "compiled": losses, "frames": frames, "collectives": sorted(set(seen)),
            "steady_dispatches": steady, "loss": out_loss,
@@ -412,7 +395,7 @@ def _check_user_moves(local_rank):
             want.backward()
             row["grad_equal"] = torch.equal(grad_compiled, x.grad.full_tensor())
         compiled(x)
-        row["steady_dispatches"] = _dispatches_in(compiled, x)
+        row["steady_dispatches"] = dispatches_in(compiled, x)
         out[name] = row
     return out
 
