@@ -8,7 +8,6 @@ compiled (aot_eager) exactly as eager global and one process, with no recompile 
 dispatch in a steady step. Slow: tensor parallel, ZeRO, 2x2, inductor, HF GPT-2 and Llama.
 """
 import copy
-import sys
 
 import pytest
 import torch
