@@ -20,7 +20,7 @@ from .runtime.agreement import check
 from .runtime.execute import run as _execute
 from .trace import watching
 from .runtime.meta import broadcast_along, exchange_meta
-from .sbp import Broadcast, Split, format_sbp, normalize, resolve
+from .sbp import Broadcast, SbpSpec, Split, format_sbp, normalize, resolve
 from .tensor import (GlobalTensor, FromLocal, Redistribute, records_graph, redistributed,
                      rewrapped)
 
@@ -208,8 +208,9 @@ def _cached_target(src: Layout, placement, sbp) -> Layout:
 _MOVES = ById(4096)
 
 
-def to_global(self, placement=None, sbp=None, *, grad_sbp=None, check_meta=True,
-              sync_data=True, copy=False):
+def to_global(self: torch.Tensor, placement: Placement | None = None, sbp: SbpSpec | None = None,
+              *, grad_sbp: SbpSpec | None = None, check_meta: bool = True,
+              sync_data: bool = True, copy: bool = False) -> GlobalTensor:
     """Make a global tensor (from a local piece) or redistribute one (from a global tensor).
 
     >>> x = torch.randn(2, 5).to_global(placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
@@ -254,7 +255,7 @@ def _remember_move(src: Layout, sbp, dst: Layout) -> None:
     _MOVES.put(key, (dst, None if dst == src else _plan(src, dst)), pinned=src)
 
 
-def to_local(self):
+def to_local(self: torch.Tensor) -> torch.Tensor:
     """A local tensor is already local: returns itself."""
     if isinstance(self, GlobalTensor):
         return GlobalTensor.to_local(self)

@@ -120,7 +120,7 @@ def _make(fill, size, placement, sbp, dtype, requires_grad):
     return _finish(fill(shape, dtype, device), layout, coord, requires_grad)
 
 
-def zeros(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+def zeros(*size, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
     """A global tensor of zeros of global shape ``size``; each rank allocates only its piece.
 
     >>> x = gt.zeros(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
@@ -129,7 +129,7 @@ def zeros(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
                  dtype, requires_grad)
 
 
-def ones(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+def ones(*size, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
     """A global tensor of ones of global shape ``size``; each rank allocates only its piece.
 
     >>> x = gt.ones(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.broadcast)
@@ -138,7 +138,7 @@ def ones(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
                  dtype, requires_grad)
 
 
-def empty(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
+def empty(*size, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
     """An uninitialised global tensor of global shape ``size`` (each rank's piece only).
 
     >>> x = gt.empty(8, 4, placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
@@ -147,7 +147,8 @@ def empty(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
                  dtype, requires_grad)
 
 
-def full(size, fill_value, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def full(size, fill_value, *, placement=None, sbp=None, dtype=None,
+         requires_grad=False) -> GlobalTensor:
     """A global tensor of global shape ``size`` filled with ``fill_value`` (int64 for an int,
     bool for a bool, as torch.full).
 
@@ -179,20 +180,22 @@ def _floating(dtype, op: str):
     return dtype
 
 
-def rand(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
-    """U[0, 1): the same global values for a given gt.manual_seed whatever the placement or sbp."""
+def rand(*size, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
+    """U[0, 1) values of global shape ``size``, the same for a given gt.manual_seed whatever the
+    placement or sbp; each rank draws only its piece."""
     _floating(dtype, "rand")
     return _random(random.uniform_piece, size, placement, sbp, dtype, requires_grad)
 
 
-def randn(*size, placement=None, sbp=None, dtype=None, requires_grad=False):
-    """N(0, 1): the same global values for a given gt.manual_seed whatever the placement or sbp."""
+def randn(*size, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
+    """N(0, 1) values of global shape ``size``, the same for a given gt.manual_seed whatever the
+    placement or sbp; each rank draws only its piece."""
     _floating(dtype, "randn")
     return _random(random.normal_piece, size, placement, sbp, dtype, requires_grad)
 
 
 def randint(low, high=None, size=None, *, placement=None, sbp=None, dtype=torch.int64,
-            requires_grad=False):
+            requires_grad=False) -> GlobalTensor:
     """Integers in [low, high) (``randint(high, size, ...)`` also works, as in torch)."""
     if size is None:
         low, high, size = 0, low, high
@@ -210,7 +213,8 @@ def randint(low, high=None, size=None, *, placement=None, sbp=None, dtype=torch.
     return _random(piece, size, placement, sbp, dtype, requires_grad)
 
 
-def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None,
+           requires_grad=False) -> GlobalTensor:
     """``arange`` as in torch; each rank computes the values of its own index range."""
     if end is None:
         start, end = 0, start
@@ -262,7 +266,8 @@ def _linspace_at(start, end, steps: int, index: torch.Tensor, dtype) -> torch.Te
     return torch.where(index < steps // 2, up, down).to(dtype)
 
 
-def linspace(start, end, steps, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def linspace(start, end, steps, *, placement=None, sbp=None, dtype=None,
+             requires_grad=False) -> GlobalTensor:
     """``torch.linspace``: ``steps`` values evenly spaced from ``start`` to ``end``; each rank
     computes the values at its own indices."""
     start = _checked_number(start, "linspace's start")
@@ -274,7 +279,7 @@ def linspace(start, end, steps, *, placement=None, sbp=None, dtype=None, require
 
 
 def logspace(start, end, steps, base=10.0, *, placement=None, sbp=None, dtype=None,
-             requires_grad=False):
+             requires_grad=False) -> GlobalTensor:
     """``torch.logspace``: ``base ** linspace(start, end, steps)`` (computed in float64, then
     cast to ``dtype``); each rank computes the values at its own indices."""
     start = _checked_number(start, "logspace's start")
@@ -288,7 +293,7 @@ def logspace(start, end, steps, base=10.0, *, placement=None, sbp=None, dtype=No
 
 
 def hann_window(window_length, periodic=True, *, placement=None, sbp=None, dtype=None,
-                requires_grad=False):
+                requires_grad=False) -> GlobalTensor:
     """``torch.hann_window``: ``0.5 - 0.5 cos(2 pi n / N)``, N = window_length if periodic else
     window_length - 1 (computed in float64, then cast; one value is [1.]); each rank computes
     the values at its own indices."""
@@ -308,7 +313,8 @@ def hann_window(window_length, periodic=True, *, placement=None, sbp=None, dtype
     return _indexed(n, placement, sbp, requires_grad, values)
 
 
-def randperm(n, *, placement=None, sbp=None, dtype=torch.int64, requires_grad=False):
+def randperm(n, *, placement=None, sbp=None, dtype=torch.int64,
+             requires_grad=False) -> GlobalTensor:
     """``torch.randperm``: a random permutation of ``range(n)``, the same for a given
     gt.manual_seed whatever the placement or sbp. Each rank computes the whole permutation
     (O(n log n): a piece of a permutation depends on every element) and keeps its piece."""
@@ -321,7 +327,8 @@ def randperm(n, *, placement=None, sbp=None, dtype=torch.int64, requires_grad=Fa
     return _random(piece, (n,), placement, sbp, dtype, requires_grad)
 
 
-def normal(mean, std, size, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def normal(mean, std, size, *, placement=None, sbp=None, dtype=None,
+           requires_grad=False) -> GlobalTensor:
     """``torch.normal(mean, std, size)`` with numbers ``mean`` and ``std``: N(mean, std**2), the
     same global values for a given gt.manual_seed whatever the placement or sbp. (For tensors
     of means or deviations, write ``mean + std * gt.randn_like(mean)``.)"""
@@ -343,7 +350,8 @@ def normal(mean, std, size, *, placement=None, sbp=None, dtype=None, requires_gr
     return _random(piece, size, placement, sbp, dtype, requires_grad)
 
 
-def eye(n, m=None, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def eye(n, m=None, *, placement=None, sbp=None, dtype=None,
+        requires_grad=False) -> GlobalTensor:
     """``torch.eye(n, m)``: ones on the diagonal; each rank compares its own rows and columns."""
     n = _checked_count(n, "eye's n")
     m = n if m is None else _checked_count(m, "eye's m")
@@ -356,7 +364,7 @@ def eye(n, m=None, *, placement=None, sbp=None, dtype=None, requires_grad=False)
     return _finish(local, layout, coord, requires_grad)
 
 
-def tensor(data, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def tensor(data, *, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
     """A global tensor from the *full* data, given alike on every rank; each rank keeps its piece."""
     try:
         full_value = torch.as_tensor(data, dtype=_checked_dtype(dtype))
@@ -384,34 +392,43 @@ def _like(fn, x, placement, sbp, dtype, requires_grad, *args):
               requires_grad=requires_grad)
 
 
-def zeros_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def zeros_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
+    """``gt.zeros`` of ``x``'s shape; placement, sbp and dtype are ``x``'s unless given."""
     return _like(zeros, x, placement, sbp, dtype, requires_grad)
 
 
-def ones_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def ones_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
+    """``gt.ones`` of ``x``'s shape; placement, sbp and dtype are ``x``'s unless given."""
     return _like(ones, x, placement, sbp, dtype, requires_grad)
 
 
-def empty_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def empty_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
+    """``gt.empty`` of ``x``'s shape; placement, sbp and dtype are ``x``'s unless given."""
     return _like(empty, x, placement, sbp, dtype, requires_grad)
 
 
-def rand_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def rand_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
+    """``gt.rand`` of ``x``'s shape; placement, sbp and dtype are ``x``'s unless given."""
     return _like(rand, x, placement, sbp, dtype, requires_grad)
 
 
-def randn_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def randn_like(x, *, placement=None, sbp=None, dtype=None, requires_grad=False) -> GlobalTensor:
+    """``gt.randn`` of ``x``'s shape; placement, sbp and dtype are ``x``'s unless given."""
     return _like(randn, x, placement, sbp, dtype, requires_grad)
 
 
-def full_like(x, fill_value, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def full_like(x, fill_value, *, placement=None, sbp=None, dtype=None,
+              requires_grad=False) -> GlobalTensor:
+    """``gt.full`` of ``x``'s shape; placement, sbp and dtype are ``x``'s unless given."""
     placement = placement if placement is not None else getattr(x, "placement", None)
     sbp = sbp if sbp is not None else getattr(x, "sbp", None)
     return full(tuple(x.shape), fill_value, placement=placement, sbp=sbp, dtype=dtype or x.dtype,
                 requires_grad=requires_grad)
 
 
-def randint_like(x, low, high=None, *, placement=None, sbp=None, dtype=None, requires_grad=False):
+def randint_like(x, low, high=None, *, placement=None, sbp=None, dtype=None,
+                 requires_grad=False) -> GlobalTensor:
+    """``gt.randint`` of ``x``'s shape; placement, sbp and dtype are ``x``'s unless given."""
     placement = placement if placement is not None else getattr(x, "placement", None)
     sbp = sbp if sbp is not None else getattr(x, "sbp", None)
     return randint(low, high, tuple(x.shape), placement=placement, sbp=sbp,

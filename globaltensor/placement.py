@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import itertools
 from functools import cached_property
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -62,6 +63,14 @@ class Placement:
     """
 
     __slots__ = ("type", "shape", "flat_ranks", "axes", "_hash", "__dict__")
+    type: str  # "cpu" or "cuda"
+    shape: tuple[int, ...]  # the grid's
+    flat_ranks: tuple[int, ...]  # the grid's ranks, row-major
+    axes: tuple[str, ...] | None  # the axis names, if given
+
+    if TYPE_CHECKING:  # set by gt's import to env.sub_placement (which asks which rank runs)
+        def __getitem__(self, axis: str | int) -> Placement:
+            """``p["tp"]``: this rank's 1-D sub-placement along ``axis`` (a name or a number)."""
 
     def __init__(self, type: str = "cpu", ranks=None, axes=None):
         if ranks is None:

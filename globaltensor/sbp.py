@@ -6,8 +6,8 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from collections.abc import Mapping
-from typing import Iterable, Union
+from collections.abc import Mapping, Sequence
+from typing import Any, Iterable, Union
 
 from .errors import SbpError
 
@@ -61,6 +61,9 @@ class PartialSum:
 
 
 SbpValue = Union[Split, Broadcast, PartialSum]
+# what an ``sbp=`` argument takes: one value (a 1-D placement), one per placement axis, or
+# ``{axis: value}`` with the axes it leaves out broadcast
+SbpSpec = Union[SbpValue, Sequence[SbpValue], Mapping[Any, SbpValue]]
 SBP_TYPES = (Split, Broadcast, PartialSum)
 
 broadcast = Broadcast()
@@ -149,5 +152,5 @@ def format_sbp(values) -> str:
     values = tuple(values)
     return "(" + ", ".join(str(v) for v in values) + (",)" if len(values) == 1 else ")")
 
-__all__ = ["Split", "Broadcast", "PartialSum", "SbpValue", "broadcast", "partial_sum", "B", "P",
-           "split", "S", "normalize", "format_sbp", "SbpError"]
+__all__ = ["Split", "Broadcast", "PartialSum", "SbpValue", "SbpSpec", "broadcast", "partial_sum",
+           "B", "P", "split", "S", "normalize", "format_sbp", "SbpError"]

@@ -7,7 +7,11 @@ Functions whose backward uses the dual sbp (S<->S, B<->P) unless ``grad_sbp`` fi
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+import numpy
 import torch
+from torch.types import Number
 
 from . import world
 from .compile_support import never_compiled
@@ -15,7 +19,7 @@ from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
 from .redistribute import redistribute_local
-from .sbp import Broadcast, PartialSum, format_sbp
+from .sbp import Broadcast, PartialSum, SbpSpec, SbpValue, format_sbp
 
 broadcast, partial_sum = Broadcast(), PartialSum()
 _TENSOR_DATA = torch.Tensor.data  # torch's own descriptor: shallow copy out, set_data in
@@ -72,7 +76,7 @@ class GlobalTensor(torch.Tensor):
         return self._layout.placement
 
     @property
-    def sbp(self) -> tuple:
+    def sbp(self) -> tuple[SbpValue, ...]:
         return self._layout.sbp
 
     @property
@@ -100,6 +104,17 @@ class GlobalTensor(torch.Tensor):
         self._local, self._layout = value._local, value._layout
         self.__dict__.pop("_gt_moves", None)  # pieces moved from the old value
 
+    if TYPE_CHECKING:  # what type checkers read; at runtime this is convert.to_global, which
+        # gt's import installs on torch.Tensor and here (tests/core/test_ide.py checks the two
+        # signatures agree). self is any tensor: gt.GlobalTensor.to_global(x, ...) is the typed
+        # spelling of x.to_global(...) for a local x (torch's stubs do not know Tensor.to_global)
+        def to_global(self: torch.Tensor, placement: Placement | None = None,
+                      sbp: SbpSpec | None = None, *, grad_sbp: SbpSpec | None = None,
+                      check_meta: bool = True, sync_data: bool = True,
+                      copy: bool = False) -> GlobalTensor:
+            """Make a global tensor (from a local piece) or redistribute one to ``placement``
+            and ``sbp`` (either left out is kept); ``grad_sbp`` fixes the gradient's sbp."""
+
     def to_local(self) -> torch.Tensor:
         """This rank's piece (differentiable; the gradient flows back with the dual sbp)."""
         if records_graph(self):
@@ -116,13 +131,13 @@ class GlobalTensor(torch.Tensor):
         full = Redistribute.apply(self, _full_layout(self._layout), None, True)
         return _ToLocal.apply(full, True)
 
-    def numpy(self, *, force: bool = False):
+    def numpy(self, *, force: bool = False) -> numpy.ndarray:
         return self.full_tensor().detach().cpu().numpy()
 
-    def tolist(self):
+    def tolist(self) -> list:
         return self.full_tensor().tolist()
 
-    def item(self):
+    def item(self) -> Number:
         if self._layout.numel() != 1:
             raise GlobalTensorError(
                 f"item() expects a global tensor of one element, found shape {list(self.shape)}"
