@@ -7,6 +7,7 @@ Functions whose backward uses the dual sbp (S<->S, B<->P) unless ``grad_sbp`` fi
 """
 from __future__ import annotations
 
+import hashlib
 from typing import TYPE_CHECKING
 
 import numpy
@@ -62,6 +63,23 @@ class GlobalTensor(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner, layout, outer_size, outer_stride):
         return GlobalTensor(inner["_local"], layout, False)
+
+    def _stable_hash_for_caching(self) -> str:
+        """The key inductor's and AOTAutograd's caches file a graph input under (torch asks a
+        traceable subclass for it; its default pickles the flatten context, and fails)."""
+        local = self._local
+        key = (f"{self._layout!r}|{local.dtype}|{tuple(local.shape)}|{tuple(local.stride())}|"
+               f"{self.requires_grad}")
+        return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
+
+    def __coerce_tangent_metadata__(self):
+        """The layout a compiled backward expects for this output's gradient: P becomes B (the
+        gradient of a partial sum is the same on every rank; ``loss.backward()`` seeds a P loss
+        with a B one). Without it the trace guesses P and all-reduces the seed in the graph."""
+        if not any(isinstance(v, PartialSum) for v in self._layout.sbp):
+            return self
+        sbp = tuple(broadcast if isinstance(v, PartialSum) else v for v in self._layout.sbp)
+        return GlobalTensor(self._local, self._layout.with_sbp(sbp), False)  # same piece shape
 
     def __coerce_same_metadata_as_tangent__(self, layout, expected_type=None):
         """A gradient that reaches a compiled backward laid out otherwise than the graph traced

@@ -51,8 +51,9 @@ def costing_nothing(options, layouts, grid, free=()) -> list:
 
 def axis_options(rule: Rule, layouts, naxes: int, fixed, free) -> list:
     """Per placement axis, (index, row, sbp per input, resolved sbp per input) for the rows
-    that can stand on it: none asks an input to become P (unless a free layout of it is P
-    there), splits a dim it lacks, or changes a fixed input (or, for an in-place op, its
+    that can stand on it: none asks an input to become P unless another input is P there (a
+    pending reduction deferred: the input is zero-filled into a P, docs/planner.md "Deferred
+    reductions") or a free layout of it is P there; none splits a dim it lacks, or changes a fixed input (or, for an in-place op, its
     result). A row's values are checked and resolved once for all axes (all but KEEP, which
     stands for each axis' own value)."""
     ndims = [layout.ndim for layout in layouts]
@@ -78,8 +79,11 @@ def axis_options(rule: Rule, layouts, naxes: int, fixed, free) -> list:
     per_axis = []
     for axis in range(naxes):
         own = tuple(layout.sbp[axis] for layout in layouts)
-        can_be_p = sum(1 << i for i, o in enumerate(own) if isinstance(o, PartialSum) or bool(free)
-                       and any(isinstance(f.sbp[axis], PartialSum) for f in free[i]))
+        if any(isinstance(o, PartialSum) for o in own):  # a reduction is pending: may wait
+            can_be_p = -1  # (any input may join it, as a local zero-fill)
+        else:
+            can_be_p = sum(1 << i for i, f in enumerate(free or ())
+                           if any(isinstance(g.sbp[axis], PartialSum) for g in f))
         result = layouts[fixed[0]].sbp[axis] if fixed else None
         options = []
         for index, row, values, resolved, partial, keeps in prepared:

@@ -37,12 +37,14 @@ class Choice:
     cost: float
 
 
-def _move_cost(src: Layout, dst: Layout, itemsize: int) -> float:
-    """Estimated time to turn ``src`` into ``dst``; infinite when it would invent a P."""
+def _move_cost(src: Layout, dst: Layout, itemsize: int, pending=frozenset()) -> float:
+    """Estimated time to turn ``src`` into ``dst``; infinite when it would invent a P on an
+    axis not in ``pending`` (where no input of the call is P). Where one is, B or S into P is
+    a local zero-fill that defers the reduction already pending (docs/planner.md)."""
     if src == dst:
         return 0.0
     for a, v in enumerate(dst.sbp):
-        if isinstance(v, PartialSum) and not isinstance(src.sbp[a], PartialSum):
+        if isinstance(v, PartialSum) and not isinstance(src.sbp[a], PartialSum) and a not in pending:
             return math.inf
     return plan(src, dst).cost(itemsize)
 
@@ -189,8 +191,6 @@ def _cost_further(rule, call, layouts, itemsizes, grads, free, table, entry, lim
         terms = _terms(layouts, targets, itemsizes, outs, grads, free)
     else:  # then the plans, the largest bound first: one may be enough to rule it out
         terms = _exact_one(terms, layouts, targets, itemsizes, outs, limit)
-    if terms is None:
-        return None  # a move that would invent a partial sum
     if any(not exact for _, exact, _, _ in terms):
         total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
         heapq.heappush(heap, (max(bound, total), partials, changed, index, terms, combo, resolved))
@@ -247,7 +247,7 @@ def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
 
 
 def _exact_one(terms, layouts, targets, itemsizes, outs, best=None):
-    """``terms`` with the first (largest) inexact one costed (None: it is infinite): exactly,
+    """``terms`` with the first (largest) inexact one costed: exactly,
     or, when it alone would lift the candidate's cost above ``best`` (the best cost found so
     far), maybe only to a bound that does (the planner's search stops there)."""
     k = next(k for k, (_, exact, _, _) in enumerate(terms) if not exact)
@@ -260,9 +260,6 @@ def _exact_one(terms, layouts, targets, itemsizes, outs, best=None):
         grad, wanted = backward_move(src, dst, outs)
         cost, exact = (0.0, True) if wanted == grad.sbp else cost_above(
             grad, with_sbp(grad, wanted), limit, n)
-    elif any(isinstance(v, PartialSum) and not isinstance(src.sbp[a], PartialSum)
-             for a, v in enumerate(dst.sbp)):
-        return None  # it would invent a partial sum
     else:
         cost, exact = cost_above(src, dst, limit, n)
     return terms[:k] + ((cost, exact, i, backward),) + terms[k + 1:]
@@ -306,11 +303,13 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
 
 def _candidate_cost(layouts, targets, itemsizes, outs, grads, free) -> float:
     cost = 0.0
+    pending = frozenset(a for layout in layouts for a, v in enumerate(layout.sbp)
+                        if isinstance(v, PartialSum))
     for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):
         if src == dst:
             continue
         if not (free and dst in free[i]):
-            cost += _move_cost(src, dst, n)
+            cost += _move_cost(src, dst, n, pending)
         if grads and grads[i]:
             cost += backward_cost(src, dst, outs, n)
     return cost

@@ -11,6 +11,7 @@ from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.ops import B, KEEP, LOCAL, NUMBER, P, S, Call, Ref, choose, sig, table
 from globaltensor.sbp import Broadcast, PartialSum, Split
+from globaltensor.plan import ALPHA
 
 from helpers import G2, G22, GRIDS, gen, piece
 
@@ -175,11 +176,22 @@ def test_mm_on_2d_grid_is_the_product_of_axis_rows():
     assert choice.cost == 0 and choice.outs == ((S(0), P),)
 
 
-def test_add_never_makes_a_partial_input():
+def test_add_of_a_partial_and_a_broadcast_defers_the_reduction():
+    # P + B: the B input is zero-filled into a P (local) and the sum stays P, instead of a
+    # reduction now (Megatron's residual stream: the all-reduce happens once, where a
+    # nonlinear op needs the value; a backward's partial gradients flow on the same way)
     call = make_call("add.Tensor", [gen(4, 6), gen(4, 6)], tags=("pointwise",))
     choice = choose(call, layouts(G2, ((P,), (4, 6)), ((B,), (4, 6))), (4, 4))
-    assert all(not isinstance(v, PartialSum) for l in choice.ins for v in l.sbp)
-    assert choice.ins[1].sbp == choice.ins[0].sbp  # both reduced to one layout
+    assert [l.sbp for l in choice.ins] == [(P,), (P,)] and choice.outs == ((P,),)
+    assert choice.cost < ALPHA  # no collective
+    # nothing partial: nothing is made partial (B + B and S + S stay as they are)
+    for sbp in (B, S(0)):
+        kept = choose(call, layouts(G2, ((sbp,), (4, 6)), ((sbp,), (4, 6))), (4, 4))
+        assert kept.outs == ((sbp,),) and kept.cost == 0
+    # a nonlinear op takes no partial input: exp(P) reduces first
+    exp = choose(make_call("exp.default", [gen(4, 6)], tags=("pointwise",)),
+                 layouts(G2, ((P,), (4, 6))), (4,))
+    assert exp.ins[0].sbp != (P,) and exp.outs != ((P,),)
 
 
 def test_partial_plus_partial_stays_partial_and_mul_by_broadcast_too():
@@ -225,7 +237,7 @@ SBPS_2D = [S(0), S(1), B, P]
 
 
 @pytest.mark.parametrize("grid", GRIDS, ids=["[2]", "[2,2]"])
-def test_choice_never_invents_partial_and_always_exists(grid):
+def test_choice_makes_an_input_partial_only_beside_a_partial_and_always_exists(grid):
     calls = [
         (make_call("mm.default", [gen(4, 6), gen(6, 8)]), [(4, 6), (6, 8)]),
         (make_call("add.Tensor", [gen(4, 6), gen(6)], tags=("pointwise",)), [(4, 6), (6,)]),
@@ -241,8 +253,9 @@ def test_choice_never_invents_partial_and_always_exists(grid):
             choice = choose(call, ls, (4,) * len(ls))
             assert choice is not None, (call.op, combo)
             for src, dst in zip(ls, choice.ins):
-                for a, v in enumerate(dst.sbp):
-                    assert not isinstance(v, PartialSum) or isinstance(src.sbp[a], PartialSum)
+                for a, v in enumerate(dst.sbp):  # a P is joined (deferred), never made up
+                    assert (not isinstance(v, PartialSum) or isinstance(src.sbp[a], PartialSum)
+                            or any(isinstance(l.sbp[a], PartialSum) for l in ls)), (call.op, combo)
 
 
 # ----------------------------------------------------------------------------- every row, simulated

@@ -88,10 +88,12 @@ def test_the_block_without_explicit_moves_raises_at_its_first_op():
     messages = run_ranks(body, 2, timeout=60)
     assert messages[0] == messages[1]
     text = messages[0]
-    assert text.startswith('gt.communication("explicit"): aten.add.Tensor at ')
-    assert "test_communication_policy.py:" in text and "(`x = x + a`)" in text
+    # `x = x + a` (B + P) defers the reduction (docs/planner.md, "Deferred reductions"): the
+    # first op that communicates is the norm that reads the sum
+    assert text.startswith('gt.communication("explicit"): aten.native_layer_norm.default at ')
+    assert "test_communication_policy.py:" in text and "(`h = F.layer_norm(x, (D,))`)" in text
     assert "would redistribute an input, (P,) -> (B,)" in text
-    assert "the op's inputs: (B,) [2, 5, 8] float32, (P,) [2, 5, 8] float32" in text
+    assert "the op's inputs: (P,) [2, 5, 8] float32" in text
     assert "1. all_reduce" in text and "t = t.to_global(sbp=(B,))" in text
 
 
@@ -179,13 +181,31 @@ def _error(fn):
         return str(error)
 
 
+def test_the_block_without_f_runs_its_backward_under_explicit():
+    # the gradients of h are partial sums; they flow on as P (linear backward ops, deferred
+    # reductions) to g's backward, which reduces them once: Megatron's f is not needed
+    ref_p = {n: t.requires_grad_(True) for n, t in weights().items()}
+    block(X, ref_p, False).sum().backward()
+
+    def body(rank):
+        p, x = _globals()
+        with gt.comm_trace() as t, gt.communication("explicit"):
+            block(x, p, True, f=False).sum().backward()
+        return {n: w.grad.full_tensor() for n, w in p.items()}, t.counts()
+
+    for grads, counts in run_ranks(body, 2, timeout=120):
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_p[n].grad, rtol=1e-4, atol=1e-5)
+        assert counts["all_reduce"] == 3  # 2 g's forward + 1 backward, no f
+
+
 def test_a_move_inside_backward_names_the_autograd_node_and_the_forward_line():
     def body(rank):
         p, x = _globals()
+        y = block(x, p, False)                              # forward: implicit moves
         with gt.communication("explicit"):
-            y = block(x, p, True, f=False)                  # forward: every move written out
             try:
-                y.sum().backward()                          # the gradients of h are partial
+                y.sum().backward()                          # a weight's gradient needs a move
             except gt.GlobalTensorError as error:
                 return str(error)
 
