@@ -1,7 +1,7 @@
 """torch.compile on global models against torch DDP and DTensor, each eager and compiled, same run.
 
     python benchmarks/compile.py [--runs 3] [--steps 8] [--world 4] [--backend inductor]
-                                 [--hidden 64,128,256] [--only dp,tp]
+                                 [--hidden 64,128,256] [--only dp,tp,tp2x2]
 
 - dp: HF GPT-2 (2 layers, 4 heads, sequence 32, batch 8 per rank, random init) data parallel
   on ``--world`` ranks (parameters B, batch S(0)): gt eager, gt + torch.compile, torch DDP eager,
@@ -9,6 +9,9 @@
 - tp: HF Llama (hidden 128, 2 layers) Megatron tensor parallel on ``--world`` ranks: gt eager,
   gt + torch.compile, DTensor ``parallelize_module`` (ColwiseParallel / RowwiseParallel) eager
   and + torch.compile.
+- tp2x2: the same Llama on a 2x2 grid (4 ranks), data x tensor parallel: gt (batch S(0) on "dp",
+  Megatron on "tp") against DTensor's tensor parallel on the mesh's "tp" axis with the gradients
+  averaged over "dp" after backward (one flat all-reduce, as DDP's one bucket).
 
 A step is zero_grad + forward and loss + backward + optimizer step (AdamW). "+ compile" compiles
 the forward and loss (gt with ``fullgraph=True``; DDP's forward breaks the graph by design, its
@@ -70,8 +73,9 @@ def lm_loss(model, ids):
     return model(ids, labels=ids).loss
 
 
-def make_step(model, ids, backend=None, fullgraph=False):
-    """zero_grad + forward/loss + backward + AdamW step; compiled with ``backend`` if given."""
+def make_step(model, ids, backend=None, fullgraph=False, after_backward=None):
+    """zero_grad + forward/loss + backward (+ ``after_backward``) + AdamW step; compiled with
+    ``backend`` if given."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     loss_of = lm_loss if backend is None else torch.compile(lm_loss, backend=backend,
                                                              fullgraph=fullgraph)
@@ -80,9 +84,11 @@ def make_step(model, ids, backend=None, fullgraph=False):
     def step():
         opt.zero_grad(set_to_none=True)
         loss_of(model, ids).backward()
+        if after_backward is not None:
+            after_backward()
         opt_step()
 
-    step.loss_of = loss_of
+    step.loss_of, step.model, step.ids = loss_of, model, ids
     return step
 
 
@@ -127,6 +133,8 @@ def worker(local_rank, what, hidden, steps, backend, threads):
         steps_ = {"gt eager": make_step(g, gids), "gt + compile": make_step(gc, gids, backend, fullgraph=True),
                   "DDP eager": make_step(t, data[rank]),
                   "DDP + compile": make_step(tc, data[rank], backend)}
+    elif what == "tp2x2":
+        steps_ = _tp2x2_steps(hidden, backend, rank)
     else:
         from torch.distributed.device_mesh import init_device_mesh
 
@@ -143,7 +151,41 @@ def worker(local_rank, what, hidden, steps, backend, threads):
     compiled = steps_["gt + compile"]
     return {"first": first, "median": median,
             "dispatches_step": dispatches_in(compiled),
-            "dispatches_forward": dispatches_in(lambda: compiled.loss_of(gc, gids))}
+            "dispatches_forward": dispatches_in(lambda: compiled.loss_of(compiled.model, compiled.ids))}
+
+
+def _grad_mean_over(group, size, model):
+    """DDP's gradient averaging over the data-parallel group, one flat all-reduce (DTensor's
+    tensor-parallel gradients are replicated across it): what the 2x2 DTensor contender adds."""
+    def reduce():
+        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                 for p in model.parameters() if p.grad is not None]
+        flat = torch.cat([g.reshape(-1) for g in grads]) / size
+        dist.all_reduce(flat, group=group)
+        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
+            g.copy_(part.view_as(g))
+    return reduce
+
+
+def _tp2x2_steps(hidden, backend, rank):
+    """HF Llama on a 2x2 grid, data x tensor parallel: gt (batch S(0) on "dp", Megatron sbps on
+    "tp") against DTensor ``parallelize_module`` on the mesh's "tp" axis plus a flat gradient
+    all-reduce over "dp" after backward, each eager and compiled."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    base = llama(hidden)
+    grid = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "tp"))
+    ids = torch.randint(0, VOCAB, (2 * BATCH, SEQ), generator=torch.Generator().manual_seed(7))
+    gids = gt.tensor(ids, placement=grid, sbp=(S(0), B))
+    g, gc = (copy.deepcopy(base).to_global(grid, lambda n, t: (B, megatron(n, t))) for _ in range(2))
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    mine = ids[BATCH * (rank // 2): BATCH * (rank // 2 + 1)]  # this rank's dp row
+    d, dc = (dtensor_tp(copy.deepcopy(base), mesh["tp"]) for _ in range(2))
+    group = mesh["dp"].get_group()
+    return {"gt eager": make_step(g, gids), "gt + compile": make_step(gc, gids, backend, fullgraph=True),
+            "DTensor eager": make_step(d, mine, after_backward=_grad_mean_over(group, 2, d)),
+            "DTensor + compile": make_step(dc, mine, backend,
+                                           after_backward=_grad_mean_over(group, 2, dc))}
 
 
 def spread(values, digits=2):
@@ -159,7 +201,7 @@ def main() -> None:
     ap.add_argument("--backend", default="inductor")
     ap.add_argument("--hidden", default="64,128,256", help="GPT-2 widths (dp)")
     ap.add_argument("--tp-hidden", type=int, default=128, help="Llama width (tp)")
-    ap.add_argument("--only", default="dp,tp")
+    ap.add_argument("--only", default="dp,tp,tp2x2")
     a = ap.parse_args()
     import importlib.util
 
@@ -168,6 +210,8 @@ def main() -> None:
     jobs = [("dp", int(h)) for h in a.hidden.split(",")] if "dp" in a.only.split(",") else []
     if "tp" in a.only.split(","):
         jobs.append(("tp", a.tp_hidden))
+    if "tp2x2" in a.only.split(",") and a.world == 4:
+        jobs.append(("tp2x2", a.tp_hidden))
     for what, hidden in jobs:
         runs = []
         for _ in range(a.runs):
@@ -177,7 +221,8 @@ def main() -> None:
             wall = time.perf_counter() - started
         names = list(runs[0]["median"])
         ref_c, ref_e = names[3], names[2]
-        model = "GPT-2 data parallel" if what == "dp" else "Llama tensor parallel"
+        model = {"dp": "GPT-2 data parallel", "tp": "Llama tensor parallel",
+                 "tp2x2": "Llama data x tensor parallel (2x2)"}[what]
         print(f"{model}, hidden {hidden}, {a.world} ranks, backend {a.backend} "
               f"(last run {wall:.0f} s wall):")
         for n in names:

@@ -22,7 +22,7 @@ from .trace import comm_trace
 from .policy import communication
 from .verify import verify
 from .visualize import visualize
-from .convert import install_tensor_methods
+from .convert import from_local, install_tensor_methods
 from . import pydata
 from .grads import install_grad_methods
 from .nn.module import install_module_methods
@@ -43,6 +43,7 @@ __all__ = [
     "GlobalTensor",
     "GlobalTensorError",
     "explain",
+    "from_local",
     "global_mode",
     "arange", "empty", "empty_like", "eye", "full", "full_like", "hann_window", "linspace",
     "logspace", "manual_seed", "normal", "ones", "ones_like", "rand", "rand_like", "randint",

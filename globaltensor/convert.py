@@ -20,7 +20,8 @@ from .runtime.agreement import check
 from .runtime.execute import run as _execute
 from .trace import watching
 from .runtime.meta import broadcast_along, exchange_meta
-from .sbp import Broadcast, SbpSpec, Split, format_sbp, normalize, resolve
+from .sbp import (Broadcast, SbpSpec, Split, format_sbp, from_codes, normalize, resolve,
+                  to_codes)
 from .tensor import (GlobalTensor, FromLocal, Redistribute, records_graph, redistributed,
                      rewrapped)
 
@@ -270,3 +271,57 @@ def install_tensor_methods():
     torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor))
     torch.Tensor.is_local = property(lambda self: not isinstance(self, GlobalTensor))  # OneFlow's name
     GlobalTensor.to_global = to_global
+
+
+def from_local(local: torch.Tensor, placement: Placement, sbp: SbpSpec, *,
+               shape: tuple[int, ...] | None = None,
+               grad_sbp: SbpSpec | None = None) -> GlobalTensor:
+    """This rank's piece ``local`` as its piece of a global tensor, with no communication (as
+    DTensor's ``from_local``); unlike ``Tensor.to_global`` it traces inside ``torch.compile``.
+
+    The global shape is ``shape``, or, without it, the piece's shape times the ranks along each
+    split (even pieces: pass ``shape`` for uneven ones, and on ranks outside the placement).
+    Broadcast pieces are taken as equal, not synced. Each piece's shape is checked against the
+    shape its rank must hold (a ``ShapeMismatchError``, on that rank).
+
+    >>> x = gt.from_local(torch.randn(2, 5), gt.placement("cpu", [0, 1]), gt.sbp.split(0))
+    """
+    placement = check_placement(placement)
+    values = resolve(normalize(sbp, placement.ndim, placement.axes), local.dim())
+    _check_grad_sbp(grad_sbp, placement, local.dim())
+    grad = () if grad_sbp is None else to_codes(resolve(  # () and (-1,): None (dynamo passes
+        normalize(grad_sbp, placement.ndim, placement.axes), local.dim()))  # no None)
+    return _piece_as_global(local, placement, to_codes(values),
+                            (-1,) if shape is None else tuple(shape), grad)
+
+
+# a constant of a nonstrict_trace call (dynamo guards on it by __eq__), not a pytree leaf
+torch.utils._pytree.register_constant(Placement)
+
+
+@torch._dynamo.nonstrict_trace  # one opaque call in dynamo's graph, traced by AOTAutograd
+def _piece_as_global(local, placement, codes, shape, grad) -> GlobalTensor:
+    values = from_codes(codes)  # ints: dynamo passes sbp values made in the region as no constant
+    device = device_for(placement)
+    coord = placement.coord_of(world.get_rank())
+    if shape == (-1,):
+        if coord is None:
+            raise GlobalTensorError(
+                f"gt.from_local on rank {world.get_rank()}, outside {placement!r}: its piece is "
+                f"ignored, so the global shape must be given; pass shape=(...)")
+        shape = list(local.shape)
+        for axis, v in enumerate(values):
+            if isinstance(v, Split):
+                shape[v.dim] *= placement.shape[axis]
+    layout = trusted(placement, values, tuple(shape))
+    if coord is None:
+        piece = torch.empty((0,) * len(shape), dtype=local.dtype, device=device)
+    else:
+        if tuple(local.shape) != layout.local_shape(coord):
+            raise ShapeMismatchError(
+                f"gt.from_local with sbp {format_sbp(values)} and global shape {list(shape)}: "
+                f"rank {world.get_rank()} passed a piece of shape {list(local.shape)}, expected "
+                f"{list(layout.local_shape(coord))} (uneven split: the first N % k ranks hold "
+                f"one more); pass the global shape=(...) for uneven pieces")
+        piece = local if local.device == device else local.to(device)
+    return FromLocal.apply(piece, layout, from_codes(grad) if grad else None)

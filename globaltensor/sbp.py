@@ -152,5 +152,17 @@ def format_sbp(values) -> str:
     values = tuple(values)
     return "(" + ", ".join(str(v) for v in values) + (",)" if len(values) == 1 else ")")
 
+def to_codes(values) -> tuple[int, ...]:
+    """Resolved sbp values as ints (S(d): d, B: -1, P: -2): what torch.compile's opaque calls
+    can take as constants."""
+    return tuple(v.dim if isinstance(v, Split) else (-2 if isinstance(v, PartialSum) else -1)
+                 for v in values)
+
+
+def from_codes(codes) -> tuple[SbpValue, ...]:
+    """The sbp values :func:`to_codes` gave."""
+    return tuple(Split(c) if c >= 0 else (partial_sum if c == -2 else broadcast) for c in codes)
+
+
 __all__ = ["Split", "Broadcast", "PartialSum", "SbpValue", "SbpSpec", "broadcast", "partial_sum",
            "B", "P", "split", "S", "normalize", "format_sbp", "SbpError"]

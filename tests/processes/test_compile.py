@@ -382,14 +382,24 @@ def _moves_no_grad(x):
     return (x * 2).to_global(sbp=B).to_local() + 1
 
 
+def _from_local_moves(placement):
+    """A plain piece made global inside the compiled function (gt.from_local), then moved (the
+    placement made outside it, as a model's is)."""
+    return lambda piece: _moves(gt.from_local(piece, placement, S(0), shape=(5, 4)))
+
+
 def _check_user_moves(local_rank):
     gt.init()
     placement = _grid(2)
     out = {}
-    for name, fn, grad in (("grad", _moves, True), ("no grad", _moves_no_grad, False)):
+    full = torch.arange(20.).reshape(5, 4)
+    for name, fn, grad in (("grad", _moves, True), ("no grad", _moves_no_grad, False),
+                           ("from_local", _from_local_moves(placement), True)):
         # 5 rows over 2 ranks: uneven pieces
-        x = gt.tensor(torch.arange(20.).reshape(5, 4), placement=placement,
-                      sbp=S(0)).requires_grad_(grad)
+        if name == "from_local":  # this rank's piece, a plain tensor
+            x = (full[:3] if gt.env.get_rank() == 0 else full[3:]).clone().requires_grad_(True)
+        else:
+            x = gt.tensor(full, placement=placement, sbp=S(0)).requires_grad_(grad)
         counter, seen = _collectives("aot_eager")
         compiled = torch.compile(fn, backend=counter, fullgraph=True)
         got, want = compiled(x), fn(x)
@@ -397,10 +407,10 @@ def _check_user_moves(local_rank):
                "collectives": sorted({c.split(".")[1] for c in seen})}
         if grad:
             got.backward()
-            grad_compiled = x.grad.full_tensor()
+            grad_compiled = x.grad.to_local()  # the piece's gradient (a plain one: itself)
             x.grad = None
             want.backward()
-            row["grad_equal"] = torch.equal(grad_compiled, x.grad.full_tensor())
+            row["grad_equal"] = torch.equal(grad_compiled, x.grad.to_local())
         compiled(x)
         row["steady_dispatches"] = dispatches_in(compiled, x)
         out[name] = row
@@ -409,7 +419,8 @@ def _check_user_moves(local_rank):
 
 @pytest.mark.slow  # the default run keeps the executor and the data-parallel smoke tests
 def test_to_global_to_local_and_full_tensor_trace_inside_a_compiled_function():
-    """A global tensor's to_global / to_local / full_tensor in compiled user code: one graph
+    """A global tensor's to_global / to_local / full_tensor, and gt.from_local of a plain
+    piece, in compiled user code: one graph
     (fullgraph), the redistributions as functional collectives in it, no Python dispatch in a
     steady call, values and gradients as eager."""
     for rank, r in enumerate(gt.spawn(_check_user_moves, nproc_per_node=2, timeout=300)):
