@@ -37,3 +37,20 @@ def dtensor_tp(model, mesh):
         plan[f"model.layers.{i}.mlp.up_proj"] = ColwiseParallel()
         plan[f"model.layers.{i}.mlp.down_proj"] = RowwiseParallel()
     return parallelize_module(model, mesh, plan)
+
+
+def bucketed_all_reduce(params, group):
+    """The hand-written data-parallel gradient reduction beside DTensor's tensor parallelism (its
+    gradients are replicated across ``group``): one flat all-reduce of the local pieces, as
+    DDP's one bucket, then the average."""
+    size = dist.get_world_size(group)
+
+    def reduce():
+        pieces = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
+                  for p in params if p.grad is not None]
+        flat = torch.cat([x.reshape(-1) for x in pieces])
+        dist.all_reduce(flat, group=group)
+        flat /= size
+        for x, part in zip(pieces, flat.split([x.numel() for x in pieces])):
+            x.copy_(part.view_as(x))
+    return reduce

@@ -38,7 +38,7 @@ import torch.distributed as dist
 
 import globaltensor as gt
 from globaltensor.testing import dispatches_in
-from _common import dtensor_tp, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import bucketed_all_reduce, dtensor_tp, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 BATCH, SEQ, VOCAB = 8, 32, 256
@@ -154,19 +154,6 @@ def worker(local_rank, what, hidden, steps, backend, threads):
             "dispatches_forward": dispatches_in(lambda: compiled.loss_of(compiled.model, compiled.ids))}
 
 
-def _grad_mean_over(group, size, model):
-    """DDP's gradient averaging over the data-parallel group, one flat all-reduce (DTensor's
-    tensor-parallel gradients are replicated across it): what the 2x2 DTensor contender adds."""
-    def reduce():
-        grads = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad
-                 for p in model.parameters() if p.grad is not None]
-        flat = torch.cat([g.reshape(-1) for g in grads]) / size
-        dist.all_reduce(flat, group=group)
-        for g, part in zip(grads, flat.split([g.numel() for g in grads])):
-            g.copy_(part.view_as(g))
-    return reduce
-
-
 def _tp2x2_steps(hidden, backend, rank):
     """HF Llama on a 2x2 grid, data x tensor parallel: gt (batch S(0) on "dp", Megatron sbps on
     "tp") against DTensor ``parallelize_module`` on the mesh's "tp" axis plus a flat gradient
@@ -183,9 +170,9 @@ def _tp2x2_steps(hidden, backend, rank):
     d, dc = (dtensor_tp(copy.deepcopy(base), mesh["tp"]) for _ in range(2))
     group = mesh["dp"].get_group()
     return {"gt eager": make_step(g, gids), "gt + compile": make_step(gc, gids, backend, fullgraph=True),
-            "DTensor eager": make_step(d, mine, after_backward=_grad_mean_over(group, 2, d)),
+            "DTensor eager": make_step(d, mine, after_backward=bucketed_all_reduce(list(d.parameters()), group)),
             "DTensor + compile": make_step(dc, mine, backend,
-                                           after_backward=_grad_mean_over(group, 2, dc))}
+                                           after_backward=bucketed_all_reduce(list(dc.parameters()), group))}
 
 
 def spread(values, digits=2):

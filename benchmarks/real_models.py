@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from _common import dtensor_tp, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import bucketed_all_reduce, dtensor_tp, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 from _sync_bn import sync_batch_norm
 
 S, B = gt.sbp.split, gt.sbp.broadcast
@@ -152,21 +152,6 @@ def megatron(name, t, axis_count):
     if t.dim() == 2 and any(c in name for c in row):
         return lead + (S(1),)
     return lead + (B,)
-
-
-def bucketed_all_reduce(params, group):
-    """The hand-written data-parallel gradient reduction: one flat all-reduce (DTensor grads
-    reduced as their local pieces), then the average."""
-    def reduce():
-        grads = [p.grad for p in params if p.grad is not None]
-        pieces = [g.to_local() if hasattr(g, "to_local") else g for g in grads]
-        flat = torch.cat([x.reshape(-1) for x in pieces])
-        dist.all_reduce(flat, group=group)
-        offset = 0
-        for x in pieces:
-            x.copy_(flat[offset:offset + x.numel()].view_as(x))
-            offset += x.numel()
-    return reduce
 
 
 FOREACH = None  # the optimizers' foreach: torch's default (None), or --foreach
