@@ -33,6 +33,7 @@ from torch.utils._pytree import tree_leaves
 
 from . import debug as _debug
 from . import env
+from .compile_support import when_dynamo_is_imported
 from .convert import check_placement, device_for
 from .errors import GlobalTensorError
 from .layout import Layout
@@ -192,13 +193,22 @@ def traced_factory_value(full: torch.Tensor, placement: Placement, sbp) -> Globa
     return _factory_value(full, placement.type, placement.shape, placement.flat_ranks, codes)
 
 
-@torch._dynamo.nonstrict_trace
 def _factory_value(full, device_type, shape, flat_ranks, codes) -> GlobalTensor:
+    """Dynamo's ``nonstrict_trace`` of this function replaces it once torch._dynamo is
+    imported (torch.compile imports it): an opaque call in the graph."""
     import numpy as np
 
     placement = Placement(device_type, np.array(flat_ranks, dtype=np.int64).reshape(shape))
     sbp = tuple(Split(c) if c >= 0 else (PartialSum() if c == -2 else Broadcast()) for c in codes)
     return _piece_of(full, Layout(placement, sbp, tuple(full.shape)))
+
+
+def _mark_nonstrict(dynamo) -> None:
+    global _factory_value
+    _factory_value = dynamo.nonstrict_trace(_factory_value)
+
+
+when_dynamo_is_imported(_mark_nonstrict)
 
 
 def _piece_of(full: torch.Tensor, layout: Layout) -> GlobalTensor:

@@ -229,6 +229,7 @@ GLOBALS = {
     "globaltensor.world": {"_LAST_RANK"},  # cached_rank: a one-entry cache keyed by the world's group
     "globaltensor.runtime.layoutcheck": {"_LAST"},  # the record of the world asked last (as above)
     "globaltensor.testing": {"_installed"},  # run_ranks makes torch's registry per-thread, once
+    "globaltensor.mode": {"_factory_value"},  # dynamo's nonstrict_trace of it, once dynamo loads
 }
 
 
