@@ -4,7 +4,8 @@ A thin entry point; the launcher lives in globaltensor/launch/ (see docs/launche
 """
 import sys
 
-from globaltensor.launch import main
+__globaltensor_launcher__ = True  # globaltensor/_startup.py: this process needs no torch
+from globaltensor.launch import main  # noqa: E402
 
 if __name__ == "__main__":
     sys.exit(main())

@@ -12,6 +12,7 @@ import torch
 from . import debug as _debug
 from . import env, world
 from ._cache import ById, memo
+from .compile_support import nonstrict
 from .errors import GlobalTensorError, SbpError, ShapeMismatchError
 from .layout import Layout, trusted
 from .placement import Placement
@@ -299,7 +300,7 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: SbpSpec, *,
 torch.utils._pytree.register_constant(Placement)
 
 
-@torch._dynamo.nonstrict_trace  # one opaque call in dynamo's graph, traced by AOTAutograd
+@nonstrict  # one opaque call in dynamo's graph, traced by AOTAutograd
 def _piece_as_global(local, placement, codes, shape, grad) -> GlobalTensor:
     values = from_codes(codes)  # ints: dynamo passes sbp values made in the region as no constant
     device = device_for(placement)

@@ -33,12 +33,13 @@ from torch.utils._pytree import tree_leaves
 
 from . import debug as _debug
 from . import env
+from .compile_support import nonstrict
 from .convert import check_placement, device_for
 from .errors import GlobalTensorError
 from .layout import Layout
 from .ops import factory_roles
 from .placement import Placement
-from .sbp import Broadcast, PartialSum, Split, normalize
+from .sbp import Broadcast, from_codes, normalize, to_codes
 from .dispatch.adopt import active, agree_on_value, modes
 from . import packed, rnn
 from .runtime.emit import is_traced
@@ -185,20 +186,15 @@ def _placement_of(args, kwargs):
 
 def traced_factory_value(full: torch.Tensor, placement: Placement, sbp) -> GlobalTensor:
     """A deterministic factory's value ``full`` laid out as (placement, sbp) under
-    torch.compile: one opaque call in dynamo's graph, with plain constants for arguments
-    (dynamo cannot pass placements or sbp values as they are), that AOTAutograd traces."""
-    codes = tuple(v.dim if isinstance(v, Split) else (-2 if isinstance(v, PartialSum) else -1)
-                  for v in sbp)
-    return _factory_value(full, placement.type, placement.shape, placement.flat_ranks, codes)
+    torch.compile: one opaque call in dynamo's graph that AOTAutograd traces (its arguments
+    constants dynamo can pass: the placement, a registered pytree constant, and the sbp as
+    ints)."""
+    return _factory_value(full, placement, to_codes(sbp))
 
 
-@torch._dynamo.nonstrict_trace
-def _factory_value(full, device_type, shape, flat_ranks, codes) -> GlobalTensor:
-    import numpy as np
-
-    placement = Placement(device_type, np.array(flat_ranks, dtype=np.int64).reshape(shape))
-    sbp = tuple(Split(c) if c >= 0 else (PartialSum() if c == -2 else Broadcast()) for c in codes)
-    return _piece_of(full, Layout(placement, sbp, tuple(full.shape)))
+@nonstrict
+def _factory_value(full, placement, codes) -> GlobalTensor:
+    return _piece_of(full, Layout(placement, from_codes(codes), tuple(full.shape)))
 
 
 def _piece_of(full: torch.Tensor, layout: Layout) -> GlobalTensor:

@@ -3,25 +3,20 @@ rule's cheapest signature, or the broadcast fallback for ops without a rule."""
 from __future__ import annotations
 
 import collections
-import warnings
 
 import torch
 
-from .. import world
-from .._cache import Bounded
-from ..debug import user_frame
 from ..errors import GlobalTensorError
 from ..ops import MOVES, B, Choice, arg_value, choose, entry, rule_for
 from ..sbp import PartialSum
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
-from .decisions import (AdoptIndexScalars, Contextual, Decomposed, InplaceView, Plain, RunToLearn,
-                        Special, ViaFunctional)
+from .decisions import (AdoptIndexScalars, Contextual, Decomposed, InplaceView, NoRule, Plain,
+                        RunToLearn, Special, ViaFunctional)
 from .outputs import DataDependent, OutSpec, meta_result, out_specs
 from .special import SPECIAL, foreach, foreach_on_pieces, mixed_placements, pointwise_on_pieces
 from .aliasing import is_view, write_into
 
-_WARNED = Bounded(10_000)  # ops already warned about (no rule: broadcast fallback)
 # op name -> how many decisions took the broadcast fallback (read by benchmarks/op_coverage.py;
 # counted on cache misses only, so never on the warm path)
 FALLBACKS: collections.Counter = collections.Counter()
@@ -82,7 +77,9 @@ def decide(func, args, kwargs, tensors, key, context=None):
     if choice is None and inplace:
         return _via_functional(func, name)
     if choice is None:
-        choice = _broadcast_choice(func, name, layouts, has_rule)
+        choice = _broadcast_choice(func, name, layouts)
+        decision = _plain(func, args, kwargs, tensors, choice, inplace, call, key)
+        return decision if has_rule else NoRule(decision, func, name, layouts[0].placement)
     return _plain(func, args, kwargs, tensors, choice, inplace, call, key)
 
 
@@ -205,28 +202,13 @@ def _via_functional(func, name):
     return ViaFunctional(functional, write_into)
 
 
-def _warned_no_rule(func, placement) -> bool:
-    """Warn by the placement's first rank, at the user's line; True where this rank warned."""
-    first = min(placement.flat_ranks)
-    if world.get_rank() != first:
-        return False
-    where = user_frame(2) or ("<globaltensor>", 0)
-    warnings.warn_explicit(
-        f"globaltensor: no SBP rule for {func}; running it on broadcast inputs (correct, but "
-        f"every rank gathers the whole inputs; shown once, by rank {first}). See docs/ops.md "
-        f"to add a rule.", UserWarning, where[0], where[1])
-    return True
-
-
-def _broadcast_choice(func, name, layouts, has_rule):
+def _broadcast_choice(func, name, layouts):
     if torch.Tag.nondeterministic_seeded in func.tags:
         raise GlobalTensorError(
             f"{name}: random op without an SBP rule; running it on each rank would give "
             f"broadcast replicas different values. Use gt.rand/gt.randn or ops with rules "
             f"(dropout, rand_like, bernoulli_, uniform_, normal_)")
     FALLBACKS[name] += 1
-    if not has_rule and name not in _WARNED and _warned_no_rule(func, layouts[0].placement):
-        _WARNED.put(name, True)
     full = (B,) * layouts[0].placement.ndim
     targets = tuple(l if l.sbp == full else l.with_sbp(full) for l in layouts)
     return Choice(targets, (full,), None, 0.0)

@@ -7,16 +7,19 @@
     InplaceView   an in-place op that changes self's shape (squeeze_, t_): self takes the result
     Contextual    a choice that moves inputs: decided again per context (gradients, moved pieces)
     Special       copy_, item, foreach (special.py)
+    NoRule        an op without a rule on broadcast inputs (any of the above): warns once
 """
 from __future__ import annotations
 
 import threading
+import warnings
 
 import torch
 from torch.utils._mode_utils import no_dispatch
 
 from .. import world
 from .._cache import Bounded
+from ..debug import user_frame
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..sbp import Broadcast
@@ -30,6 +33,7 @@ from .aliasing import LINK, link, write_back, write_into
 
 
 B_SBP = Broadcast()
+_WARNED = Bounded(10_000)  # ops already warned about (no rule: broadcast fallback)
 
 
 def my_coord(placement):
@@ -296,6 +300,29 @@ class Special:
 
     def run(self, func, args, kwargs, tensors):
         return self.fn(func, args, kwargs, tensors)
+
+
+class NoRule:
+    """The decision for an op without a rule, run on broadcast inputs (``decision``): warns once
+    per op, by the placement's first rank, at the user's line, the first time that rank runs
+    it. Not when deciding: thread-ranks (gt.testing) share one process's decisions, and the rank
+    that decides first would otherwise settle whether rank 0 ever warns."""
+
+    __slots__ = ("decision", "func", "name", "first")
+
+    def __init__(self, decision, func, name: str, placement):
+        self.decision, self.func, self.name = decision, func, name
+        self.first = min(placement.flat_ranks)
+
+    def run(self, func, args, kwargs, tensors):
+        if self.name not in _WARNED and world.get_rank() == self.first:
+            _WARNED.put(self.name, True)
+            where = user_frame(2) or ("<globaltensor>", 0)
+            warnings.warn_explicit(
+                f"globaltensor: no SBP rule for {self.func}; running it on broadcast inputs "
+                f"(correct, but every rank gathers the whole inputs; shown once, by rank "
+                f"{self.first}). See docs/ops.md to add a rule.", UserWarning, where[0], where[1])
+        return self.decision.run(func, args, kwargs, tensors)
 
 
 class RunToLearn:

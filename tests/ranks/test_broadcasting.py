@@ -7,6 +7,10 @@ dims): the larger input split on each of its dims in turn, the smaller ones whol
 each of their own dims (a size-1 dim split leaves the second rank an empty piece), forward and
 backward against torch on the full tensors. The test also checks that every family in
 ``globaltensor/ops`` with a broadcasting input met a broadcasting call here.
+
+The default run takes each op once, with one of the smaller shapes (a different one for each op
+in turn: every shape and every op is met), on every layout; ``pytest -m slow`` runs every op with
+every shape.
 """
 import inspect
 import warnings
@@ -180,9 +184,32 @@ def _run_cases(grid, cases, timeout):
     return run_ranks(body, grid.ranks.size, timeout=timeout)[0], recorder.ops
 
 
+def _one_shape_per_op(cases):
+    """Each op once: the k-th op (in order of first appearance) with its k-th shapes (cycling),
+    so the ops take the smaller shapes in turn. Deterministic."""
+    by_name: dict = {}
+    for case in cases:
+        by_name.setdefault(case[0], []).append(case)
+    return [shapes[k % len(shapes)] for k, shapes in enumerate(by_name.values())]
+
+
 def test_every_broadcasting_op_keeps_its_size_1_dims_whole_on_2_ranks():
-    errors, met = _run_cases(G2, _cases(), timeout=300)
+    cases = _one_shape_per_op(_cases())
+    assert {c[0] for c in cases} == {c[0] for c in _cases()}
+    assert {shape for c in cases for shape in c[2] if shape in SMALL} == set(SMALL)
+    errors, met = _run_cases(G2, cases, timeout=300)
     assert not errors, f"{len(errors)} cases differ:\n" + "\n".join(errors[:10])
+    _assert_every_family_met(met)
+
+
+@pytest.mark.slow
+def test_every_broadcasting_op_with_every_shape_on_2_ranks():
+    errors, met = _run_cases(G2, _cases(), timeout=600)
+    assert not errors, f"{len(errors)} cases differ:\n" + "\n".join(errors[:10])
+    _assert_every_family_met(met)
+
+
+def _assert_every_family_met(met) -> None:
     missing = {}
     for family, names in _families().items():
         short = family.split(".")[0]

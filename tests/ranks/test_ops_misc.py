@@ -1,6 +1,7 @@
 """In-place ops, copy_, clone/detach/.to(dtype), *_like, foreach ops and torch.optim on global
 tensors; clear errors for mixed placements and local tensors; the broadcast fallback."""
 import sys
+import threading
 import warnings
 
 import pytest
@@ -297,11 +298,15 @@ def _(x):
 def test_op_without_rule_warns_once_naming_the_op_at_the_users_line():
     two = gt.placement("cpu", [1, 0])
     line = {}
+    decided = threading.Event()
 
     def body(rank):
         x = on(two, (B,), torch.arange(4.0), rank)
+        if rank == 0:  # thread-ranks share the process's decisions: rank 1 makes this one, and
+            decided.wait(30)  # rank 0 (the placement's first rank) still warns, at its own call
         line["call"] = sys._getframe().f_lineno + 1
         first = _twice(x)
+        decided.set()
         _twice(x * 2)
         return first.full_tensor()
 
