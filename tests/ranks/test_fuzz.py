@@ -5,8 +5,9 @@ A program is drawn from a seed: inputs of random shapes and layouts (every sbp, 
 grids, even and uneven), then steps: pointwise ops with tensors, Python scalars and 0-dim local
 tensors, with partners that broadcast (size-1 dims, fewer dims; split or not), masked_fill with a
 broadcasting mask, scaled_dot_product_attention with a broadcasting bool or float mask, matmul, reductions, views and in-place writes through them, indexing, casts, to_global to
-random layouts; at the end the backward of a random scalar loss. The suite runs a few hundred
-seeded programs; more on demand, printing the seed and program of any mismatch::
+random layouts; at the end the backward of a random scalar loss. The default run takes the
+first seeds of each world (``PROGRAMS``), ``pytest -m slow`` the next ones (``SLOW_PROGRAMS`` in
+all); more on demand, printing the seed and program of any mismatch::
 
     python tests/ranks/test_fuzz.py --count 2000 [--start 0] [--world 2|4]
 """
@@ -16,6 +17,7 @@ import argparse
 import random
 import sys
 
+import pytest
 import torch
 
 import globaltensor as gt
@@ -23,7 +25,11 @@ from globaltensor.layout import Layout
 from globaltensor.testing import run_ranks
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
-CI_PROGRAMS = 100  # per world size in the suite: 2 ranks ([2]) and 4 ranks ([2, 2])
+# seeds per world: 2 ranks ([2]) from 0, 4 ranks ([2, 2]) from 10_000. The default run takes
+# the first PROGRAMS (a 2x2 program costs about 2.5x a [2] one), -m slow the rest of SLOW_PROGRAMS
+PROGRAMS = {2: 100, 4: 30}
+SLOW_PROGRAMS = 300
+FIRST_SEED = {2: 0, 4: 10_000}
 
 
 # --------------------------------------------------------------------------- drawing programs
@@ -285,14 +291,24 @@ def check_programs(seeds, world: int) -> list[str]:
     return run_ranks(body, world, timeout=600)[0]
 
 
+def _check(world: int, first: int, last: int) -> None:
+    seeds = range(FIRST_SEED[world] + first, FIRST_SEED[world] + last)
+    bad = check_programs(seeds, world)
+    assert not bad, f"{len(bad)} of {len(seeds)} programs differ:\n" + "\n".join(bad[:5])
+
+
 def test_random_programs_match_the_full_tensor_oracle_on_2_ranks():
-    bad = check_programs(range(CI_PROGRAMS), 2)
-    assert not bad, f"{len(bad)} of {CI_PROGRAMS} programs differ:\n" + "\n".join(bad[:5])
+    _check(2, 0, PROGRAMS[2])
 
 
 def test_random_programs_match_the_full_tensor_oracle_on_a_2x2_grid():
-    bad = check_programs(range(10_000, 10_000 + CI_PROGRAMS), 4)
-    assert not bad, f"{len(bad)} of {CI_PROGRAMS} programs differ:\n" + "\n".join(bad[:5])
+    _check(4, 0, PROGRAMS[4])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_more_random_programs_match_the_full_tensor_oracle(world):
+    _check(world, PROGRAMS[world], SLOW_PROGRAMS)
 
 
 def main() -> int:
