@@ -268,7 +268,8 @@ def test_batch_norm_over_every_layout(training):
     check(lambda x: F.adaptive_avg_pool2d(x, (2, 1)), [gen(3, 2, 5, 4, seed=27)])
 
 
-@pytest.mark.parametrize("bias_shape", [(6,), (1, 6), (5, 6), ()])
+@pytest.mark.parametrize("bias_shape", [(6,), pytest.param((1, 6), marks=pytest.mark.slow),
+                                        pytest.param((5, 6), marks=pytest.mark.slow), ()])
 def test_addmm_over_every_layout(bias_shape):
     # nn.Linear with a bias and GPT-2's Conv1D run addmm: a rule of its own (the bias added once
     # where the product is a partial sum), no decomposition

@@ -70,9 +70,13 @@ def test_loss_counts():
 def test_transposed_convolution_splits_batch_and_output_channels():
     check(lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2), [gen(3, 2, 4), gen(2, 3, 2, seed=1),
                                                                   gen(3, seed=2)])
-    check(lambda x, w: F.conv_transpose2d(x, w, groups=2), [gen(3, 4, 2, 3), gen(4, 1, 2, 2, seed=1)])
     assert (B, S(1), S(0)) in _rows("convolution.default", [(3, 2, 4), (2, 3, 2), (3,)],
                                     ([1], [0], [1], True, [0], 1))
+
+
+@pytest.mark.slow  # the rule of conv_transpose1d (the default run), with groups
+def test_grouped_transposed_convolution_2d():
+    check(lambda x, w: F.conv_transpose2d(x, w, groups=2), [gen(3, 4, 2, 3), gen(4, 1, 2, 2, seed=1)])
 
 
 # ----------------------------------------------------------------------------- clear errors, 0-dim
