@@ -11,6 +11,8 @@
 """
 from __future__ import annotations
 
+import math
+
 import threading
 import warnings
 
@@ -118,16 +120,20 @@ class Plain:
 
     def _failed(self, error, pieces):
         """The local op raised. If this rank holds an empty piece (an uneven split gave it none
-        of a dim), its results are zeros of their local shapes (what the op gives where it
-        accepts empty inputs: an empty piece, or a partial sum of nothing) instead of an error
-        on this rank alone. Our own errors pass. Any other failure may be this rank's alone (the
-        meta run already checked shapes and dtypes): with other ranks in the world it becomes
-        the same ``LocalOpFailed`` on every rank (runtime/failure.py), never a hang."""
+        of a dim) and each result is an empty piece or a partial sum here, its results are
+        zeros of their local shapes (what the op gives where it accepts empty inputs: an empty
+        piece, or a partial sum of nothing) instead of an error on this rank alone; a result
+        that would hold values (B or S, non-empty) is never made up. Our own errors pass. Any
+        other failure may be this rank's alone (the meta run already checked shapes and
+        dtypes): with other ranks in the world it becomes the same ``LocalOpFailed`` on every
+        rank (runtime/failure.py), never a hang."""
         if isinstance(error, GlobalTensorError):
             raise error
+        coord = my_coord(self.placement)
         if isinstance(error, RuntimeError) and any(
-                p.numel() == 0 for p in pieces if isinstance(p, torch.Tensor)):
-            return _zeros(self.outs, my_coord(self.placement), pieces[0].device)
+                p.numel() == 0 for p in pieces if isinstance(p, torch.Tensor)) and _nothing_held(
+                self.outs, coord):
+            return _zeros(self.outs, coord, pieces[0].device)
         if world.get_world_size() == 1:
             raise error
         raise local_failure(str(self.call.op), self.placement.flat_ranks, error) from error
@@ -156,6 +162,16 @@ class Plain:
         if self.view is not None:  # a view of a linked view is linked too (views.py)
             link(out, args[0], self.call.op, args, kwargs, False)
         return out
+
+
+def _nothing_held(outs, coord) -> bool:
+    """Whether every result is, on the rank at ``coord``, an empty piece or a partial sum (so
+    zeros are its exact value when the inputs here are empty)."""
+    if type(outs) is OutSpec:
+        layout = outs.layout
+        return (coord is None or bool(layout.partial_axes)
+                or math.prod(layout.local_shape(coord)) == 0)
+    return outs is None or all(_nothing_held(o, coord) for o in outs)
 
 
 def _zeros(outs, coord, device):

@@ -70,3 +70,38 @@ def test_a_local_op_failing_on_one_rank_ends_the_job_promptly():
     assert "[launch] rank 1 (local rank 1" in run.stderr  # the failing rank first, whoever ended
     assert "the last traceback of rank 1's stderr" in run.stderr  # first
     assert elapsed < 40  # the world's timeout is 60 s: nobody waited for it
+
+
+_EMPTY_PIECE_REFUSED = """
+import torch
+import globaltensor as gt
+from globaltensor.ops import register, table
+
+@torch.library.custom_op("gt_tests::three_ones", mutates_args=())
+def three_ones(x: torch.Tensor) -> torch.Tensor:  # ones(3), but refusing an empty x, like
+    if x.numel() == 0:                            # some of torch's kernels
+        raise RuntimeError("Non-empty tensor expected")
+    return x.new_ones(3)
+
+@three_ones.register_fake
+def _(x):
+    return x.new_empty(3)
+
+register("three_ones.default", rule=lambda call: table("B -> B", "S(0) -> B"))
+gt.init(timeout=60)
+x = gt.tensor(torch.ones(1, 4), placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
+y = three_ones(x)  # 1 row over 2 ranks: rank 1's piece is empty, its kernel raises
+x.to_global(sbp=gt.sbp.broadcast)
+print("rank", gt.env.get_rank(), "holds", y.to_local().tolist(), flush=True)
+"""
+
+
+def test_a_kernel_refusing_an_empty_piece_never_makes_up_a_result_that_holds_values():
+    """Where a rank's piece is empty and its kernel refuses it, zeros are its result only when
+    they are exact (an empty piece, a partial sum of nothing: the upsampling, padding and fft
+    rows of test_ops_coverage on uneven splits). This result is B with 3 values: zeros there
+    would be a replica differing from rank 0's ones, silently; the job fails with the error."""
+    run = run_script(_EMPTY_PIECE_REFUSED, 2, timeout=90, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert run.returncode != 0
+    assert "Non-empty tensor expected" in run.stdout + run.stderr
+    assert "holds [0.0, 0.0, 0.0]" not in run.stdout
