@@ -53,8 +53,8 @@ def axis_options(rule: Rule, layouts, naxes: int, fixed, free) -> list:
     """Per placement axis, (index, row, sbp per input, resolved sbp per input) for the rows
     that can stand on it: none asks an input to become P unless another input is P there (a
     pending reduction deferred: the input is zero-filled into a P, docs/planner.md "Deferred
-    reductions") or a free layout of it is P there; none splits a dim it lacks, or changes a fixed input (or, for an in-place op, its
-    result). A row's values are checked and resolved once for all axes (all but KEEP, which
+    reductions") or a free layout of it is P there; none splits a dim it lacks, or changes a
+    fixed input (or, for an in-place op, its result). A row's values are checked and resolved once for all axes (all but KEEP, which
     stands for each axis' own value)."""
     ndims = [layout.ndim for layout in layouts]
     prepared = []  # (index, row, values, resolved, inputs asked to be P, KEEP inputs)
