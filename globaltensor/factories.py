@@ -15,7 +15,6 @@ from . import debug as _debug
 from . import env, random
 from .errors import GlobalTensorError
 from .layout import Layout
-from .placement import Placement
 from .convert import check_placement, device_for
 from .runtime.agreement import check
 from .tensor import GlobalTensor
@@ -438,4 +437,4 @@ def randint_like(x, low, high=None, *, placement=None, sbp=None, dtype=None,
 __all__ = ["zeros", "ones", "empty", "full", "rand", "randn", "randint", "arange", "tensor",
            "linspace", "logspace", "hann_window", "randperm", "normal", "eye",
            "zeros_like", "ones_like", "empty_like", "rand_like", "randn_like", "full_like",
-           "randint_like", "Placement"]
+           "randint_like"]
