@@ -38,15 +38,26 @@ def device_for(placement: Placement) -> torch.device:
     return torch.device("cpu")
 
 
-def _check_grad_sbp(grad_sbp, placement: Placement, ndim: int) -> None:
+def _check_grad_sbp(grad_sbp, placement: Placement, ndim: int):
     """Reject a bad grad_sbp now, not at backward time. It is the sbp of the input's gradient,
-    so it is checked against the placement where backward applies it: the input's."""
-    if grad_sbp is not None:
-        try:
-            resolve(normalize(grad_sbp, placement.ndim, placement.axes), ndim)
-        except SbpError as e:
-            raise SbpError(f"grad_sbp is the sbp of the input's gradient, on the input's "
-                           f"placement {placement!r}: {e}") from None
+    so it is checked against the placement where backward applies it: the input's. Returns
+    its resolved values (None for None)."""
+    if grad_sbp is None:
+        return None
+    try:
+        return resolve(normalize(grad_sbp, placement.ndim, placement.axes), ndim)
+    except SbpError as e:
+        raise SbpError(f"grad_sbp is the sbp of the input's gradient, on the input's "
+                       f"placement {placement!r}: {e}") from None
+
+
+def _even_shape(piece_shape, placement: Placement, values) -> tuple:
+    """The global shape of equal pieces: each split dim times the ranks along its axis."""
+    shape = list(piece_shape)
+    for axis, v in enumerate(values):
+        if isinstance(v, Split):
+            shape[v.dim] *= placement.shape[axis]
+    return tuple(shape)
 
 
 def check_placement(placement) -> Placement:
@@ -104,11 +115,7 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
     if check_meta:
         shape = _checked_global_shape(metas, placement, values)
     else:
-        shape = list(local.shape)
-        for axis, v in enumerate(values):
-            if isinstance(v, Split):
-                shape[v.dim] *= placement.shape[axis]
-        shape = tuple(shape)
+        shape = _even_shape(local.shape, placement, values)
     layout = trusted(placement, values, shape)  # the sbp was normalised once, above
     if coord is None:
         piece = torch.empty((0,) * ndim, dtype=dtype, device=device)
@@ -289,11 +296,10 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: SbpSpec, *,
     """
     placement = check_placement(placement)
     values = resolve(normalize(sbp, placement.ndim, placement.axes), local.dim())
-    _check_grad_sbp(grad_sbp, placement, local.dim())
-    grad = () if grad_sbp is None else to_codes(resolve(  # () and (-1,): None (dynamo passes
-        normalize(grad_sbp, placement.ndim, placement.axes), local.dim()))  # no None)
+    grad = _check_grad_sbp(grad_sbp, placement, local.dim())
+    # () and (-1,) stand for None: dynamo passes no None to a nonstrict_trace call
     return _piece_as_global(local, placement, to_codes(values),
-                            (-1,) if shape is None else tuple(shape), grad)
+                            (-1,) if shape is None else tuple(shape), to_codes(grad or ()))
 
 
 # a constant of a nonstrict_trace call (dynamo guards on it by __eq__), not a pytree leaf
@@ -310,10 +316,7 @@ def _piece_as_global(local, placement, codes, shape, grad) -> GlobalTensor:
             raise GlobalTensorError(
                 f"gt.from_local on rank {world.get_rank()}, outside {placement!r}: its piece is "
                 f"ignored, so the global shape must be given; pass shape=(...)")
-        shape = list(local.shape)
-        for axis, v in enumerate(values):
-            if isinstance(v, Split):
-                shape[v.dim] *= placement.shape[axis]
+        shape = _even_shape(local.shape, placement, values)
     layout = trusted(placement, values, tuple(shape))
     if coord is None:
         piece = torch.empty((0,) * len(shape), dtype=local.dtype, device=device)
