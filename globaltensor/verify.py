@@ -16,7 +16,9 @@ returns must be the value it was given. Every rank sees the same full tensors, a
 is shared once more, so all ranks raise together: ``GlobalTensorError`` naming the op, the
 user's line, the layouts, the errors and the rounding floor.
 
-Not recomputed: random ops (dropout, ``rand_like``...: torch's tag ``nondeterministic_seeded``).
+Not recomputed: random ops (dropout, ``rand_like``...: torch's tag ``nondeterministic_seeded``)
+that draw (attention with ``dropout_p=0``, dropout with ``p=0`` or ``train=False`` draw nothing
+and are checked like any other op).
 Their values come from the counter-based generator at global indices (random.py), so one device
 would need that same stream; they are recorded as skipped. ``detach``/``alias``-like ops, which
 copy nothing, are not checked. Costs: a world all-gather of every op's inputs and outputs, the
@@ -36,6 +38,7 @@ from . import debug, env
 from .plan import simulate
 from .errors import GlobalTensorError, ShapeMismatchError
 from .observe import reset, set_watchers
+from .ops.signature import arg_value
 from .runtime.meta import all_objects
 from .sbp import format_sbp
 from .tensor import GlobalTensor
@@ -129,7 +132,7 @@ class verify(TorchDispatchMode):  # noqa: N801 - a context manager named like a 
         out = func(*args, **kwargs)
         name = str(func)  # aten.mm.default, gt_verify.planted_cube.default
         layouts = _layouts(leaves, tree_leaves(out))
-        if torch.Tag.nondeterministic_seeded in func.tags:
+        if _draws(func, args, kwargs):
             self._settle(Record(name, line, layouts, Diff(True, note="random: not recomputed"),
                                 origin))
             return out
@@ -169,6 +172,19 @@ class verify(TorchDispatchMode):  # noqa: N801 - a context manager named like a 
         failed = [v for v in verdicts if v is not None]
         if failed:
             raise GlobalTensorError(failed[0])
+
+
+def _draws(func, args, kwargs) -> bool:
+    """Whether the op draws random numbers: torch's tag, unless its probability argument is 0
+    or it is off (``dropout_p=0`` in attention, ``train=False`` in dropout): such a call is
+    deterministic and is recomputed like any other."""
+    if torch.Tag.nondeterministic_seeded not in func.tags:
+        return False
+    op = str(func).removeprefix("aten.")
+    given = {a.name: arg_value(op, args, kwargs, a.name, a.default_value)
+             for a in func._schema.arguments if a.name in ("dropout_p", "p", "train")}
+    p = given.get("dropout_p", given.get("p"))
+    return given.get("train") is not False and not (isinstance(p, (int, float)) and p == 0)
 
 
 def _snapshot(value):

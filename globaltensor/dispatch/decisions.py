@@ -11,8 +11,6 @@
 """
 from __future__ import annotations
 
-import math
-
 import threading
 import warnings
 
@@ -26,11 +24,12 @@ from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..sbp import Broadcast
 from ..ops import KERNELS, KernelContext
+from ..ops.pieces import nothing_held, zero_pieces
 from ..redistribute import moved, moved_targets, redistribute_local
 from ..runtime.failure import local_failure
 from ..tensor import GlobalTensor
 from .args import local_args
-from .outputs import OutSpec, empties, wrap
+from .outputs import empties, wrap
 from .aliasing import LINK, link, write_back, write_into
 
 
@@ -131,9 +130,9 @@ class Plain:
             raise error
         coord = my_coord(self.placement)
         if isinstance(error, RuntimeError) and any(
-                p.numel() == 0 for p in pieces if isinstance(p, torch.Tensor)) and _nothing_held(
+                p.numel() == 0 for p in pieces if isinstance(p, torch.Tensor)) and nothing_held(
                 self.outs, coord):
-            return _zeros(self.outs, coord, pieces[0].device)
+            return zero_pieces(self.outs, coord, pieces[0].device)
         if world.get_world_size() == 1:
             raise error
         raise local_failure(str(self.call.op), self.placement.flat_ranks, error) from error
@@ -162,24 +161,6 @@ class Plain:
         if self.view is not None:  # a view of a linked view is linked too (views.py)
             link(out, args[0], self.call.op, args, kwargs, False)
         return out
-
-
-def _nothing_held(outs, coord) -> bool:
-    """Whether every result is, on the rank at ``coord``, an empty piece or a partial sum (so
-    zeros are its exact value when the inputs here are empty)."""
-    if type(outs) is OutSpec:
-        layout = outs.layout
-        return (coord is None or bool(layout.partial_axes)
-                or math.prod(layout.local_shape(coord)) == 0)
-    return outs is None or all(_nothing_held(o, coord) for o in outs)
-
-
-def _zeros(outs, coord, device):
-    if type(outs) is OutSpec:
-        return torch.zeros(outs.layout.local_shape(coord), dtype=outs.dtype, device=device)
-    if outs is None:
-        return None
-    return type(outs)(_zeros(o, coord, device) for o in outs)
 
 
 def _written(target):

@@ -26,7 +26,7 @@ from __future__ import annotations
 
 from ..errors import GlobalTensorError
 from ..sbp import Split
-from .signature import B, Call, Ref, fit, register, sig, with_arg
+from .signature import B, Call, Ref, Rule, fit, register, sig, with_arg
 
 _SUM, _MAX = 0, 2  # modes (1: mean)
 
@@ -57,13 +57,14 @@ def embedding_bag_backward(call: Call):
             sig("S(1) B B B B S(1) B -> S(1)" if mode == _MAX else "S(1) B B B B B B -> S(1)")]
     if not call.get("scale_grad_by_freq", False):
         rows.append(sig("S(0) S(0) B B S(0) S(0) S(0) -> P", "bag_split"))
-    return fit(rows, present)
+    return Rule(fit(rows, present), ragged=True)  # bag_split matches bags to indices
 
 
 def per_sample_weights_backward(call: Call):
     """``_embedding_bag_per_sample_weights_backward`` (mode sum only, as torch)."""
-    return (sig("B B B B B -> B"), sig("P B B B B -> P"), sig("B P B B B -> P"),
-            sig("S(1) S(1) B B B -> P"), sig("S(0) B S(0) B B -> P", "bag_split"))
+    return Rule((sig("B B B B B -> B"), sig("P B B B B -> P"), sig("B P B B B -> P"),
+                 sig("S(1) S(1) B B B -> P"), sig("S(0) B S(0) B B -> P", "bag_split")),
+                ragged=True)  # bag_split matches bags to indices
 
 
 # ----------------------------------------------------------------------------- the bag split

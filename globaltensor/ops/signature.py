@@ -25,7 +25,9 @@ import torch
 
 from .._cache import memo
 from ..errors import GlobalTensorError
-from ..sbp import Split, broadcast, partial_sum
+from ..sbp import Split, broadcast, format_sbp, partial_sum
+from .pieces import (nothing_held, splits_size_one, splits_unequal, unequal_splits_even,
+                     zero_pieces)
 
 B, P = broadcast, partial_sum
 S = Split
@@ -76,15 +78,20 @@ class Rule:
     ``frames``: per input, the shape it broadcasts against (torch's rule: dims aligned from the
     right, a size-1 or missing dim repeats), or None. The rows' ``S(d)`` of an input with a
     frame name the frame's dim ``d``; :func:`rows_for` turns it into the input's own dim, or
-    into B where the input has size 1 there or lacks the dim (docs/sbp.md, "Broadcasting")."""
+    into B where the input has size 1 there or lacks the dim (docs/sbp.md, "Broadcasting").
+
+    ``ragged``: the rows' kernel matches pieces of split dims of different sizes itself
+    (embedding_bag's bags); otherwise such rows run only where each of those dims is cut
+    evenly (ops/pieces.py)."""
 
     rows: tuple
     check: Callable | None = None
     frames: tuple | None = None
+    ragged: bool = False
 
     def plus(self, rows) -> Rule:
         """The same rule with ``rows`` (written like its own) appended."""
-        return Rule(self.rows + tuple(rows), self.check, self.frames)
+        return Rule(self.rows + tuple(rows), self.check, self.frames, self.ragged)
 
 
 @memo(4096)
@@ -300,7 +307,8 @@ def rule_for(call: Call):
 
 def rows_for(call: Call) -> Rule | None:
     """The rule of ``call`` with its rows in each input's own dims: frames resolved
-    (:func:`aligned`), and no row that splits a size-1 dim beside a longer one."""
+    (:func:`aligned`), no row that splits a size-1 dim beside a longer one, and rows that
+    split dims of different sizes kept to even cuts (ops/pieces.py)."""
     fn = rule_for(call)
     if fn is None:
         return None
@@ -311,7 +319,19 @@ def rows_for(call: Call) -> Rule | None:
         rows = tuple(Row(tuple(v if f is None else aligned(v, s, f)
                                for v, s, f in zip(r.ins, call.shapes, rule.frames)),
                          r.outs, r.kernel) for r in rows)
-    return Rule(tuple(r for r in rows if not splits_size_one(r, call.shapes)), rule.check)
+    rows = tuple(r for r in rows if not splits_size_one(r, call.shapes))
+    check = rule.check
+    if not rule.ragged and any(splits_unequal(r, call.shapes) for r in rows):
+        check = _even_where_unequal(rule.check)
+    return Rule(rows, check)
+
+
+def _even_where_unequal(check):
+    """``check`` (or none) and :func:`~globaltensor.ops.pieces.unequal_splits_even`."""
+    def both(call, grid, ins, outs):
+        return unequal_splits_even(call, grid, ins) and (
+            check is None or check(call, grid, ins, outs))
+    return both
 
 
 def aligned(value, shape, frame):
@@ -326,18 +346,6 @@ def aligned(value, shape, frame):
     if k < 0 or (shape[k] == 1 and frame[d] != 1):
         return B
     return S(k)
-
-
-def splits_size_one(row: Row, shapes) -> bool:
-    """Whether ``row`` splits a dim of global size 1 of one input while it splits a longer dim
-    of another: the size-1 dim broadcasts, and the ranks past the first would get an empty
-    piece of it (torch's CPU attention reads an empty mask as no mask). Such a row is a rule
-    bug; :func:`rows_for` drops it, it never runs."""
-    sizes = set()
-    for v, shape in zip(row.ins, shapes):
-        if isinstance(v, Split) and -len(shape) <= v.dim < len(shape):
-            sizes.add(shape[v.dim])
-    return 1 in sizes and max(sizes) > 1
 
 
 def broadcasting(rows, shapes, inputs=None, frame=None) -> Rule:
@@ -410,17 +418,16 @@ class KernelContext:
 
     def zeros(self):
         """Zero pieces shaped as this rank's pieces of the outputs (nested as ``outs``): the
-        result of a kernel whose pieces hold no element where torch's kernel would trap."""
+        result of a kernel whose pieces hold no element where torch's kernel would trap. Only
+        where zeros are exact (ops/pieces.py, ``nothing_held``): a result that holds values
+        here is never made up."""
+        if not nothing_held(self.outs, self.coord):
+            raise GlobalTensorError(
+                f"internal: {self.call.op} has an empty input piece on this rank but its result "
+                f"holds values here (outputs {_layouts_of(self.outs)}); zeros would be a made-up "
+                "result. Please report this with the op's input shapes and sbps.")
         device = next((p.device for p in self.pieces if p is not None), torch.device("cpu"))
-
-        def one(spec):
-            if spec is None:
-                return None
-            if hasattr(spec, "layout"):
-                shape = spec.layout.local_shape(self.coord)
-                return torch.zeros(shape, dtype=spec.dtype, device=device)
-            return type(spec)(one(s) for s in spec)
-        return one(self.outs)
+        return zero_pieces(self.outs, self.coord, device)
 
     def run_unless_empty(self, largs, lkwargs, fill):
         """The op on the pieces; where the first piece has no element (an uneven split), its
@@ -431,3 +438,10 @@ class KernelContext:
         if largs[0].numel() == 0:
             return fill(largs[0], self.outs.layout.local_shape(self.coord))
         return self.func(*largs, **lkwargs)
+
+
+def _layouts_of(outs) -> str:
+    """Output specs as their sbp and global shape, ``(S(1),)[8, 4, 16]``."""
+    if hasattr(outs, "layout"):
+        return f"{format_sbp(outs.layout.sbp)}{list(outs.layout.shape)}"
+    return ", ".join(_layouts_of(o) for o in outs if o is not None)

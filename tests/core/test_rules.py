@@ -9,6 +9,8 @@ import torch
 from globaltensor import ops
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
+from globaltensor.placement import Placement
+from globaltensor.ops import pieces
 from globaltensor.ops import B, KEEP, LOCAL, NUMBER, P, S, Call, Ref, choose, sig, table
 from globaltensor.sbp import Broadcast, PartialSum, Split
 from globaltensor.plan import ALPHA
@@ -370,3 +372,30 @@ def test_nll_loss_backward_rows():
     args = [torch.tensor(1.5, dtype=torch.float64), x, t, None, 2, -100, tw]
     for grid in GRIDS:
         assert check_rows(aten.nll_loss_backward.default, args, grid) >= 2
+
+
+LINE4 = Placement("cpu", [0, 1, 2, 3])
+
+
+@pytest.mark.parametrize("grid", GRIDS + [LINE4], ids=["[2]", "[2,2]", "[4]"])
+def test_grouped_query_attention_splits_heads_only_in_whole_groups(grid):
+    """4 query heads over 2 key heads: a head split is right where each rank's query heads
+    read its own key head (2 ranks on the heads), wrong where the 2 key heads do not divide
+    over the ranks (4): ranks 2 and 3 would hold query heads and no key head."""
+    q, k, v = gen(4, 4, 3, 2), gen(4, 2, 3, 2, seed=1), gen(4, 2, 3, 2, seed=2)
+    func = aten._scaled_dot_product_flash_attention_for_cpu.default
+    assert check_rows(func, [q, k, v], grid, skip_kernels=False) >= 2
+    call = make_call("_scaled_dot_product_flash_attention_for_cpu.default", [q, k, v])
+    rule = ops.rows_for(call)
+    heads = tuple((S(1),) * grid.ndim for _ in range(3))
+    assert rule.check(call, grid.shape, heads, None) == (grid.size <= 2)
+
+
+def test_unequal_splits_are_kept_to_even_cuts():
+    call = make_call("mm.default", [gen(6, 4), gen(4, 3)])  # only the shapes are read
+    even = pieces.unequal_splits_even
+    assert even(call, (2,), ((S(0),), (S(0),)))           # 6 and 4 over 2: 3 and 2 each
+    assert not even(call, (4,), ((S(0),), (S(0),)))       # 6 over 4: 2 2 1 1
+    assert even(call, (4,), ((S(1),), (S(0),)))           # 4 and 4: equal, uneven allowed
+    assert even(call, (2, 2), ((S(0), B), (B, S(0))))     # one split per axis: sizes agree
+    assert not even(call, (2, 2), ((S(0), S(0)), (B, S(0))))  # 6 over 2x2 nested

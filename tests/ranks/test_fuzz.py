@@ -4,8 +4,11 @@ full tensors (the oracle), element by element, forward and gradients.
 A program is drawn from a seed: inputs of random shapes and layouts (every sbp, [2] and [2, 2]
 grids, even and uneven), then steps: pointwise ops with tensors, Python scalars and 0-dim local
 tensors, with partners that broadcast (size-1 dims, fewer dims; split or not), masked_fill with a
-broadcasting mask, scaled_dot_product_attention with a broadcasting bool or float mask, matmul, reductions, views and in-place writes through them, indexing, casts, to_global to
-random layouts; at the end the backward of a random scalar loss. The default run takes the
+broadcasting mask, scaled_dot_product_attention (grouped-query too) with a broadcasting bool or
+float mask, matmul, reductions, views and in-place writes through them, indexing, casts,
+to_global to random layouts; at the end the backward of a random scalar loss. Every program runs
+twice: with autograd (values and gradients) and under ``torch.no_grad()`` (values), since the
+layouts chosen differ between the two (a backward has a price) while the values must not. The default run takes the
 first seeds of each world (``PROGRAMS``), ``pytest -m slow`` the next ones (``SLOW_PROGRAMS`` in
 all); more on demand, printing the seed and program of any mismatch::
 
@@ -144,8 +147,11 @@ def _attend(rng, new_input) -> tuple[tuple, tuple]:
     """scaled_dot_product_attention on new (batch, heads, L, E) inputs with a mask of a
     broadcasting shape (bool: the float input > -3, so no row is all masked; or additive);
     the result summed over batch and heads (an (L, E) matrix for the steps after)."""
-    b, h, length, e = (rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4), rng.randint(1, 4))
-    q, k, v = (new_input((b, h, length, e)) for _ in range(3))
+    b, kv_heads, length, e = (rng.randint(1, 3), rng.randint(1, 4), rng.randint(1, 4),
+                              rng.randint(1, 4))
+    h = kv_heads * rng.choice([1, 1, 2])  # grouped-query attention: 2 query heads per key head
+    q = new_input((b, h, length, e))
+    k, v = (new_input((b, kv_heads, length, e)) for _ in range(2))
     masks = [(b, 1, length, length), (length, length), (1, 1, length, length),
              (b, h, length, length), (1, h, 1, length)]
     mask = new_input(rng.choice(masks))
@@ -160,9 +166,10 @@ def _full(shape, seed):
     return torch.randn(shape, generator=g, dtype=torch.float64)
 
 
-def run(steps, make, scalar) -> tuple[list, list]:
+def run(steps, make, scalar, backward: bool = True) -> tuple[list, list]:
     """Interpret ``steps``: ``make(full, sbp)`` builds an input (a leaf that requires grad),
-    ``scalar(v)`` a 0-dim local tensor. Returns (every value, the inputs)."""
+    ``scalar(v)`` a 0-dim local tensor; the final loss's backward unless ``backward`` is
+    False. Returns (every value, the inputs)."""
     values, inputs = [], []
     for step in steps:
         kind = step[0]
@@ -172,8 +179,9 @@ def run(steps, make, scalar) -> tuple[list, list]:
             values.append(x)
             continue
         if kind == "loss":
-            loss = sum((w * v.sum() for w, v in zip(step[1], values)), start=0.0)
-            loss.backward()
+            if backward:
+                loss = sum((w * v.sum() for w, v in zip(step[1], values)), start=0.0)
+                loss.backward()
             break
         x = values[step[2] if kind in ("binary", "scalar", "unary", "reduce", "view", "write",
                                        "softmax", "cat", "where", "inplace", "put",
@@ -234,8 +242,10 @@ def run(steps, make, scalar) -> tuple[list, list]:
             y = x.masked_fill(values[step[3]] > 0, step[4])
         elif kind == "attend":
             mask = values[step[4]]
+            k = values[step[2]]
             y = torch.nn.functional.scaled_dot_product_attention(
-                x, values[step[2]], values[step[3]], attn_mask=mask > -3 if step[5] else mask)
+                x, k, values[step[3]], attn_mask=mask > -3 if step[5] else mask,
+                enable_gqa=x.shape[1] != k.shape[1])
             y = y.sum((0, 1))
         else:  # to_global
             y = x.to_global(sbp=step[2]) if x.is_global else x
@@ -279,8 +289,18 @@ def check_programs(seeds, world: int) -> list[str]:
             except Exception as e:  # noqa: BLE001 - reported with the program
                 bad.append(f"seed {seed}: {type(e).__name__}: {str(e)[:300]}\n{describe(steps)}")
                 continue
+            try:  # the same program without autograd: the choice of layouts differs (no
+                with torch.no_grad():  # backward to price), the values must not
+                    values, _ = run(steps, make, lambda v: torch.tensor(v, dtype=torch.float64),
+                                    backward=False)
+                    plain = [v.full_tensor() for v in values]
+            except Exception as e:  # noqa: BLE001 - reported with the program
+                bad.append(f"seed {seed} under no_grad: {type(e).__name__}: {str(e)[:300]}\n"
+                           f"{describe(steps)}")
+                continue
             want = expected[seed]
-            for what, gs, ws in (("value", got[0], want[0]), ("grad of input", got[1], want[1])):
+            for what, gs, ws in (("value", got[0], want[0]), ("grad of input", got[1], want[1]),
+                                 ("value under no_grad", plain, want[0])):
                 for k, (g, w) in enumerate(zip(gs, ws)):
                     if (g is None) != (w is None) or (
                             w is not None and not torch.allclose(g, w, rtol=1e-5, atol=1e-6)):

@@ -142,6 +142,22 @@ def test_random_ops_are_recorded_as_skipped_and_arguments_are_checked():
         gt.verify(rtol=-1.0)
 
 
+def test_ops_that_draw_nothing_are_recomputed():
+    """Attention (``dropout_p=0``) and dropout in eval carry torch's random tag but draw
+    nothing: they are checked like any op (a wrong attention rule once hid behind the tag)."""
+    def body(rank):
+        q = gt.ones(2, 4, 3, 2, placement=P2, sbp=S(1))
+        kv = gt.ones(2, 2, 3, 2, placement=P2, sbp=B)
+        with gt.verify(mode="report", show=False) as v:
+            torch.nn.functional.scaled_dot_product_attention(q, kv, kv, enable_gqa=True)
+            torch.nn.functional.dropout(q, 0.5, training=False)
+        return [(r.op, r.diff.note, r.diff.ok) for r in v.records]
+
+    records = _errors(body)[0]
+    attention = [r for r in records if "scaled_dot_product" in r[0]]
+    assert attention and all(note != "random: not recomputed" and ok for _, note, ok in attention)
+
+
 transformers = pytest.importorskip("transformers")
 
 
