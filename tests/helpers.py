@@ -116,8 +116,17 @@ def run_global(fn, inputs, grid, sbps, cot, rank):
     return full, grads, out.sbp
 
 
+def run_no_grad(fn, inputs, grid, sbps, rank):
+    """``fn``'s full output under ``torch.no_grad()``, where layouts are chosen without a
+    backward to price: it must equal the grad-mode output."""
+    with torch.no_grad():
+        xs = [make_global(t, Layout(grid, sbp, t.shape), rank) for t, sbp in zip(inputs, sbps)]
+        return _first(fn(*xs)).full_tensor()
+
+
 def check(fn, inputs, grids=GRIDS, atol=1e-6, only=None, timeout=120):
-    """Compare ``fn`` on global tensors with ``fn`` on the full ``inputs`` for every layout."""
+    """Compare ``fn`` on global tensors with ``fn`` on the full ``inputs`` for every layout:
+    the output and the inputs' gradients, and the output under ``torch.no_grad()`` too."""
     ref_out, cot, ref_grads = reference(fn, inputs)
     for grid in grids:
         cases = [c for c in combos(inputs, grid) if only is None or only(c)]
@@ -133,6 +142,10 @@ def check(fn, inputs, grids=GRIDS, atol=1e-6, only=None, timeout=120):
                 what = f"in {gt.sbp.format_sbp(sbps[0]) if len(sbps) == 1 else sbps} -> {out_sbp}"
                 if not torch.allclose(full.to(ref_out.dtype), ref_out, atol=atol, rtol=1e-5):
                     errors.append(f"forward differs for {what}")
+                if ref_grads is not None and not torch.allclose(
+                        run_no_grad(fn, inputs, grid, sbps, rank).to(ref_out.dtype), ref_out,
+                        atol=atol, rtol=1e-5):
+                    errors.append(f"forward under no_grad differs for {what}")
                 if ref_grads is not None:
                     for i, (g, r) in enumerate(zip(grads, ref_grads)):
                         if r is not None and (g is None or not torch.allclose(g, r, atol=atol, rtol=1e-5)):

@@ -5,7 +5,8 @@ masked_fill, addcmul, lerp, clamp, losses with targets or weights, addmm's bias,
 mask, masked_scatter) runs with inputs of broadcasting shapes (size-1 dims, missing leading
 dims): the larger input split on each of its dims in turn, the smaller ones whole or split on
 each of their own dims (a size-1 dim split leaves the second rank an empty piece), forward and
-backward against torch on the full tensors. The test also checks that every family in
+backward against torch on the full tensors, and forward once more under ``torch.no_grad()``.
+The test also checks that every family in
 ``globaltensor/ops`` with a broadcasting input met a broadcasting call here.
 
 The default run takes each op once, with one of the smaller shapes (a different one for each op
@@ -23,7 +24,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import globaltensor as gt
 from globaltensor.ops import signature
 from globaltensor.testing import run_ranks
-from helpers import G2, G22, gen, reference, run_global
+from helpers import G2, G22, gen, reference, run_global, run_no_grad
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 ATEN = torch.ops.aten
@@ -175,6 +176,9 @@ def _run_cases(grid, cases, timeout):
                 if not torch.allclose(full, want, atol=1e-9, rtol=1e-7):
                     err = (full - want).abs().max().item() if full.shape == want.shape else "shape"
                     errors.append(f"{what}: forward differs (max error {err})")
+                elif grads is not None and not torch.allclose(
+                        run_no_grad(fn, inputs, grid, sbps, rank), want, atol=1e-9, rtol=1e-7):
+                    errors.append(f"{what}: forward under no_grad differs")
                 for i, (g, r) in enumerate(zip(got or [], grads or [])):
                     if r is not None and (g is None or not torch.allclose(g, r, atol=1e-9,
                                                                           rtol=1e-7)):

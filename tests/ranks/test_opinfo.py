@@ -3,7 +3,9 @@
 For every op of torch's OpInfo database and its first samples (float64), each tensor argument is
 laid out three ways on 2 thread-ranks: all B, all S(0) (uneven wherever the sample's sizes are
 odd), and a mix (the first tensor split on its last dim, the others B). The outputs (full values)
-and the gradients of the inputs are compared with torch on the full tensors. Each case ends as
+and the gradients of the inputs are compared with torch on the full tensors, and the outputs
+once more under ``torch.no_grad()`` (where layouts are chosen with no backward to price). Each
+case ends as
 
     ok      the same values and gradients
     error   a clear GlobalTensorError (an unsupported case, said so)
@@ -189,6 +191,15 @@ def _one_global(opinfo, glob, spec, ref) -> str:
     want, want_grads = ref
     if len(got) != len(want) or any(not _close(g, w) for g, w in zip(got, want)):
         return "WRONG value"
+    try:  # without autograd the layouts are chosen with no backward to price
+        with warnings.catch_warnings(), torch.no_grad():
+            warnings.simplefilter("ignore")
+            plain, _ = _reference(opinfo.op, glob, spec)
+            plain = [o.full_tensor() if o.is_global else o for o in plain]
+    except Exception as e:  # noqa: BLE001
+        return f"raise under no_grad {type(e).__name__}: {str(e).splitlines()[0][:100]}"
+    if len(plain) != len(want) or any(not _close(g, w) for g, w in zip(plain, want)):
+        return "WRONG value under no_grad"
     if (want_grads is None) != (grads is None):
         return "WRONG gradient presence"
     if want_grads is not None:
