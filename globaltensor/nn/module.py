@@ -132,6 +132,11 @@ def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -
 # public methods that need full values rather than global mode: name -> wrapper of the method
 _SPECIAL = {"save_pretrained": pretrained.save_pretrained}
 
+# torch.nn.Module's own methods that run in global mode too: a state dict of full local tensors
+# (a plain checkpoint, every rank holding the same values) is taken as broadcast values, so
+# each parameter keeps its layout and takes its piece
+_MODULE_ENTRY_POINTS = ("load_state_dict",)
+
 # a converted module's attribute: the placement its public methods run in global mode on
 _PLACEMENT = "_gt_placement"
 
@@ -145,7 +150,8 @@ def _plain_class(cls: type) -> type:
 def _entry_points_in_global_mode(cls: type) -> type:
     """A subclass of ``cls`` (same name and module) whose public methods, those of ``cls`` and
     of its bases and mixins but ``torch.nn.Module`` (HF's ``generate``,
-    ``prepare_inputs_for_generation``, ...), run in global mode on the instance's placement; ``forward`` has its hooks. A class,
+    ``prepare_inputs_for_generation``, ...), and ``load_state_dict``, run in global mode on the
+    instance's placement; ``forward`` has its hooks. A class,
     not instance attributes, so ``copy.deepcopy`` of the module keeps calling its own."""
     namespace = {"_gt_plain_class": cls, "__module__": cls.__module__,
                  "__qualname__": cls.__qualname__}
@@ -157,6 +163,8 @@ def _entry_points_in_global_mode(cls: type) -> type:
                     or not isinstance(value, types.FunctionType)):
                 continue
             namespace[name] = _SPECIAL.get(name, _in_global_mode)(getattr(cls, name))
+    for name in _MODULE_ENTRY_POINTS:
+        namespace.setdefault(name, _in_global_mode(getattr(cls, name)))
     return type(cls.__name__, (cls,), namespace)
 
 
