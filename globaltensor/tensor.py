@@ -192,6 +192,21 @@ class GlobalTensor(torch.Tensor):
             "state_dict.items()}, and torch.save that on one rank")
 
 
+def coerce_plain_tangent(self: torch.Tensor, layout, expected_type=None):
+    """``torch.Tensor.__coerce_same_metadata_as_tangent__`` (installed by
+    ``convert.install_tensor_methods``): a plain gradient that reaches a compiled backward
+    expecting a global one. Autograd gives one for an output that the loss does not use (zeros
+    of the global shape: the logits beside an HF model's loss, the outputs of a region before a
+    graph break); it is taken as the full logical value and laid out as the trace expects (a
+    local slice or zero fill, no communication). Anything else keeps torch's error (None)."""
+    if (isinstance(self, GlobalTensor) or not isinstance(expected_type, type)
+            or not issubclass(expected_type, GlobalTensor) or not isinstance(layout, Layout)
+            or tuple(self.shape) != tuple(layout.shape)):
+        return None
+    with torch.no_grad():
+        return _as_global_grad(self, layout)
+
+
 def _full_layout(layout: Layout) -> Layout:
     """Broadcast on every rank of the world (so full_tensor reaches ranks outside the placement)."""
     size = world.get_world_size()
@@ -313,7 +328,7 @@ GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
 
 def _frames_torch_calls_into():
     return (_dispatch, GlobalTensor.__tensor_flatten__, GlobalTensor.__tensor_unflatten__,
-            GlobalTensor.__coerce_same_metadata_as_tangent__,
+            GlobalTensor.__coerce_same_metadata_as_tangent__, coerce_plain_tangent,
             *(f for cls in (Redistribute, FromLocal, _ToLocal) for f in (cls.forward, cls.backward)))
 
 
