@@ -20,9 +20,11 @@ from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
 from .redistribute import redistribute_local
+from .runtime.groups import create_placement_groups
 from .sbp import Broadcast, PartialSum, SbpSpec, SbpValue, format_sbp
 
 broadcast, partial_sum = Broadcast(), PartialSum()
+_GRAPH_FORMAT = "groups named by ranks"  # in the cache key of a compiled graph's global inputs
 _TENSOR_DATA = torch.Tensor.data  # torch's own descriptor: shallow copy out, set_data in
 
 
@@ -66,10 +68,18 @@ class GlobalTensor(torch.Tensor):
 
     def _stable_hash_for_caching(self) -> str:
         """The key inductor's and AOTAutograd's caches file a graph input under (torch asks a
-        traceable subclass for it; its default pickles the flatten context, and fails)."""
+        traceable subclass for it; its default pickles the flatten context, and fails). A graph
+        is this rank's (its collectives name this rank's groups): the rank is in the key, the
+        ranks share one cache. Graphs name groups by their ranks (runtime/groups.py, the same
+        in every process; ``_GRAPH_FORMAT`` keeps graphs cached by earlier versions out); a
+        graph found in the cache is not traced, so the groups of the input's placement are made
+        here, on every rank, before it can run."""
+        rank = world.cached_rank()
+        if rank is not None:
+            create_placement_groups(self._layout.placement)
         local = self._local
-        key = (f"{self._layout!r}|{local.dtype}|{tuple(local.shape)}|{tuple(local.stride())}|"
-               f"{self.requires_grad}")
+        key = (f"{_GRAPH_FORMAT}|{rank}|{self._layout!r}|{local.dtype}|{tuple(local.shape)}|"
+               f"{tuple(local.stride())}|{self.requires_grad}")
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __coerce_tangent_metadata__(self):

@@ -509,3 +509,90 @@ def test_cnn_with_batchnorm_trains_compiled_data_parallel_as_eager_and_one_proce
             for name, want in state.items():
                 torch.testing.assert_close(torch.tensor(got[name]), torch.tensor(want),
                                            rtol=1e-4, atol=1e-5, msg=f"rank {rank} {which} {name}")
+
+
+# --------------------------------------------------------------------------- as users compile
+
+
+def _break_in(module):
+    """A graph break inside ``module``'s forward (as a print, a log or a data-dependent branch
+    would make): the compiled region before it returns several global outputs."""
+    module.register_forward_hook(lambda m, args, out: torch._dynamo.graph_break())
+
+
+def _bert_tp(name, t):
+    if t.dim() == 2 and any(c in name for c in ("query", "key", "value", "intermediate.dense")):
+        return S(0)
+    return S(1) if t.dim() == 2 and name.endswith("output.dense.weight") else B
+
+
+def _user_model(which):
+    """A model as users have it: GPT-2 and Llama without ``loss_type`` (HF logs a warning
+    inside forward: a graph break), BERT with a break in its first layer."""
+    import transformers
+
+    if which == "bert":
+        torch.manual_seed(0)
+        config = transformers.BertConfig(
+            vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=4,
+            intermediate_size=64, max_position_embeddings=64, hidden_dropout_prob=0.0,
+            attention_probs_dropout_prob=0.0, attn_implementation="eager")
+        model = transformers.BertForMaskedLM(config).double()
+        _break_in(model.bert.encoder.layer[0])
+        return model
+    model = _hf_model(which, "eager" if which == "gpt2" else "sdpa")
+    model.loss_type = None
+    return model
+
+
+def _user_place(which, model):
+    world = gt.env.get_world_size()
+    placement = _grid(world)
+    if which == "gpt2":
+        return model.to_global(placement, B), placement, S(0)
+    if which == "bert":
+        return model.to_global(placement, _bert_tp), placement, B
+    return model.to_global(placement, _megatron), placement, (S(0), B)
+
+
+def _check_user_compile(local_rank, which, how):
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    gt.init()
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    model, placement, sbp = _user_place(which, _user_model(which))
+    gids = gt.tensor(ids, placement=placement, sbp=sbp)
+    counter = CompileCounterWithBackend("aot_eager")
+    if how == "model":  # the loss and the logits (and GPT-2's cache) come out of the graph
+        compiled = torch.compile(model, backend=counter)
+        step = lambda m, t: compiled(t, labels=t).loss  # noqa: E731
+    else:  # a loss function, without fullgraph
+        step = torch.compile(_hf_loss, backend=counter)
+    losses = _hf_train(model, gids, step)
+    return {"losses": losses, "frames": counter.frame_count,
+            "params": {n: _full(p.detach()).tolist() for n, p in model.named_parameters()}}
+
+
+@pytest.mark.parametrize("which,world,how", [
+    ("gpt2", 2, "model"),
+    pytest.param("gpt2", 2, "loss", marks=pytest.mark.slow),
+    pytest.param("llama", 4, "model", marks=pytest.mark.slow),
+    pytest.param("llama", 4, "loss", marks=pytest.mark.slow),
+    pytest.param("bert", 2, "model", marks=pytest.mark.slow)])
+def test_models_compiled_as_users_do_train_through_graph_breaks_and_several_outputs(
+        which, world, how):
+    """``torch.compile(model)`` (the loss beside the logits: unused outputs get plain zero
+    gradients) and a loss function without ``fullgraph``, with a graph break inside the
+    forward (regions returning several global outputs): GPT-2 data parallel, Llama on a 2x2
+    grid, BERT tensor parallel train as one process."""
+    pytest.importorskip("transformers")
+    reference = _user_model(which)
+    ids = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+    losses = _hf_train(reference, ids, _hf_loss)
+    results = gt.spawn(_check_user_compile, args=(which, how), nproc_per_node=world, timeout=600)
+    for rank, r in enumerate(results):
+        assert r["losses"] == pytest.approx(losses, rel=1e-6), f"rank {rank}"
+        assert r["frames"] > 1, f"rank {rank}: no graph break ({r['frames']} graph)"
+        for n, p in reference.named_parameters():
+            torch.testing.assert_close(torch.tensor(r["params"][n], dtype=torch.float64),
+                                       p.detach(), rtol=1e-5, atol=2e-5, msg=n)
