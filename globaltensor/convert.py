@@ -23,8 +23,8 @@ from .trace import watching
 from .runtime.meta import broadcast_along, exchange_meta
 from .sbp import (Broadcast, SbpSpec, Split, format_sbp, from_codes, normalize, resolve,
                   to_codes)
-from .tensor import (GlobalTensor, FromLocal, Redistribute, records_graph, redistributed,
-                     rewrapped)
+from .tensor import (GlobalTensor, FromLocal, Redistribute, coerce_plain_tangent, records_graph,
+                     redistributed, rewrapped)
 
 
 def device_for(placement: Placement) -> torch.device:
@@ -276,6 +276,8 @@ def install_tensor_methods():
     globaltensor/__init__.py)."""
     torch.Tensor.to_global = to_global
     torch.Tensor.to_local = to_local
+    # a plain gradient for a global output of a compiled graph (docs/compile.md)
+    torch.Tensor.__coerce_same_metadata_as_tangent__ = coerce_plain_tangent
     torch.Tensor.is_global = property(lambda self: isinstance(self, GlobalTensor))
     torch.Tensor.is_local = property(lambda self: not isinstance(self, GlobalTensor))  # OneFlow's name
     GlobalTensor.to_global = to_global

@@ -28,6 +28,7 @@ from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .plan import plan
 from .runtime.groups import group_across, groups_across
+from .runtime.guard import guard
 from .plan import AllReduce
 from .tensor import GlobalTensor, redistribute
 
@@ -103,7 +104,8 @@ def set_bucket_cap_mb(mb: float) -> None:
 
 class _Bucket:
     """Gradients reduced together: same placement axis group and dtype, filled in the order
-    their hooks fire (the same on every rank), all-reduced as one flat buffer."""
+    their hooks fire (the same on every rank), all-reduced as one flat buffer; its size counts
+    each gradient's largest piece (the same on every rank)."""
 
     __slots__ = ("group", "params", "pieces", "nbytes", "flat", "work")
 
@@ -111,11 +113,13 @@ class _Bucket:
         self.group, self.params, self.pieces, self.nbytes = group, [], [], 0
         self.flat = self.work = None
 
-    def add(self, param, piece) -> None:
+    def add(self, param, piece, nbytes: int) -> None:
         self.params.append(param)
         self.pieces.append(piece)
-        if piece is not None:
-            self.nbytes += piece.numel() * piece.element_size()
+        self.nbytes += nbytes
+
+    def _ranks(self):
+        return dist.get_process_group_ranks(self.group)
 
     def launch(self) -> None:
         pieces = [p for p in self.pieces if p is not None]
@@ -127,7 +131,8 @@ class _Bucket:
 
     def finish(self) -> None:
         if self.work is not None:
-            self.work.wait()
+            with guard("a gradient bucket's all-reduce", ranks=self._ranks):
+                self.work.wait()
         offset = 0
         for param, piece in zip(self.params, self.pieces):
             if piece is None:  # outside the placement: an empty piece, as the executor gives
@@ -149,11 +154,11 @@ class _Reductions:
         self.open: dict = {}
         self.launched: list = []
 
-    def add(self, key, group, param, piece) -> None:
+    def add(self, key, group, param, piece, nbytes: int) -> None:
         bucket = self.open.get(key)
         if bucket is None:
             bucket = self.open[key] = _Bucket(group)
-        bucket.add(param, piece)
+        bucket.add(param, piece, nbytes)
         if bucket.nbytes >= BUCKET_CAP_MB.get() * 2**20:
             del self.open[key]
             bucket.launch()
@@ -189,7 +194,12 @@ def _launch_all_reduce(param, grad: GlobalTensor, steps) -> None:
     if pending is None:
         pending = _PENDING[task] = _Reductions()
         torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(task, pending))
-    pending.add((placement, axes, grad.dtype), group, param, piece)
+    # a bucket's size counts each gradient's largest piece, the same on every rank: it fills,
+    # and is all-reduced, at the same hook on every rank whatever this rank's piece (uneven
+    # pieces), so the all-reduces keep one order with the other collectives of the backward
+    # (a compiled backward's, between graph breaks)
+    nbytes = grad._layout.max_local_numel() * grad.element_size()
+    pending.add((placement, axes, grad.dtype), group, param, piece, nbytes)
 
 
 def _finish(task: int, pending: _Reductions) -> None:

@@ -20,9 +20,11 @@ from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
 from .redistribute import redistribute_local
+from .runtime.groups import create_placement_groups
 from .sbp import Broadcast, PartialSum, SbpSpec, SbpValue, format_sbp
 
 broadcast, partial_sum = Broadcast(), PartialSum()
+_GRAPH_FORMAT = "groups named by ranks"  # in the cache key of a compiled graph's global inputs
 _TENSOR_DATA = torch.Tensor.data  # torch's own descriptor: shallow copy out, set_data in
 
 
@@ -66,10 +68,18 @@ class GlobalTensor(torch.Tensor):
 
     def _stable_hash_for_caching(self) -> str:
         """The key inductor's and AOTAutograd's caches file a graph input under (torch asks a
-        traceable subclass for it; its default pickles the flatten context, and fails)."""
+        traceable subclass for it; its default pickles the flatten context, and fails). A graph
+        is this rank's (its collectives name this rank's groups): the rank is in the key, the
+        ranks share one cache. Graphs name groups by their ranks (runtime/groups.py, the same
+        in every process; ``_GRAPH_FORMAT`` keeps graphs cached by earlier versions out); a
+        graph found in the cache is not traced, so the groups of the input's placement are made
+        here, on every rank, before it can run."""
+        rank = world.cached_rank()
+        if rank is not None:
+            create_placement_groups(self._layout.placement)
         local = self._local
-        key = (f"{self._layout!r}|{local.dtype}|{tuple(local.shape)}|{tuple(local.stride())}|"
-               f"{self.requires_grad}")
+        key = (f"{_GRAPH_FORMAT}|{rank}|{self._layout!r}|{local.dtype}|{tuple(local.shape)}|"
+               f"{tuple(local.stride())}|{self.requires_grad}")
         return hashlib.blake2b(key.encode(), digest_size=16).hexdigest()
 
     def __coerce_tangent_metadata__(self):
@@ -190,6 +200,21 @@ class GlobalTensor(torch.Tensor):
             "format_utils.dcp_to_torch_save(dcp_dir, file), or gather the values into a plain "
             "state dict on every rank, {k: v.full_tensor() if v.is_global else v for k, v in "
             "state_dict.items()}, and torch.save that on one rank")
+
+
+def coerce_plain_tangent(self: torch.Tensor, layout, expected_type=None):
+    """``torch.Tensor.__coerce_same_metadata_as_tangent__`` (installed by
+    ``convert.install_tensor_methods``): a plain gradient that reaches a compiled backward
+    expecting a global one. Autograd gives one for an output that the loss does not use (zeros
+    of the global shape: the logits beside an HF model's loss, the outputs of a region before a
+    graph break); it is taken as the full logical value and laid out as the trace expects (a
+    local slice or zero fill, no communication). Anything else keeps torch's error (None)."""
+    if (isinstance(self, GlobalTensor) or not isinstance(expected_type, type)
+            or not issubclass(expected_type, GlobalTensor) or not isinstance(layout, Layout)
+            or tuple(self.shape) != tuple(layout.shape)):
+        return None
+    with torch.no_grad():
+        return _as_global_grad(self, layout)
 
 
 def _full_layout(layout: Layout) -> Layout:
@@ -313,7 +338,7 @@ GlobalTensor.__torch_dispatch__ = classmethod(_dispatch)
 
 def _frames_torch_calls_into():
     return (_dispatch, GlobalTensor.__tensor_flatten__, GlobalTensor.__tensor_unflatten__,
-            GlobalTensor.__coerce_same_metadata_as_tangent__,
+            GlobalTensor.__coerce_same_metadata_as_tangent__, coerce_plain_tangent,
             *(f for cls in (Redistribute, FromLocal, _ToLocal) for f in (cls.forward, cls.backward)))
 
 

@@ -68,6 +68,32 @@ class Waiting:
         return self.name, f"over {list(self.ranks)}"
 
 
+class CompiledWait(Waiting):
+    """A wait in a compiled graph's functional collective (no guard runs there)."""
+
+    COMPILED = "a compiled graph's collective"
+
+    __slots__ = ("op",)
+
+    def __init__(self, op: str):
+        super().__init__(self.COMPILED, ())
+        self.op = op
+
+    def waiting_in(self, frame, world_size: int) -> tuple[str, str]:
+        return self.name, f"{self.op}, in a graph of torch.compile"
+
+
+def _functional_collective(frame, depth: int = 4) -> str | None:
+    """The functional collective op (``_c10d_functional.wait_tensor.default``) that one of
+    ``frame``'s innermost calls runs (torch's ``OpOverload.__call__``), else None."""
+    while frame is not None and depth > 0:
+        if frame.f_code.co_name == "__call__" and frame.f_code.co_filename.endswith("_ops.py"):
+            op = str(frame.f_locals.get("self", ""))
+            return op if op.startswith("_c10d_functional.") else None
+        frame, depth = frame.f_back, depth - 1
+    return None
+
+
 class Watch:
     """This rank's current wait in one world, and what its watchdog thread knows."""
 
@@ -82,6 +108,8 @@ class Watch:
         self.closed = False
         self.published = 0
         self.reported = 0
+        self.ident = threading.get_ident()  # the rank's thread (compiled graphs run there)
+        self.compiled: tuple | None = None  # (number, since) of a wait in a compiled graph
 
     # -- the waiting thread: the hot path
     def enter(self, what) -> None:
@@ -113,7 +141,7 @@ class Watch:
                 return
 
     def look(self) -> None:
-        now = self.now
+        now = self.now or self.compiled_wait()
         if now is None or time.monotonic() - now[3] < self.publish_s:
             if self.published:
                 self.published = 0
@@ -128,6 +156,19 @@ class Watch:
             if report is not None:
                 self.reported = number
                 print(report, file=sys.stderr, flush=True)
+
+    def compiled_wait(self) -> tuple | None:
+        """A wait no guard records: the rank's thread inside a functional collective of a
+        compiled graph (``torch.ops._c10d_functional.*``, e.g. its ``wait_tensor``), as
+        (number, what, thread id, since); the number is the last guarded collective's."""
+        frame = sys._current_frames().get(self.ident)
+        op = _functional_collective(frame)
+        if op is None:
+            self.compiled = None
+            return None
+        if self.compiled is None or self.compiled[0] != self.count:
+            self.compiled = (self.count, time.monotonic())
+        return self.compiled[0], CompiledWait(op), self.ident, self.compiled[1]
 
     def describe(self, number: int, what, ident: int) -> dict:
         frame = sys._current_frames().get(ident)
@@ -157,11 +198,16 @@ def stall_report(waits: dict[int, dict], left: dict, waited: float) -> str:
     parts = [f"{_ranks(ranks)} wait{'s' * (len(ranks) == 1)} in {name} (collective #{number}, "
              f"{detail}) at {line}" for (name, number, line, detail), ranks in groups.items()]
     parts += [_left_words(r, status, n) for r, (status, n) in sorted(left.items())]
+    if any(w["name"] == CompiledWait.COMPILED for w in waits.values()):
+        cause = ("collectives of a compiled graph and of eager code (gradient hooks, code "
+                 "between graph breaks) issued in another order on some ranks; globaltensor "
+                 "means to keep one order: please report it with this message")
+    else:
+        cause = ("a read of a global value (x.item(), print(x)) under `if rank == 0:` is the "
+                 "usual cause (use gt.print0); GT_DEBUG=1 names the first operation that differs")
     return (f"globaltensor: no rank has made progress for {waited:.0f}s (GT_STALL_REPORT): "
             + "; ".join(parts) + ". Expected every rank to reach the same collectives in the same "
-            "order (SPMD): a read of a global value (x.item(), print(x)) under `if rank == 0:` "
-            "is the usual cause (use gt.print0); GT_DEBUG=1 names the first operation that "
-            "differs. The job goes on waiting until the timeout (GT_TIMEOUT).")
+            f"order (SPMD): {cause}. The job goes on waiting until the timeout (GT_TIMEOUT).")
 
 
 def finished_message(watch: "Watch | None", ranks, where: str) -> str | None:

@@ -16,7 +16,7 @@ import functools
 import torch
 import torch.distributed as dist
 
-from .groups import all_gather_flat, byte_view, reduce_scatter_flat
+from .groups import all_gather_flat, byte_view, group_name, reduce_scatter_flat
 
 @functools.cache
 def _ops():
@@ -107,12 +107,6 @@ class Traced:
         out = c10d.all_to_all_single(send.contiguous(), list(recv_splits), list(send_splits),
                                      group_name(group))
         return c10d.wait_tensor(out)
-
-
-def group_name(group) -> str:
-    """The registered name of a process group (the world's for ``None``), which the functional
-    collectives take: a string in the graph, resolved again when the graph runs."""
-    return (group if group is not None else dist.group.WORLD).group_name
 
 
 EAGER, TRACED = Eager(), Traced()

@@ -2,10 +2,18 @@
 
 torch.distributed requires every rank of the world to create every group, in the same order.
 Global operations are SPMD, so each rank asks for the same (placement, axis) at the same point
-and we create all groups along that axis together.
+and we create all groups along that axis together; the first request for any group of a
+placement creates the groups of every set of its axes (so a compiled graph loaded from a warm
+cache, whose collectives were not traced in this process, finds the groups of the placements
+the program used: docs/compile.md).
+
+Each group is also registered under a name made of its ranks (``gt/0_2``; the world too), which
+compiled graphs hold (``group_name``): torch's own names count groups in creation order, so a
+graph cached by an earlier process would name another process's group, or none.
 """
 from __future__ import annotations
 
+import itertools
 import math
 import weakref
 
@@ -69,7 +77,45 @@ def _cached_group(members: tuple[int, ...]):
         else:
             # new groups do not inherit the world's timeout (gt.init(timeout=...)) by themselves
             cache[key] = dist.new_group(list(members), timeout=world_timeout())
+        _register_name(cache, members, cache[key])
     return cache[key]
+
+
+def _register_name(cache: dict, members: tuple[int, ...], pg) -> None:
+    """Register a member's group under its ranks' name in torch's registry (what functional
+    collectives resolve); destroying the world unregisters it with the rest."""
+    pg = _resolve(pg)
+    if dist.get_rank() not in members:  # dist.GroupMember.NON_GROUP_MEMBER
+        return
+    name = "gt/" + "_".join(map(str, members))
+    c10d = torch._C._distributed_c10d
+    c10d._unregister_process_group(name)  # an earlier world's group of these ranks
+    c10d._register_process_group(name, pg)
+    cache[("name", pg)] = name
+
+
+def group_name(group) -> str:
+    """The name compiled graphs hold for ``group`` (None: the world): the same in every process
+    of the same world size; torch's own name for a group made elsewhere."""
+    pg = _resolve(group)
+    return _world_cache().get(("name", pg)) or pg.group_name
+
+
+def create_placement_groups(placement: Placement) -> None:
+    """Every group of ``placement`` exists in this world (created now, on every rank, if new)."""
+    _placement_groups(_world_cache(), placement)
+
+
+def _placement_groups(cache: dict, placement: Placement) -> None:
+    """The first request for a group of ``placement``: create the groups of every set of its
+    axes, in one order on every rank."""
+    key = ("placement", placement)
+    if key in cache:
+        return
+    cache[key] = True
+    for n in range(1, placement.ndim + 1):
+        for axes in itertools.combinations(range(placement.ndim), n):
+            groups_across(placement, axes)
 
 
 def _resolve(pg):
@@ -83,6 +129,7 @@ def groups_along(placement: Placement, axis: int) -> dict[tuple[int, ...], objec
     key = ("axis", placement, axis)
     groups = cache.get(key)
     if groups is None:
+        _placement_groups(cache, placement)
         groups = {ranks: _cached_group(tuple(sorted(ranks))) for ranks in placement.groups_along(axis)}
         cache[key] = groups
     return groups
@@ -98,6 +145,7 @@ def groups_across(placement: Placement, axes: tuple[int, ...]) -> dict[tuple[int
     key = ("axes", placement, axes)
     groups = cache.get(key)
     if groups is None:
+        _placement_groups(cache, placement)
         others = [a for a in range(placement.ndim) if a not in axes]
         rows = placement.ranks.transpose(others + list(axes)).reshape(
             -1, math.prod(placement.shape[a] for a in axes))
