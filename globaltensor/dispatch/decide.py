@@ -207,7 +207,8 @@ def _broadcast_choice(func, name, layouts):
         raise GlobalTensorError(
             f"{name}: random op without an SBP rule; running it on each rank would give "
             f"broadcast replicas different values. Use gt.rand/gt.randn or ops with rules "
-            f"(dropout, rand_like, bernoulli_, uniform_, normal_)")
+            f"(dropout, rand_like, bernoulli, normal, poisson, multinomial, uniform_; "
+            f"docs/sbp.md, 'Random ops')")
     FALLBACKS[name] += 1
     full = (B,) * layouts[0].placement.ndim
     targets = tuple(l if l.sbp == full else l.with_sbp(full) for l in layouts)

@@ -5,7 +5,7 @@ and its size rewrites, registered with one ``register(...)`` line per op or grou
                    (rule, kernels, rewrite, decompose, mutates, write-back, factory role);
                    register(); describe(op) prints an entry
     choose.py      candidates over the grid, move + backward cost, Choice
-    pointwise.py  creation.py  random_ops.py  reductions.py  matmul.py  views.py
+    pointwise.py  creation.py  random_ops.py  sampling.py  reductions.py  matmul.py  views.py
     indexing.py  nn.py  norms.py  losses.py
 
 Adding an op family is one new module here: every module of the package is imported below, so
