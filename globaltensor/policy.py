@@ -71,7 +71,7 @@ class communication:  # noqa: N801 - used like a function, as torch.set_grad_ena
 def on_move(watchers, call: str, plan, local, memo: bool = False) -> None:
     """An observed redistribution under the ``warn`` or ``explicit`` policy (trace.py);
     ``memo``: served from the memo of an earlier move of the tensor (nothing sent now)."""
-    if not call.startswith("aten.") or not any(s.communicates() for s in plan.steps):
+    if not _operator(call) or not any(s.communicates() for s in plan.steps):
         return  # asked for by the user, a gradient bucket, or local steps only: allowed
     line = debug.user_line(2)
     origin = debug.backward_origin()
@@ -83,6 +83,12 @@ def on_move(watchers, call: str, plan, local, memo: bool = False) -> None:
         LOG.warning(_message(call, line, origin, plan, local, False, memo))
         return
     raise GlobalTensorError(_message(call, line, origin, plan, local, True, memo))
+
+
+def _operator(call: str) -> bool:
+    """Whether ``call`` (debug.user_call) names an operator, "aten.mm.default" or
+    "mylib.cube.default", not a collective the user asked for ("to_global", "item()")."""
+    return call.count(".") == 2 and " " not in call
 
 
 def _message(call, line, origin, plan, local, explicit: bool, memo: bool = False) -> str:

@@ -18,6 +18,7 @@ Pure: no torch.distributed, no rank.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
@@ -25,6 +26,7 @@ import torch
 
 from .._cache import memo
 from ..errors import GlobalTensorError
+from .naming import op_key, qualified
 from ..sbp import Split, broadcast, partial_sum
 
 B, P = broadcast, partial_sum
@@ -89,11 +91,13 @@ class Rule:
 
 @memo(4096)
 def arg_names(op: str) -> tuple[str, ...]:
-    """The names of the positional arguments of aten op ``op`` ("sum.dim_IntList"), from its
-    schema; ``()`` for a name that is not an aten op."""
-    packet, _, overload = op.partition(".")
+    """The names of the positional arguments of op ``op`` ("sum.dim_IntList",
+    "mylib::cube.default"), from its schema; ``()`` for a name that is not an op."""
+    namespace, _, rest = op.rpartition("::")
+    packet, _, overload = rest.partition(".")
     try:
-        schema = getattr(getattr(torch.ops.aten, packet), overload or "default")._schema
+        ops = getattr(torch.ops, namespace or "aten")
+        schema = getattr(getattr(ops, packet), overload or "default")._schema
     except (AttributeError, RuntimeError):
         return ()
     return tuple(a.name for a in schema.arguments if not a.kwarg_only)
@@ -262,6 +266,9 @@ def register(*names: str, rule: Callable | None = None, kernels: dict | None = N
              "decompose": decompose, "mutates": tuple(mutates), "write_back": write_back,
              "factory": factory}
     given = {k: v for k, v in given.items() if v}
+    lenient = given.keys() == {"factory"} or sys._getframe(1).f_globals.get(
+        "__name__", "").startswith("globaltensor.")  # our tables name ops of other torch versions
+    names = [op_key(n, lenient) for n in names]
     for name in names:
         entry = OPS.get(name, _EMPTY)
         twice = [k for k in given if getattr(entry, k)]

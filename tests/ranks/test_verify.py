@@ -24,9 +24,9 @@ def _(x):
     return torch.empty_like(x)
 
 
-# the planted bug, through the public registration API (rules are keyed by the op's name
-# without its namespace): "P -> P" claims cube is linear
-register("planted_cube.default", rule=lambda call: table("B -> B", "S(0) -> S(0)", "P -> P"))
+# the planted bug, through the public registration API (a custom op is named with its
+# namespace, as torch names it): "P -> P" claims cube is linear
+register("gt_verify::planted_cube.default", rule=lambda call: table("B -> B", "S(0) -> S(0)", "P -> P"))
 
 
 def _errors(body, world=2):
