@@ -318,7 +318,7 @@ def user_call(skip: int = 1, frame=None) -> str | None:
         name = frame.f_code.co_name
         if module == "globaltensor.dispatch" and name == "dispatch":
             func = frame.f_locals.get("func")
-            found = "aten." + op_name(func) if func is not None else found
+            found = str(func) if func is not None else found  # aten.mm.default, mylib.cube.default
         else:
             found = _USER_CALLS.get((module, name)) or _USER_CALLS.get((module, "*")) or found
         frame = frame.f_back
@@ -368,7 +368,9 @@ def user_frame(skip: int = 1) -> tuple[str, int] | None:
 
 def op_name(func) -> str:
     try:  # as dispatch names it in its own checks: aten.mm.default
-        return f"{func._schema.name.split('::')[1]}.{func._overloadname}"
+        namespace, name = func._schema.name.split("::")  # as ops.qualified
+        name = f"{name}.{func._overloadname}"
+        return name if namespace == "aten" else f"{namespace}::{name}"
     except AttributeError:
         return str(func)
 

@@ -69,6 +69,9 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
     then ``.grad`` is the partial gradient. Any other move (and any move under GT_DEBUG, whose
     checks name each redistribution) runs here and now."""
     grad = param.grad
+    if type(grad) is torch.Tensor and isinstance(param, GlobalTensor):
+        param.grad = _adopted(param, grad)
+        return
     if not isinstance(grad, GlobalTensor) or grad._layout == param._layout:
         return
     if not _debug.is_debug() and torch._C._current_graph_task_id() >= 0:
@@ -84,6 +87,19 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
             return
     with torch.no_grad():
         param.grad = redistribute(grad, param._layout)
+
+
+def _adopted(param: GlobalTensor, grad: torch.Tensor) -> GlobalTensor:
+    """A plain gradient of a global leaf as a global one in the leaf's layout. torch's backward
+    formulas build some gradients from no input (``cat``'s for a skipped empty input is
+    ``zeros({0})``): computed alike on every rank, the full value of the gradient."""
+    from .factories import tensor
+
+    if tuple(grad.shape) != tuple(param.shape):
+        raise GlobalTensorError(
+            f"internal: a global leaf of shape {list(param.shape)} got a plain gradient of shape "
+            f"{list(grad.shape)} from backward; please report this")
+    return tensor(grad, placement=param.placement, sbp=param.sbp)
 
 
 _PENDING: dict = {}  # graph task id -> _Reductions of that backward

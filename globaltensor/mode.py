@@ -7,7 +7,8 @@
   with ``sbp``. Deterministic factories compute the full value and keep this rank's piece;
   ``rand``/``randn``/``randint`` (and their ``_like`` forms on local tensors) draw from
   ``gt.manual_seed``'s stream, so every rank agrees whatever the layout; other random factories
-  (``randperm``, ``normal``...) take the first rank's draw.
+  (``randperm``, ``normal``...) of local inputs take the first rank's draw; given a global
+  input (``multinomial(probs)``) they are dispatch's, with rules (ops/random_ops.py, sampling.py).
 - a non-scalar local tensor meeting a global one in an operator is taken as a broadcast value on
   that operator's placement (dispatch asks :func:`active`); with ``GT_DEBUG=1`` the ranks' values
   are compared and a difference names the ranks.

@@ -68,23 +68,30 @@ class communication:  # noqa: N801 - used like a function, as torch.set_grad_ena
         return "implicit" if watchers is None else watchers.policy
 
 
-def on_move(watchers, call: str, plan, local) -> None:
-    """An observed redistribution under the ``warn`` or ``explicit`` policy (trace.py)."""
-    if not call.startswith("aten.") or not any(s.communicates() for s in plan.steps):
+def on_move(watchers, call: str, plan, local, memo: bool = False) -> None:
+    """An observed redistribution under the ``warn`` or ``explicit`` policy (trace.py);
+    ``memo``: served from the memo of an earlier move of the tensor (nothing sent now)."""
+    if not _operator(call) or not any(s.communicates() for s in plan.steps):
         return  # asked for by the user, a gradient bucket, or local steps only: allowed
     line = debug.user_line(2)
     origin = debug.backward_origin()
     if watchers.policy == "warn":
-        key = (call, plan.src, plan.dst, line, origin)
+        key = (call, plan.src, plan.dst, line, origin, memo)
         if key in watchers.warned:
             return
         watchers.warned.add(key)
-        LOG.warning(_message(call, line, origin, plan, local, explicit=False))
+        LOG.warning(_message(call, line, origin, plan, local, False, memo))
         return
-    raise GlobalTensorError(_message(call, line, origin, plan, local, explicit=True))
+    raise GlobalTensorError(_message(call, line, origin, plan, local, True, memo))
 
 
-def _message(call, line, origin, plan, local, explicit: bool) -> str:
+def _operator(call: str) -> bool:
+    """Whether ``call`` (debug.user_call) names an operator, "aten.mm.default" or
+    "mylib.cube.default", not a collective the user asked for ("to_global", "item()")."""
+    return call.count(".") == 2 and " " not in call
+
+
+def _message(call, line, origin, plan, local, explicit: bool, memo: bool = False) -> str:
     dtype = str(local.dtype).replace("torch.", "")
     where = f"{call} at {line}" + (f" ({origin})" if origin else "")
     steps = plan.describe(local.element_size(), dtype).splitlines()
@@ -92,7 +99,7 @@ def _message(call, line, origin, plan, local, explicit: bool) -> str:
             if explicit else f'gt.communication("warn"): {where} redistributes an input, ')
     lines = [head + f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)} "
              f"(shape {list(plan.src.shape)} {dtype}, {plan.bytes_per_rank(local.element_size())} "
-             f"bytes per rank).",
+             f"bytes per rank)" + (_MEMO if memo else "."),
              f"  the op's inputs: {_op_inputs()}",
              "  the plan it " + ("would run:" if explicit else "runs:")]
     lines += ["    " + s for s in steps]
@@ -106,6 +113,10 @@ def _message(call, line, origin, plan, local, explicit: bool) -> str:
                if origin else "")
             + ", or allow it with gt.communication('warn') / gt.communication('implicit').")
     return "\n".join(lines)
+
+
+_MEMO = (", served from the memo of an earlier move of this tensor: nothing is sent now, but "
+         "the op needs the move, and it sends again once the tensor changes.")
 
 
 def _op_inputs() -> str:

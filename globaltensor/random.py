@@ -169,6 +169,24 @@ def permutation_piece(n: int, layout: Layout, coord, dtype=torch.int64, device=N
     return perm.to(device) if device is not None else perm
 
 
+def poisson_from_uniform(u: torch.Tensor, rates: torch.Tensor) -> torch.Tensor:
+    """Poisson draws with ``rates`` from uniforms ``u`` (float64, broadcast together), by
+    inversion: the smallest ``k`` with ``P(X <= k) = Q(k + 1, rate) > u``, found by bisection
+    (``Q`` the regularised upper incomplete gamma, ``torch.special.gammaincc``). Exact up to
+    float64 rounding; the search stops 12 standard deviations past the rate (mass below 1e-30)."""
+    if bool((rates < 0).any()):
+        raise RuntimeError("invalid Poisson rate, expected rate to be non-negative")  # torch's
+    rate, u = torch.broadcast_tensors(rates.to(torch.float64), u)
+    lo = torch.zeros_like(rate)
+    hi = torch.ceil(rate + 12 * torch.sqrt(rate) + 24)
+    while bool((lo < hi).any()):
+        mid = torch.floor((lo + hi) / 2)
+        above = torch.special.gammaincc(mid + 1, rate) > u
+        hi = torch.where(above, mid, hi)
+        lo = torch.where(above, lo, mid + 1)
+    return lo.to(rates.dtype)
+
+
 def rand_local(layout: Layout, dtype=torch.float32, device=None, rank: int | None = None):
     """This rank's piece of a global U[0, 1) tensor consistent with ``layout``'s sbp.
 

@@ -15,7 +15,7 @@ from .layout import Layout
 from .plan import plan
 from .runtime.agreement import check
 from .runtime.execute import run
-from .trace import observed, watching
+from .trace import observed, served_from_memo, watching
 
 
 def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
@@ -45,6 +45,8 @@ def moved(t, target: Layout) -> torch.Tensor:
     if cache is not None:
         hit = cache.get(target)
         if hit is not None and hit[0] == version:
+            if watching():  # the policy hears of it: the op needs this move, sent earlier
+                served_from_memo(plan(t._layout, target), hit[1])
             return hit[1]
     piece = redistribute_local(t._local, t._layout, target)
     if not (t.is_leaf and t.requires_grad):

@@ -163,6 +163,15 @@ def observed(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     return result
 
 
+def served_from_memo(plan, piece: torch.Tensor) -> None:
+    """An operator's move served from the memo of an earlier one (redistribute.moved): nothing
+    is sent now (no trace record), but the communication policy hears of it: the op still
+    needs the move, and a changed tensor would make it send again."""
+    watchers = current()
+    if watchers is not None and watchers.policy != "implicit":
+        policy.on_move(watchers, debug.user_call(2) or "redistribute", plan, piece, memo=True)
+
+
 def bucket_reduced(count: int, nbytes: int) -> None:
     """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (grads.py)."""
     trace = _trace()

@@ -21,13 +21,15 @@ that draw (attention with ``dropout_p=0``, dropout with ``p=0`` or ``train=False
 and are checked like any other op).
 Their values come from the counter-based generator at global indices (random.py), so one device
 would need that same stream; they are recorded as skipped. ``detach``/``alias``-like ops, which
-copy nothing, are not checked. Costs: a world all-gather of every op's inputs and outputs, the
-op again on full tensors; nothing at all outside the block (a TorchDispatchMode, not a hook in
-dispatch).
+copy nothing, are not checked. Costs: a world all-gather of every op's outputs and of the inputs
+no earlier op of the block produced (an output's full value is kept while its tensor lives and
+nothing writes it: gathered once, not again as the next op's input), the op again on full
+tensors; nothing at all outside the block (a TorchDispatchMode, not a hook in dispatch).
 """
 from __future__ import annotations
 
 import math
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -86,6 +88,7 @@ class verify(TorchDispatchMode):  # noqa: N801 - a context manager named like a 
         self.mode, self.rtol, self.atol, self.show = mode, rtol, atol, show
         self.records: list[Record] = []
         self._token = None
+        self.known = _Known()  # full values of outputs already gathered (see _Known)
 
     def __enter__(self):
         self._token = set_watchers(verifier=self)
@@ -128,7 +131,7 @@ class verify(TorchDispatchMode):  # noqa: N801 - a context manager named like a 
                 or not any(isinstance(v, GlobalTensor) for v in leaves)):
             return func(*args, **kwargs)
         line, origin = debug.user_line(2), debug.backward_origin()
-        before = [_snapshot(v) for v in leaves]
+        before = [self.known.snapshot(v) for v in leaves]
         out = func(*args, **kwargs)
         name = str(func)  # aten.mm.default, gt_verify.planted_cube.default
         layouts = _layouts(leaves, tree_leaves(out))
@@ -187,6 +190,43 @@ def _draws(func, args, kwargs) -> bool:
     return given.get("train") is not False and not (isinstance(p, (int, float)) and p == 0)
 
 
+class _Seen:
+    """In a snapshot: this input's full value is known already (gathered as an output)."""
+
+    __slots__ = ()
+
+
+class _Known:
+    """The full values of the global outputs the block has gathered, by tensor: an op's input
+    that an earlier op of the block produced (and nothing wrote since: the piece and its
+    version are the same) is not gathered again. Entries go with their tensors."""
+
+    def __init__(self):
+        self.values: dict = {}  # id(tensor) -> (weakref, piece id, piece version, full value)
+
+    def snapshot(self, value):
+        if isinstance(value, GlobalTensor) and self.get(value) is not None:
+            return _SEEN
+        return _snapshot(value)
+
+    def get(self, t):
+        entry = self.values.get(id(t))
+        if entry is None or entry[0]() is not t:
+            return None
+        ref, piece, version, full = entry
+        return full if (piece, version) == (id(t._local), t._local._version) else None
+
+    def remember(self, outs, fulls) -> None:
+        for t, full in zip(outs, fulls):
+            if isinstance(t, GlobalTensor):
+                key = id(t)
+                ref = weakref.ref(t, lambda _, key=key: self.values.pop(key, None))
+                self.values[key] = (ref, id(t._local), t._local._version, full)
+
+
+_SEEN = _Seen()
+
+
 def _snapshot(value):
     """What every rank shares of one argument: a global tensor's piece (a copy, on the CPU),
     a local tensor itself (a copy), anything else nothing."""
@@ -219,10 +259,15 @@ def _layouts(ins, outs) -> str:
     return f"{text(ins)} -> {text(outs)}"
 
 
-def _full(i: int, value, everyone, which: int, what: str):
-    """The full value of argument/output ``i`` from every rank's copies; raises ValueError
-    naming what differs between ranks."""
+def _full(i: int, value, everyone, which: int, what: str, known=None):
+    """The full value of argument/output ``i`` from every rank's copies (or ``known``'s, when
+    every rank had it); raises ValueError naming what differs between ranks."""
     pieces = {r: e[which][i] for r, e in enumerate(everyone)}
+    if any(isinstance(p, _Seen) for p in pieces.values()):  # (pickled: a copy, not _SEEN)
+        full = known.get(value) if known is not None else None
+        if full is None or not all(isinstance(p, _Seen) for p in pieces.values()):
+            raise ValueError(f"{what} {i}: the ranks disagree on whether an earlier op made it")
+        return full
     if isinstance(value, GlobalTensor):
         try:
             return simulate.gather(pieces, value._layout)
@@ -252,10 +297,11 @@ def _gap(a, b) -> str:
 def _check_op(func, leaves, spec, outs, everyone, verifier) -> Diff:
     """Assemble the full inputs and outputs, run ``func`` on the full inputs, compare."""
     try:
-        full_in = [_full(i, v, everyone, 0, "input") for i, v in enumerate(leaves)]
+        full_in = [_full(i, v, everyone, 0, "input", verifier.known) for i, v in enumerate(leaves)]
         full_out = [_full(i, v, everyone, 1, "output") for i, v in enumerate(outs)]
     except ValueError as error:
         return Diff(False, math.inf, math.inf, note=str(error))
+    verifier.known.remember(outs, full_out)
     device = next((v.device for v in leaves if isinstance(v, torch.Tensor)), None)
     refs = _reference(func, full_in, spec, device, lambda t: t)
     if isinstance(refs, str):

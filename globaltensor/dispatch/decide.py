@@ -7,7 +7,7 @@ import collections
 import torch
 
 from ..errors import GlobalTensorError
-from ..ops import MOVES, B, Choice, arg_value, choose, entry, rule_for
+from ..ops import MOVES, B, Choice, arg_value, choose, entry, qualified, rule_for
 from ..sbp import PartialSum
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
@@ -24,7 +24,7 @@ LEARNT: collections.Counter = collections.Counter()  # op name -> data-dependent
 
 
 def op_name(func) -> str:
-    return f"{func._schema.name.split('::')[1]}.{func._overloadname}"
+    return qualified(func)  # "add.Tensor"; "mylib::cube.default" for another namespace
 
 
 def decide(func, args, kwargs, tensors, key, context=None):
@@ -207,7 +207,8 @@ def _broadcast_choice(func, name, layouts):
         raise GlobalTensorError(
             f"{name}: random op without an SBP rule; running it on each rank would give "
             f"broadcast replicas different values. Use gt.rand/gt.randn or ops with rules "
-            f"(dropout, rand_like, bernoulli_, uniform_, normal_)")
+            f"(dropout, rand_like, bernoulli, normal, poisson, multinomial, uniform_; "
+            f"docs/sbp.md, 'Random ops')")
     FALLBACKS[name] += 1
     full = (B,) * layouts[0].placement.ndim
     targets = tuple(l if l.sbp == full else l.with_sbp(full) for l in layouts)

@@ -318,7 +318,9 @@ class NoRule:
             warnings.warn_explicit(
                 f"globaltensor: no SBP rule for {self.func}; running it on broadcast inputs "
                 f"(correct, but every rank gathers the whole inputs; shown once, by rank "
-                f"{self.first}). See docs/ops.md to add a rule.", UserWarning, where[0], where[1])
+                f"{self.first}). To add a rule: gt.ops.register({self.name!r}, rule=...) (or "
+                f"{self.name.split('.')[0]!r} for all its overloads); see docs/ops.md.",
+                UserWarning, where[0], where[1])
         return self.decision.run(func, args, kwargs, tensors)
 
 

@@ -28,10 +28,13 @@ def describe_exit(code: int) -> str:
 DIFFERENT_COLLECTIVES_HINT = (
     "hint: ranks may have run different collectives (x.item() or print(x) under `if rank == 0:` "
     "is the usual one: use gt.print0): rerun with GT_DEBUG=1 to name the operation and rank")
-# words in a rank's error that say its peers ran something else, left or timed out: the hint's
-# cases (mismatch, abort, peer lost, timeout)
+# words in a rank's error that say its peers ran something else or left: the hint helps only
+# where the ranks failed differently (an error every rank raised alike, such as to_global's
+# ShapeMismatchError on bad pieces, is bad input, not a collective run by some ranks only)
 _MISMATCH_WORDS = ("mismatch", "disagree", "connection closed by peer",
-                   "connection reset by peer", "timed out", "timeout")
+                   "connection reset by peer")
+# words of a rank that waited in vain: the hint always helps (as on SIGABRT, gloo's abort)
+_TIMEOUT_WORDS = ("timed out", "timeout")
 # words of errors the hint does not help with: a node that never joined, a rank that finished
 _NO_HINT_WORDS = ("never joined", "to finish gt.init", "finished (exit 0)")
 # how another rank's error names the rank that caused it (runtime/failure.py, watch.py)
@@ -87,10 +90,21 @@ def failure_report(failed: RankProcess, config, port: int,
     if "address already in use" in text:
         lines.append(f"hint: master port {port} looks taken; pass "
                      f"another --master_port (or leave it out on a single node)")
-    elif "gt_debug:" not in text and not any(w in text for w in _NO_HINT_WORDS) and (
-            failed.proc.returncode == -signal.SIGABRT or any(w in text for w in _MISMATCH_WORDS)):
+    elif "gt_debug:" not in text and not any(w in text for w in _NO_HINT_WORDS) and \
+            _collectives_may_differ(failed, others, text):
         lines.append(DIFFERENT_COLLECTIVES_HINT)  # (GT_DEBUG's own message names them already)
     return "\n".join(lines)
+
+
+def _collectives_may_differ(failed: RankProcess, others, text: str) -> bool:
+    """Whether the hint helps: the rank timed out or gloo aborted it, or its error speaks of a
+    mismatch or a lost peer while the other ranks failed differently (or not at all)."""
+    if failed.proc.returncode == -signal.SIGABRT or any(w in text for w in _TIMEOUT_WORDS):
+        return True
+    if not any(w in text for w in _MISMATCH_WORDS):
+        return False
+    error = last_error(failed)
+    return not error or any(last_error(r) != error for r in others if r is not failed)
 
 
 def _other_ranks(failed: RankProcess, others, stopped: list[int], config) -> list[str]:

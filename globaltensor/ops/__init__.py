@@ -5,7 +5,7 @@ and its size rewrites, registered with one ``register(...)`` line per op or grou
                    (rule, kernels, rewrite, decompose, mutates, write-back, factory role);
                    register(); describe(op) prints an entry
     choose.py      candidates over the grid, move + backward cost, Choice
-    pointwise.py  creation.py  random_ops.py  reductions.py  matmul.py  views.py
+    pointwise.py  creation.py  random_ops.py  sampling.py  reductions.py  matmul.py  views.py
     indexing.py  nn.py  norms.py  losses.py
 
 Adding an op family is one new module here: every module of the package is imported below, so
@@ -19,8 +19,8 @@ from .backward import backward_cost, grad_layout
 from .candidates import outs_of
 from .choose import MOVES, Choice, choose
 from .signature import (B, KEEP, KERNELS, LOCAL, NUMBER, OPS, P, S, Call, KernelContext, OpEntry,
-                        Ref, Row, Rule, arg_value, describe, entry, factory_roles, fit, register,
-                        rows_for, rule_for, sig, table)
+                        Ref, Row, Rule, arg_value, describe, entry, factory_roles, fit, qualified,
+                        register, rows_for, rule_for, sig, table)
 from .views import view_groups
 
 for _module in pkgutil.iter_modules(__path__):  # the op families: each registers its ops
@@ -28,5 +28,5 @@ for _module in pkgutil.iter_modules(__path__):  # the op families: each register
 
 __all__ = ["B", "P", "S", "KEEP", "LOCAL", "MOVES", "NUMBER", "OPS", "Call", "Choice", "KernelContext",
            "OpEntry", "Ref", "Row", "Rule", "arg_value", "KERNELS", "backward_cost", "choose",
-           "describe", "entry", "factory_roles", "fit", "grad_layout", "outs_of", "register",
+           "describe", "entry", "factory_roles", "fit", "grad_layout", "outs_of", "qualified", "register",
            "rows_for", "rule_for", "sig", "table", "view_groups"]

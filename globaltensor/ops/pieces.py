@@ -22,7 +22,7 @@ import math
 
 import torch
 
-from ..sbp import Split
+from ..sbp import Split, format_sbp
 
 
 def split_sizes(row_ins, shapes) -> set:
@@ -85,3 +85,10 @@ def zero_pieces(outs, coord, device):
     if outs is None:
         return None
     return type(outs)(zero_pieces(o, coord, device) for o in outs)
+
+
+def layouts_of(outs) -> str:
+    """Output specs as their sbp and global shape, ``(S(1),)[8, 4, 16]``."""
+    if hasattr(outs, "layout"):
+        return f"{format_sbp(outs.layout.sbp)}{list(outs.layout.shape)}"
+    return ", ".join(layouts_of(o) for o in outs if o is not None)

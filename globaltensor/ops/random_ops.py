@@ -5,6 +5,11 @@
     P    -> P B        ``native_dropout``: linear, with a mask drawn per global position
     S(d) S(d) -> S(d)  ``rrelu_with_noise(x, noise)`` in training: slopes drawn per global
                        position (the noise it writes is laid out like x)
+    S(d) S(d) -> S(d)  draws with tensor parameters, ``normal(mean, std)``, ``poisson(rates)``,
+                       ``bernoulli(x, p)``: element-wise with broadcasting, each output element
+                       drawn from its global position's counter and its own parameters
+    S(0) -> S(0)       ``multinomial(probs, n)``: rows split, each row drawn whole from counters
+                       at its global row index (``sampling.py``)
 A P tensor cannot take fresh values (convert it first); dispatch says so.
 """
 from __future__ import annotations
@@ -15,7 +20,7 @@ import torch
 
 from .. import random
 from .creation import like
-from .signature import S, Call, Row, register, repeat, sig, B
+from .signature import S, Call, Row, Rule, broadcast_shapes, broadcasting, register, repeat, sig, B
 
 
 def random_inplace(call: Call) -> tuple[Row, ...]:
@@ -30,10 +35,15 @@ def random_inplace(call: Call) -> tuple[Row, ...]:
     return tuple(rows)
 
 
-def random_functional(call: Call) -> tuple[Row, ...]:
-    """``bernoulli(probs)``: fresh values laid out like the input; no P."""
-    nd = len(call.shapes[0])
-    return (sig("B -> B", "random"),) + tuple(Row((S(d),), (S(d),), "random") for d in range(nd))
+def random_pointwise(call: Call) -> Rule:
+    """Draws with tensor parameters (``normal(mean, std)``, ``poisson``, ``bernoulli(x, p)``,
+    ``exponential(x)``...): element-wise over the broadcast shape, every input that spans a
+    split dim split alike; no P (a parameter is not a sum of pieces)."""
+    n = len(call.shapes)
+    out = broadcast_shapes(call.shapes)
+    rows = [Row(repeat(n, B), (B,), "random")]
+    rows += [Row(repeat(n, S(d)), (S(d),), "random") for d in range(len(out))]
+    return broadcasting(rows, call.shapes, frame=out)
 
 
 def dropout(call: Call) -> tuple[Row, ...]:
@@ -84,31 +94,45 @@ def _k_rrelu(ctx, largs, lkwargs):
 
 
 def _random_values(ctx, layout, dtype, device, largs, lkwargs):
-    packet, coord = ctx.call.packet, ctx.coord
+    packet, coord = ctx.call.packet.rstrip("_"), ctx.coord
 
     def arg(name, default=None):
         return ctx.arg(largs, lkwargs, name, default)
 
-    if packet in ("normal_", "randn_like"):
-        z = random.normal_piece(layout, coord, dtype, device)
-        return z * arg("std", 1.0) + arg("mean", 0.0) if packet == "normal_" else z
+    if packet in ("normal", "randn_like", "log_normal"):
+        z = random.normal_piece(layout, coord, torch.float64 if packet == "log_normal" else dtype,
+                                device)
+        if packet == "log_normal":
+            return torch.exp(z * arg("std", 2.0) + arg("mean", 1.0))
+        return z * arg("std", 1.0) + arg("mean", 0.0) if packet == "normal" else z
     if packet == "randint_like":
         return random.randint_piece(arg("low", 0), arg("high"), layout, coord, dtype, device)
-    if packet == "random_":  # integers in [from, to), by default the dtype's whole range
+    if packet == "random":  # integers in [from, to), by default the dtype's whole range
         low, high = arg("from", 0), arg("to")
         return random.randint_piece(low, _top(dtype) if high is None else high, layout, coord,
                                     dtype, device)
-    u_dtype = dtype if dtype in (torch.float64, torch.float32) else torch.float32
+    precise = packet in ("poisson", "geometric", "cauchy")
+    u_dtype = dtype if dtype in (torch.float64, torch.float32) and not precise else torch.float64
     u = random.uniform_piece(layout, coord, u_dtype, device)
-    if packet == "uniform_":
+    return _from_uniform(packet, u, arg, None if ctx.call.packet.endswith("_") else largs[0])
+
+
+def _from_uniform(packet, u, arg, x):
+    """The draw of ``packet`` from uniforms ``u`` in [0, 1) (inverse CDFs); ``x``: the
+    functional form's input piece (None for the in-place forms)."""
+    if packet == "uniform":
         lo, hi = arg("from", 0.0), arg("to", 1.0)
         return u * (hi - lo) + lo
-    if packet == "bernoulli_":
-        return u < arg("p", 0.5)
     if packet == "bernoulli":  # bernoulli(probs) draws with the input's values as probabilities
-        return u < arg("p", largs[0])
-    if packet == "exponential_":
+        return u < arg("p", 0.5 if x is None else x)
+    if packet == "exponential":
         return -torch.log1p(-u) / arg("lambd", 1.0)
+    if packet == "cauchy":
+        return arg("median", 0.0) + arg("sigma", 1.0) * torch.tan(math.pi * (u - 0.5))
+    if packet == "geometric":  # trials up to the first success: P(K > k) = (1 - p)^k
+        return torch.floor(torch.log1p(-u) / math.log1p(-arg("p"))) + 1
+    if packet == "poisson":
+        return random.poisson_from_uniform(u, x)
     return u  # rand_like
 
 
@@ -126,9 +150,10 @@ def _k_random(ctx, largs, lkwargs):
     inplace = ctx.call.packet.endswith("_")
     spec = ctx.outs
     layout = ctx.targets[0] if inplace else spec.layout
-    values = _random_values(ctx, layout, spec.dtype, ctx.pieces[0].device, largs, lkwargs)
-    if ctx.coord is None:
+    if ctx.coord is None:  # outside the placement: take the counters alike, draw nothing
+        random.uniform_piece(layout, None)
         return None if inplace else ctx.empties()
+    values = _random_values(ctx, layout, spec.dtype, ctx.pieces[0].device, largs, lkwargs)
     if inplace:
         largs[0].copy_(values)
         return largs[0]
@@ -137,8 +162,11 @@ def _k_random(ctx, largs, lkwargs):
 
 _KERNELS = {"random": _k_random}
 register("rand_like", "randn_like", "randint_like", rule=like, kernels=_KERNELS)
-register("uniform_", "normal_", "bernoulli_", "exponential_", "random_", rule=random_inplace,
-         kernels=_KERNELS)
-register("bernoulli.default", "bernoulli.p", rule=random_functional, kernels=_KERNELS)
+register("uniform_", "normal_", "bernoulli_", "exponential_", "random_", "cauchy_", "geometric_",
+         "log_normal_", rule=random_inplace, kernels=_KERNELS)
+register("bernoulli.default", "bernoulli.p", "bernoulli.Tensor", "normal.Tensor_Tensor",
+         "normal.Tensor_float", "normal.float_Tensor", "poisson.default", "uniform.default",
+         "exponential.default", "cauchy.default", "geometric.default", "log_normal.default",
+         rule=random_pointwise)
 register("native_dropout", rule=dropout, kernels={"dropout": _k_dropout})
 register("rrelu_with_noise", rule=rrelu, kernels={"rrelu": _k_rrelu})

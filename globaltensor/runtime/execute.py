@@ -18,6 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
+from .. import world
 from .._cache import MISSING, ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative
@@ -27,7 +28,8 @@ from ..sbp import Broadcast
 from .emit import EAGER, emitter_for
 from .exchange import exchange_traced
 from .groups import byte_view, group_along, group_of_ranks, groups_along
-from .guard import step_guard
+from .failure import executor_failure
+from .guard import step_guard, step_ranks, step_words
 from .layoutcheck import check_first_use
 from .pairwise import (all_reduce_pairwise, gather_pairwise, member_coords, offsets, prod,
                        reduce_scatter_pairwise, send_recv, sizes_along)
@@ -51,8 +53,16 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         return local.clone() if local.is_contiguous() else local.clone(memory_format=torch.contiguous_format)
     out = local
     for index, step in enumerate(plan.steps):
-        with step_guard(plan, index):  # a timeout names the step and its ranks
-            out = _run_step(step, out, rank, tag, emit)
+        try:
+            with step_guard(plan, index):  # a timeout names the step and its ranks
+                out = _run_step(step, out, rank, tag, emit)
+        except GlobalTensorError:  # ours: raised alike everywhere, or already a peer's failure
+            raise
+        except Exception as error:  # noqa: BLE001 - this rank alone may have raised
+            if emit.traced or world.get_world_size() == 1:
+                raise
+            raise executor_failure(step_words(plan, index), step_ranks(plan.steps[index]),
+                                   error) from error
     if emit.traced:  # no storage to compare: a fresh tensor unless a collective made it
         fresh = any(not isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
         return out.contiguous() if fresh else out.clone(memory_format=torch.contiguous_format)

@@ -16,6 +16,9 @@ it are released in turn. The world is over after such a failure, as after NCCL's
 ends with the same clear error on every rank instead of a hang (docs/reliability.md,
 "Timeouts").
 
+A rank that raises inside the executor outside any local op (a redistribution step's own code:
+slicing, assembling, a collective's call) takes the same path (``executor_failure``).
+
 The same key carries two other first failures: ranks found to disagree on a tensor they
 redistribute (``publish_and_close``, from runtime/layoutcheck.py), and a rank whose program raised
 (``report_exception``, from ``sys.excepthook``, before the rank's connections close): a peer that
@@ -44,15 +47,30 @@ def local_failure(op: str, ranks, error: BaseException) -> LocalOpFailed:
     """This rank's local computation of global op ``op`` raised ``error``: tell the others, close
     this rank's groups, and return the error to raise."""
     me = world.get_rank()
-    text = _first_line(error)
-    message = (
-        f"{op}: the local computation failed on rank {me} ({type(error).__name__}: {text}); the "
-        f"op runs on ranks {sorted(int(r) for r in ranks)}. Every rank raises this error and the "
-        f"job's process groups are closed: an SPMD program cannot go on with one rank missing. "
-        f"Expected the op to succeed on every rank's piece; the data on rank {me} made it fail "
-        f"(look at that rank's inputs, e.g. indices out of range), or run it on a broadcast "
-        f"input to see the error on the full value."
-    )
+    return _failed_here(
+        f"{op}: the local computation failed on rank {me} ({type(error).__name__}: "
+        f"{_first_line(error)}); the op runs on ranks {sorted(int(r) for r in ranks)}. "
+        f"{_EVERY_RANK} Expected the op to succeed on every rank's piece; the data on rank {me} "
+        f"made it fail (look at that rank's inputs, e.g. indices out of range), or run it on a "
+        f"broadcast input to see the error on the full value.")
+
+
+def executor_failure(where: str, ranks, error: BaseException) -> LocalOpFailed:
+    """This rank raised ``error`` while running ``where`` (a redistribution step), outside any
+    local op: the same path as :func:`local_failure`, so its peers fail at once instead of
+    waiting in the step's collective until the world's timeout."""
+    me = world.get_rank()
+    return _failed_here(
+        f"{where}: failed on rank {me} ({type(error).__name__}: {_first_line(error)}); the step "
+        f"runs on ranks {sorted(int(r) for r in ranks)}. {_EVERY_RANK} Expected the step to run "
+        f"on every rank; rank {me}'s traceback (its error output) shows where it stopped.")
+
+
+_EVERY_RANK = ("Every rank raises this error and the job's process groups are closed: an SPMD "
+               "program cannot go on with one rank missing.")
+
+
+def _failed_here(message: str) -> LocalOpFailed:
     _publish(message)
     close_groups()
     return LocalOpFailed(message)

@@ -147,11 +147,11 @@ def _arrivals(ranks) -> str:
 
 def step_guard(plan, index: int) -> guard:
     """The guard for step ``index`` of a redistribution plan (its words are built only on failure)."""
-    return guard(lambda: _step_words(plan, index), ranks=lambda: _step_ranks(plan.steps[index]),
+    return guard(lambda: step_words(plan, index), ranks=lambda: step_ranks(plan.steps[index]),
                  step=plan.steps[index])
 
 
-def _step_words(plan, index: int) -> str:
+def step_words(plan, index: int) -> str:
     step = plan.steps[index]
     kind = getattr(step, "kind", type(step).__name__)
     where = step.where() if callable(getattr(step, "where", None)) else ""
@@ -162,7 +162,7 @@ def _step_words(plan, index: int) -> str:
             f"({kind} {where})").replace("  ", " ")
 
 
-def _step_ranks(step) -> list[int]:
+def step_ranks(step) -> list[int]:
     ranks = set(step.before.placement.flat_ranks) | set(step.after.placement.flat_ranks)
     return sorted(ranks)
 

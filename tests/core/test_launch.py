@@ -96,6 +96,36 @@ def test_failure_report_hints_at_a_taken_port():
         "single node)"]
 
 
+def _failed_rank(rank, error, code=1):
+    from types import SimpleNamespace
+
+    r = supervise.RankProcess(rank, rank, SimpleNamespace(pid=40 + rank, returncode=code))
+    r.stderr_tail.extend(["Traceback (most recent call last):\n", f"{error}\n"])
+    return r
+
+
+_SHAPES = ("globaltensor.errors.ShapeMismatchError: to_global with sbp (S(0),): rank 1 passed a "
+           "piece of shape [3], expected [2]")
+
+
+def test_the_different_collectives_hint_only_where_ranks_failed_differently_or_timed_out():
+    config = LaunchConfig(nproc_per_node=2, script="s")
+    hint = supervise.DIFFERENT_COLLECTIVES_HINT
+
+    def report(*ranks):
+        return supervise.failure_report(ranks[0], config, 1, [], others=ranks)
+
+    # bad input every rank raised alike (issue 41): no hint
+    assert hint not in report(_failed_rank(0, _SHAPES), _failed_rank(1, _SHAPES))
+    # the same words, but one rank only raised it (the other waited, or failed otherwise)
+    assert hint in report(_failed_rank(0, _SHAPES), _failed_rank(1, "", code=-15))
+    assert hint in report(_failed_rank(0, _SHAPES), _failed_rank(1, "RuntimeError: other"))
+    timeout = "globaltensor.errors.CollectiveTimeoutError: all_reduce timed out after 30s"
+    assert hint in report(_failed_rank(0, timeout), _failed_rank(1, timeout))  # a timeout
+    assert hint in report(_failed_rank(0, "", code=-6), _failed_rank(1, "", code=-6))  # SIGABRT
+    assert hint not in report(_failed_rank(0, "ValueError: bad"), _failed_rank(1, "", code=-15))
+
+
 def test_completed_run_splits_output_by_rank():
     run = CompletedRun(0, "[rank 0] a\n[rank 1] b\n[rank 0] c\n", "[rank 1] e\n")
     assert run.rank_lines(0) == ["a", "c"] and run.rank_lines(1, "stderr") == ["e"]

@@ -49,3 +49,20 @@ def test_the_launcher_imports_no_torch(entry):
     imported = [line.split("|")[-1].strip() for line in run.stderr.splitlines()]
     assert "globaltensor.launch.cli" in imported
     assert not [name for name in imported if name.split(".")[0] in ("torch", "numpy")]
+
+
+def test_the_gtrun_console_script_imports_no_torch(tmp_path):
+    """issue 41: pip's ``gtrun`` script (``from globaltensor.launch import main``) ran as its own
+    __main__ and imported the whole package, torch included."""
+    script = tmp_path / "gtrun"
+    script.write_text("import re\nimport sys\nfrom globaltensor.launch import main\n"
+                      "if __name__ == '__main__':\n"
+                      "    sys.argv[0] = re.sub(r'(-script\\.pyw|\\.exe)?$', '', sys.argv[0])\n"
+                      "    sys.exit(main())\n")
+    run = subprocess.run([sys.executable, "-X", "importtime", str(script), "--version"], cwd=ROOT,
+                         capture_output=True, text=True, timeout=60,
+                         env={"PYTHONPATH": str(ROOT), "PATH": "/usr/bin:/bin"})
+    assert run.returncode == 0 and run.stdout == "globaltensor 0.1.0\n", run.stderr
+    imported = [line.split("|")[-1].strip() for line in run.stderr.splitlines()]
+    assert "globaltensor.launch.cli" in imported
+    assert not [name for name in imported if name.split(".")[0] in ("torch", "numpy")]

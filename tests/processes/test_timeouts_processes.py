@@ -87,7 +87,7 @@ def three_ones(x: torch.Tensor) -> torch.Tensor:  # ones(3), but refusing an emp
 def _(x):
     return x.new_empty(3)
 
-register("three_ones.default", rule=lambda call: table("B -> B", "S(0) -> B"))
+register("gt_tests::three_ones.default", rule=lambda call: table("B -> B", "S(0) -> B"))
 gt.init(timeout=60)
 x = gt.tensor(torch.ones(1, 4), placement=gt.placement("cpu", [0, 1]), sbp=gt.sbp.split(0))
 y = three_ones(x)  # 1 row over 2 ranks: rank 1's piece is empty, its kernel raises

@@ -130,6 +130,37 @@ def test_warn_logs_once_per_op_layouts_and_line():
     assert all("bytes per rank" in m and "the plan it runs:" in m for m in warned)
 
 
+def test_a_move_served_from_the_memo_is_reported_too():
+    """issue 41: a move an op needs, served from the memo of an earlier move of the same tensor
+    (nothing sent now), was not reported: a second op on the same inputs passed explicit."""
+    handler = _Records()
+    logging.getLogger("globaltensor").addHandler(handler)
+
+    def body(rank):
+        x = gt.ones(4, 6, placement=TP, sbp=S(0))
+        y = gt.ones(4, 6, placement=TP, sbp=S(1))
+        z = x + y                                   # implicit: y moved, the move remembered
+        with gt.communication("warn"):
+            w = x * y                               # the memo serves y's move
+        with gt.communication("explicit"):
+            try:
+                x - y
+            except gt.GlobalTensorError as e:
+                return w.full_tensor(), z.full_tensor(), str(e)
+        return w.full_tensor(), z.full_tensor(), "no error"
+
+    try:
+        for w, z, error in run_ranks(body, 2, timeout=60):
+            assert torch.equal(w, torch.ones(4, 6)) and torch.equal(z, torch.full((4, 6), 2.0))
+            assert "would redistribute an input" in error and "served from the memo" in error
+            assert "(`x - y`)" in error
+    finally:
+        logging.getLogger("globaltensor").removeHandler(handler)
+    warned = [m for m in handler.messages if m.startswith('gt.communication("warn")')]
+    assert len(warned) == 2 and all("served from the memo" in m and "(`w = x * y" in m
+                                    for m in warned)
+
+
 def test_asked_for_collectives_and_gradient_buckets_are_allowed():
     def body(rank):
         gt.communication("explicit")  # a setting for this context, not only a block

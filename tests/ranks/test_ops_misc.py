@@ -318,6 +318,7 @@ def test_op_without_rule_warns_once_naming_the_op_at_the_users_line():
     assert len(twice) == 1  # once, by the placement's first rank (0), not once per rank
     msg = str(twice[0].message)
     assert "no SBP rule for gt_tests.twice.default" in msg and "by rank 0" in msg
+    assert "gt.ops.register('gt_tests::twice.default', rule=...)" in msg  # a key that matches
     assert (twice[0].filename, twice[0].lineno) == (__file__, line["call"])
     for value in values:
         torch.testing.assert_close(value, torch.arange(4.0) * 2)

@@ -118,3 +118,35 @@ def test_an_eval_forward_under_inference_mode_matches_one_process():
     for sbp, got in run_ranks(body, 4, timeout=240):
         assert sbp == (S(0), S(2))  # the batch and the vocabulary stay split
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+
+
+def _sampled(model, ids, grid, sbp_fn, ids_sbp, seed=5):
+    """``generate(do_sample=True, top_k=5)`` on ``grid``, each rank's full tokens."""
+    def body(rank):
+        placement = gt.placement("cpu", grid)
+        m = copy.deepcopy(model).to_global(placement, sbp_fn)
+        gt.manual_seed(seed)
+        out = m.generate(gt.tensor(ids, placement=placement, sbp=ids_sbp), do_sample=True,
+                         top_k=5, max_new_tokens=4, pad_token_id=0)
+        return out.full_tensor() if isinstance(out, gt.GlobalTensor) else out
+    return run_ranks(body, len(torch.tensor(grid).flatten()), timeout=300)
+
+
+def test_sampling_generate_draws_the_same_tokens_on_every_layout():
+    """torch.multinomial on a global ``probs`` draws from gt's counters by global row: one
+    process, data parallel, tensor parallel (the vocabulary split) and the 2x2 grid agree."""
+    model, ids = llama(), _ids(length=6)
+    want = _sampled(model, ids, [0], lambda n, t: (B,), (B,))[0]
+    assert want.shape == (4, 10) and torch.equal(want[:, :6], ids)
+    with torch.no_grad():  # every sampled token is among the one-process top 5
+        for step in range(6, 10):
+            top = model(want[:, :step]).logits[:, -1].topk(5).indices
+            assert (top == want[:, step:step + 1]).any(-1).all(), step
+    other = _sampled(model, ids, [0], lambda n, t: (B,), (B,), seed=6)[0]
+    assert not torch.equal(other, want)  # the seed is used
+    layouts = [([0, 1], lambda n, t: (B,), (S(0),)),                     # data parallel
+               ([0, 1], lambda n, t: megatron(n, t)[1:], (B,)),         # tensor parallel
+               (GRID, megatron, (S(0), B))]                              # both
+    for grid, sbp_fn, ids_sbp in layouts:
+        for got in _sampled(model, ids, grid, sbp_fn, ids_sbp):
+            assert torch.equal(got, want), (grid, got, want)

@@ -123,6 +123,22 @@ def test_the_gradient_of_an_empty_global_leaf_is_global(sbp):
         assert out == ("GlobalTensor", (sbp,), (0,))
 
 
+@pytest.mark.parametrize("sbp", [S(0), B, P], ids=["S0", "B", "P"])
+def test_the_gradient_of_an_empty_leaf_skipped_by_cat_is_global(sbp):
+    """torch's cat skips a 1-D empty input and its backward builds that input's gradient with
+    no global input (zeros({0})): it is still global, in the leaf's own layout (issue 41)."""
+    def body(rank):
+        placement = gt.placement.all("cpu")
+        e = gt.zeros(0, placement=placement, sbp=sbp, requires_grad=True)
+        x = gt.ones(4, placement=placement, sbp=S(0), requires_grad=True)
+        (torch.cat([e, x]) * 3).sum().backward()
+        return (type(e.grad).__name__, e.grad.sbp, tuple(e.grad.shape),
+                x.grad.full_tensor().tolist())
+
+    for out in run_ranks(body, 2, timeout=60):
+        assert out == ("GlobalTensor", (sbp,), (0,), [3.0] * 4)
+
+
 _RAW = [
     ("placement 2**70", lambda p, x: gt.placement("cpu", [2 ** 70]), "expected ranks below"),
     ("full 2**70", lambda p, x: gt.full((2,), 2 ** 70, placement=p, sbp=B), "to fit in torch.int64"),

@@ -356,3 +356,35 @@ def test_a_local_op_failing_on_one_rank_raises_the_same_error_on_every_rank(worl
         assert name == "LocalOpFailed", message
         assert message.startswith(cause) and "index 9 is out of bounds" in message, message
         assert elapsed < 20, elapsed
+
+
+def test_an_executor_step_failing_on_one_rank_raises_at_once_on_every_rank(monkeypatch):
+    # not a local op: the redistribution step's own code raises on rank 1 only (here a stand-in
+    # for a bug or an allocation failure). The other ranks wait in that step's exchange: they
+    # must learn the error at once, not after the world's timeout (60 s)
+    import time
+
+    from globaltensor.runtime import execute
+
+    real = execute.gather_pairwise
+
+    def flaky(step, local, coord, tag):
+        if gt.env.get_rank() == 1:
+            raise MemoryError("no room for the gathered piece")
+        return real(step, local, coord, tag)
+
+    monkeypatch.setattr(execute, "gather_pairwise", flaky)
+
+    def body(rank):
+        x = gt.tensor(torch.arange(6.0), placement=gt.placement("cpu", [0, 1]), sbp=S(0))
+        start = time.monotonic()
+        try:
+            x.full_tensor()
+        except gt.GlobalTensorError as e:
+            return type(e).__name__, str(e), time.monotonic() - start
+        return None, "went on", 0.0
+
+    for name, message, elapsed in run_ranks(body, 2, timeout=60):
+        assert name == "LocalOpFailed", message
+        assert "failed on rank 1 (MemoryError: no room for the gathered piece)" in message
+        assert "redistribution" in message and elapsed < 20, (message, elapsed)

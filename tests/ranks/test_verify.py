@@ -24,9 +24,9 @@ def _(x):
     return torch.empty_like(x)
 
 
-# the planted bug, through the public registration API (rules are keyed by the op's name
-# without its namespace): "P -> P" claims cube is linear
-register("planted_cube.default", rule=lambda call: table("B -> B", "S(0) -> S(0)", "P -> P"))
+# the planted bug, through the public registration API (a custom op is named with its
+# namespace, as torch names it): "P -> P" claims cube is linear
+register("gt_verify::planted_cube.default", rule=lambda call: table("B -> B", "S(0) -> S(0)", "P -> P"))
 
 
 def _errors(body, world=2):
@@ -183,3 +183,37 @@ def test_a_correct_llama_tensor_and_data_parallel_step_reports_nothing():
         assert failures == []
         assert count > 200
         assert {"aten.mm.default", "aten.embedding.default", "aten._softmax.default"} <= ops
+
+
+def test_an_output_is_gathered_once_not_again_as_the_next_ops_input(monkeypatch):
+    """issue 41: each op's inputs were gathered again although the op before had just gathered
+    them as its outputs. A piece written since (its version moved) is gathered again."""
+    import importlib
+
+    verify_module = importlib.import_module("globaltensor.verify")
+    sent = {}
+    real = verify_module.all_objects
+
+    def counting(obj, what, *args, **kwargs):
+        if isinstance(obj, tuple) and gt.env.get_rank() == 0:
+            sent.setdefault(what, []).append(sum(isinstance(v, torch.Tensor) for v in obj[0]))
+        return real(obj, what, *args, **kwargs)
+
+    monkeypatch.setattr(verify_module, "all_objects", counting)
+    full = torch.arange(16.0).reshape(4, 4) - 6
+
+    def body(rank):
+        p = gt.placement("cpu", [0, 1])
+        x = gt.tensor(full, placement=p, sbp=S(0))
+        with gt.verify():
+            y = x.relu()       # x gathered as relu's input, y as its output
+            z = y.neg()        # y known: not gathered again
+            y._local.mul_(2)   # a write the verifier did not see: y is gathered again
+            w = y + z
+        return w.full_tensor()
+
+    for got in run_ranks(body, 2, timeout=60):
+        torch.testing.assert_close(got, full.relu())
+    assert sent["gt.verify: aten.relu.default"] == [1]
+    assert sent["gt.verify: aten.neg.default"] == [0]
+    assert sent["gt.verify: aten.add.Tensor"] == [1]  # y again (written), z known
