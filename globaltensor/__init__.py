@@ -13,7 +13,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
     from . import nn
     from .debug import set_debug
     from .errors import GlobalTensorError
-    from .explain import explain
+    from .tools.explain import explain
     from .layout import Layout
     from .placement import Placement, placement
     from .tensor import GlobalTensor
@@ -21,14 +21,14 @@ if _TYPE_CHECKING or not _startup.launcher_only():
                             logspace, normal, ones, ones_like, rand, rand_like, randint,
                             randint_like, randn, randn_like, randperm, tensor, zeros, zeros_like)
     from .random import manual_seed
-    from .mode import global_mode
+    from .mode.global_mode import global_mode
     from .launch.spawn import spawn
-    from .trace import comm_trace
-    from .policy import communication
-    from .verify import verify
-    from .visualize import visualize
+    from .tools.trace import comm_trace
+    from .tools.policy import communication
+    from .tools.verify import verify
+    from .tools.visualize import visualize
     from .convert import from_local, install_tensor_methods
-    from . import pydata
+    from .mode import pydata
     from .grads import install_grad_methods
     from .nn.module import install_module_methods
     from . import checkpoint

@@ -10,7 +10,8 @@ from __future__ import annotations
 import torch
 
 from . import debug as _debug
-from . import env, world
+from . import env
+from .world import world
 from ._cache import ById, memo
 from .compile_support import nonstrict
 from .errors import GlobalTensorError, SbpError, ShapeMismatchError
@@ -19,7 +20,7 @@ from .placement import Placement
 from .plan import plan as _plan
 from .runtime.agreement import check
 from .runtime.execute import run as _execute
-from .trace import watching
+from .observe import watching
 from .runtime.meta import broadcast_along, exchange_meta
 from .sbp import (Broadcast, SbpSpec, Split, format_sbp, from_codes, normalize, resolve,
                   to_codes)

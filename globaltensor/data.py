@@ -20,7 +20,7 @@ import torch
 import torch.utils.data
 from torch.utils._pytree import tree_map
 
-from . import world
+from .world import world
 from .convert import check_placement, device_for
 from .errors import GlobalTensorError
 from .layout import Layout

@@ -10,7 +10,7 @@ import contextvars
 import functools
 from dataclasses import dataclass
 
-from .world import get_rank, get_world_size, init, int_env as _int_env, is_initialized  # noqa: F401
+from .world.world import get_rank, get_world_size, init, int_env as _int_env, is_initialized  # noqa: F401
 
 
 @dataclass(frozen=True, slots=True)

@@ -20,15 +20,14 @@ from __future__ import annotations
 import contextvars
 
 import torch
-import torch.distributed as dist
 
 from . import debug as _debug
-from . import trace, world
+from .world import world
 from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .plan import plan
 from .runtime.groups import group_across, groups_across
-from .runtime.guard import guard
+from .runtime.buckets import Bucket
 from .plan import AllReduce
 from .tensor import GlobalTensor, redistribute
 
@@ -120,43 +119,30 @@ def set_bucket_cap_mb(mb: float) -> None:
 
 class _Bucket:
     """Gradients reduced together: same placement axis group and dtype, filled in the order
-    their hooks fire (the same on every rank), all-reduced as one flat buffer; its size counts
-    each gradient's largest piece (the same on every rank)."""
+    their hooks fire (the same on every rank), all-reduced as one flat buffer
+    (runtime/buckets.py); its size counts each gradient's largest piece (the same on every
+    rank)."""
 
-    __slots__ = ("group", "params", "pieces", "nbytes", "flat", "work")
+    __slots__ = ("params", "flat")
 
     def __init__(self, group):
-        self.group, self.params, self.pieces, self.nbytes = group, [], [], 0
-        self.flat = self.work = None
+        self.params, self.flat = [], Bucket(group)
+
+    @property
+    def nbytes(self) -> int:
+        return self.flat.nbytes
 
     def add(self, param, piece, nbytes: int) -> None:
         self.params.append(param)
-        self.pieces.append(piece)
-        self.nbytes += nbytes
-
-    def _ranks(self):
-        return dist.get_process_group_ranks(self.group)
+        self.flat.add(piece, nbytes)
 
     def launch(self) -> None:
-        pieces = [p for p in self.pieces if p is not None]
-        if pieces and self.group is not None:
-            self.flat = torch.cat([p.reshape(-1) for p in pieces])
-            self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
-            n = dist.get_world_size(self.group)
-            trace.bucket_reduced(len(pieces), -(-2 * (n - 1) * self.nbytes // n))  # a ring's
+        self.flat.launch()
 
     def finish(self) -> None:
-        if self.work is not None:
-            with guard("a gradient bucket's all-reduce", ranks=self._ranks):
-                self.work.wait()
-        offset = 0
-        for param, piece in zip(self.params, self.pieces):
-            if piece is None:  # outside the placement: an empty piece, as the executor gives
+        for param, local in zip(self.params, self.flat.reduced()):
+            if local is None:  # outside the placement: an empty piece, as the executor gives
                 local = param._local.new_zeros(param._layout.local_shape_of_rank(world.get_rank()))
-            else:
-                n = piece.numel()
-                local = self.flat[offset:offset + n].view(piece.shape)
-                offset += n
             param.grad = GlobalTensor._make(local, param._layout)
 
 

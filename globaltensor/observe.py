@@ -1,5 +1,11 @@
-"""What watches redistributions: ``gt.comm_trace`` (trace.py), the communication policy
-(policy.py) and ``gt.verify``'s check of explicit ``to_global`` (verify.py).
+"""What watches redistributions: ``gt.comm_trace`` (tools/trace.py), the communication policy
+(tools/policy.py) and ``gt.verify``'s check of explicit ``to_global`` (tools/verify.py).
+
+The core announces its events here (:func:`redistribution`, :func:`served_from_memo`,
+:func:`bucket_reduced`, :func:`comm_called`) and never imports ``tools/``: the watchers in this
+context's ContextVar are the tools' own objects (a trace's ``moved``, a verifier's
+``redistributed``), and the policy check is the one function ``tools/policy.py`` plugs in when
+it is imported (:func:`plug`, a registry filled once, like the ops' registry).
 
 All three live in one ContextVar, so a redistribution asks whether anything watches it with one
 ContextVar read and one profiler flag read (:func:`watching`, read by redistribute.py and by
@@ -15,9 +21,12 @@ import dataclasses
 import os
 from dataclasses import dataclass, field
 
+import torch
 import torch.autograd.profiler as _profiler
 
+from . import debug
 from .errors import GlobalTensorError
+from .sbp import format_sbp
 
 POLICIES = ("implicit", "warn", "explicit")
 
@@ -96,4 +105,64 @@ def watched(**changes):
         _WATCH.reset(token)
 
 
-__all__ = ["Watchers", "watching", "current", "watched", "set_watchers", "POLICIES"]
+# --------------------------------------------------------------------------- the announcements
+
+_PLUGGED: dict = {}  # "policy" -> on_move(watchers, call, plan, local, memo); set by tools/policy.py
+
+
+def plug(role: str, fn) -> None:
+    """A tool's behaviour the core calls without importing the tool (``"policy"``)."""
+    _PLUGGED[role] = fn
+
+
+def _policy(watchers, call, plan, local, memo=False) -> None:
+    if watchers is not None and watchers.policy != "implicit" and "policy" in _PLUGGED:
+        _PLUGGED["policy"](watchers, call, plan, local, memo)
+
+
+def redistribution(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
+    """``run(plan, local, rank)``, checked by the communication policy, recorded in the active
+    trace, shown to the profiler and checked by ``gt.verify``."""
+    watchers = current()
+    if watchers is None and not _profiler._is_profiler_enabled:
+        return run(plan, local, rank)  # GT_COMMUNICATION was just read: nothing watches
+    call = debug.user_call(2) or "redistribute"
+    _policy(watchers, call, plan, local)
+    if watchers is not None and watchers.trace is not None:
+        watchers.trace.moved(call, plan, local)
+    if not _profiler._is_profiler_enabled:
+        result = run(plan, local, rank)
+    else:
+        with torch.profiler.record_function(
+                f"gt.redistribute: {call}", f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
+            result = run(plan, local, rank)
+    if watchers is not None and watchers.verifier is not None:
+        watchers.verifier.redistributed(call, plan, local, result)
+    return result
+
+
+def served_from_memo(plan, piece: torch.Tensor) -> None:
+    """An operator's move served from the memo of an earlier one (redistribute.moved): nothing
+    is sent now (no trace record), but the communication policy hears of it: the op still
+    needs the move, and a changed tensor would make it send again."""
+    watchers = current()
+    if watchers is not None and watchers.policy != "implicit":
+        _policy(watchers, debug.user_call(2) or "redistribute", plan, piece, memo=True)
+
+
+def bucket_reduced(count: int, nbytes: int) -> None:
+    """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (grads.py)."""
+    watchers = current()
+    if watchers is not None and watchers.trace is not None:
+        watchers.trace.bucket_reduced(count, nbytes)
+
+
+def comm_called(name: str) -> None:
+    """A ``gt.comm`` collective ran (counted in the active gt.comm_trace(), if any)."""
+    watchers = current()
+    if watchers is not None and watchers.trace is not None:
+        watchers.trace.comm_called(name)
+
+
+__all__ = ["Watchers", "watching", "current", "watched", "set_watchers", "POLICIES", "plug",
+           "redistribution", "served_from_memo", "bucket_reduced", "comm_called"]

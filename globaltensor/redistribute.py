@@ -10,12 +10,12 @@ from __future__ import annotations
 import torch
 
 from . import debug as _debug
-from . import world
+from .world import world
 from .layout import Layout
 from .plan import plan
 from .runtime.agreement import check
 from .runtime.execute import run
-from .trace import observed, served_from_memo, watching
+from .observe import redistribution, served_from_memo, watching
 
 
 def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
@@ -24,8 +24,8 @@ def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.T
         return local
     if _debug.is_debug():  # named by the user's call (item(), print, aten.mm...): see debug.py
         check(_debug.user_call(2) or "redistribute", source=src, target=dst, dtype=local.dtype)
-    if watching():  # gt.comm_trace() or torch.profiler: see trace.py
-        return observed(run, plan(src, dst), local, world.get_rank())
+    if watching():  # gt.comm_trace() or torch.profiler: see observe.py
+        return redistribution(run, plan(src, dst), local, world.get_rank())
     return run(plan(src, dst), local, world.get_rank())
 
 

@@ -14,7 +14,7 @@ import numpy
 import torch
 from torch.types import Number
 
-from . import world
+from .world import world
 from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .layout import Layout

@@ -7,7 +7,7 @@ import contextvars
 
 import torch
 
-from .. import world
+from ..world import world
 from ..errors import GlobalTensorError
 from ..layout import Box, Layout, box_numel
 from ..sbp import Broadcast, PartialSum, Split

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import world
+from ..world import world
 from ..errors import GlobalTensorError
 from .storage import (EXTRA, MODEL, OPTIMIZER, checked_path, dcp_modules, directory_problem,
                       extra_placeholders, our_error, planner_of, reader_of, single_process_quiet,

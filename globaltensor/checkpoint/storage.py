@@ -13,7 +13,7 @@ import warnings
 
 import torch
 
-from .. import world
+from ..world import world
 from ..errors import GlobalTensorError
 from .hooks import ZERO_LATER
 

@@ -11,7 +11,7 @@ import torch.distributed.distributed_c10d as c10d
 from .. import debug, env
 from ..errors import GlobalTensorError
 from ..runtime.agreement import check
-from ..trace import comm_called
+from ..observe import comm_called
 
 ReduceOp = dist.ReduceOp
 Red = dist.ReduceOp.RedOpType

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from .. import world
+from ..world import world
 from ..errors import GlobalTensorError
 from ..ops import arg_value, entry
 from ..redistribute import redistribute_local

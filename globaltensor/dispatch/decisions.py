@@ -17,7 +17,7 @@ import warnings
 import torch
 from torch.utils._mode_utils import no_dispatch
 
-from .. import world
+from ..world import world
 from .._cache import Bounded
 from ..debug import user_frame
 from ..errors import GlobalTensorError
@@ -27,6 +27,7 @@ from ..ops import KERNELS, KernelContext
 from ..ops.pieces import nothing_held, zero_pieces
 from ..redistribute import moved, moved_targets, redistribute_local
 from ..runtime.failure import local_failure
+from ..runtime.meta import object_from
 from ..tensor import GlobalTensor
 from .args import local_args
 from .outputs import empties, wrap
@@ -376,12 +377,9 @@ def _rebuilt(desc, device):
 
 
 def _from_first_member(result, placement, inside):
-    import torch.distributed as dist
-
     first = int(placement.flat_ranks[0])
-    box = [_described(result) if world.get_rank() == first else None]
-    dist.broadcast_object_list(box, src=first)
-    return result if inside else _rebuilt(box[0], torch.device("cpu"))
+    desc = object_from(first, _described(result) if world.get_rank() == first else None)
+    return result if inside else _rebuilt(desc, torch.device("cpu"))
 
 
 def _broadcast_wrapped(result, placement):

@@ -112,7 +112,7 @@ def _child(payload: bytes, local_rank: int, env: dict, conn, backend=None) -> No
     try:
         fn, args = pickle.loads(payload)
         if backend is not None:
-            from .. import world  # the world first, with the backend asked for (Ignite's way)
+            from ..world import world  # the world first, with the backend asked for (Ignite's way)
 
             world.init(backend=backend)
         message = ("ok", fn(local_rank, *args))
@@ -141,7 +141,7 @@ def _leave_world(failed: bool) -> None:
     """Leave as gt.init's atexit hook would (a forked process never runs atexit): close the
     groups; rank 0 waits for the others to leave unless ``fn`` failed here."""
     if "torch" in sys.modules:
-        from .. import exits  # only once torch is imported: spawn itself does not import it
+        from ..world import exits  # only once torch is imported: spawn itself does not import it
 
         try:
             exits.leave_world(failed)

@@ -106,7 +106,7 @@ def _slots(module):
 def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -> None:
     """The module's forward runs in ``gt.global_mode(placement)`` (mode.py): positions, masks and
     rotary tables it builds with torch's factories are global (broadcast) tensors."""
-    from ..mode import GlobalMode
+    from ..mode.global_mode import GlobalMode
 
     for h in module.__dict__.pop("_gt_global_mode", None) or ():
         h.remove()
@@ -169,7 +169,7 @@ def _entry_points_in_global_mode(cls: type) -> type:
 
 
 def _in_global_mode(method):
-    from ..mode import GlobalMode
+    from ..mode.global_mode import GlobalMode
 
     @functools.wraps(method)
     def entry_point(self, *args, **kwargs):

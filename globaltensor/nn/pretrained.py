@@ -15,7 +15,7 @@ import functools
 
 import torch
 
-from .. import world
+from ..world import world
 from ..tensor import GlobalTensor
 
 __all__ = ["full_state_dict", "save_pretrained"]

@@ -15,9 +15,9 @@ or ``dispatch``: kernels get what they need through :class:`signature.KernelCont
 import importlib
 import pkgutil
 
-from .backward import backward_cost, grad_layout
-from .candidates import outs_of
-from .choose import MOVES, Choice, choose
+from .choice.backward import backward_cost, grad_layout
+from .choice.candidates import outs_of
+from .choice.choose import MOVES, Choice, choose
 from .signature import (B, KEEP, KERNELS, LOCAL, NUMBER, OPS, P, S, Call, KernelContext, OpEntry,
                         Ref, Row, Rule, arg_value, describe, entry, factory_roles, fit, qualified,
                         register, rows_for, rule_for, sig, table)

@@ -18,10 +18,11 @@ import zlib
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .. import debug, watch
+from .. import debug
+from ..world import stalls as watch
 from ..debug import Descriptor
 from ..errors import CollectiveTimeoutError, RankMismatchError
-from ..world import is_initialized, world_timeout
+from ..world.world import is_initialized, world_timeout
 
 _PREFIX = "gt_debug"
 POLL_S = (0.0002, 0.05)  # a check polls the store for the others: first and longest pause

@@ -18,7 +18,7 @@ import os
 import torch
 import torch.distributed as dist
 
-from .. import world
+from ..world import world
 from .._cache import MISSING, ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative

@@ -32,7 +32,7 @@ import sys
 import torch.distributed as dist
 from torch.distributed import distributed_c10d as c10d
 
-from .. import world
+from ..world import world
 from ..errors import GlobalTensorError
 
 KEY = "gt_failure"

@@ -21,7 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..placement import Placement
-from ..world import world_timeout
+from ..world.world import world_timeout
 
 # torch 2.13 renames the flat collectives; older versions only have the old names
 all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor

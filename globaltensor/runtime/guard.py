@@ -18,7 +18,8 @@ import inspect
 
 import torch.distributed as dist
 
-from .. import debug, watch, world
+from .. import debug
+from ..world import stalls as watch, world
 from ..errors import CollectiveTimeoutError, GlobalTensorError
 from . import failure
 from .agreement import whereabouts

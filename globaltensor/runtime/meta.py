@@ -6,7 +6,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .. import world
+from ..world import world
 from ..errors import GlobalTensorError
 from ..placement import Placement
 from .groups import all_gather_flat, byte_view, group_along, groups_along
@@ -69,6 +69,14 @@ def all_objects(value, what: str) -> list:
     with guard(what):
         dist.all_gather_object(out, value)
     return out
+
+
+def object_from(src: int, value):
+    """``value`` as rank ``src`` holds it, on every rank of the world (picklable objects; the
+    other ranks pass anything)."""
+    box = [value if world.get_rank() == src else None]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
 
 
 def broadcast_along(placement: Placement, axis: int, tensor: torch.Tensor, rank: int) -> None:

@@ -13,7 +13,7 @@ import torch.distributed as dist
 from .._cache import ById
 from ..layout import box_shape
 from ..plan import AllGather, AllReduce, ReduceScatter
-from ..world import world_timeout
+from ..world.world import world_timeout
 
 # (id(step), coord) -> _Pairs: who a step exchanges with at one coordinate, and how it cuts
 _PAIRS = ById(4096)

@@ -11,7 +11,7 @@ import pytest
 import globaltensor as gt
 from globaltensor.layout import Layout
 from globaltensor.ops import Call, Ref, choose
-from globaltensor.ops.choose import reference_choose
+from globaltensor.ops.choice.choose import reference_choose
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 POINTWISE = frozenset({"pointwise"})
@@ -75,7 +75,7 @@ def test_choice_within_the_tolerance_costs_at_most_that_much_more():
     # best: the choice is a real candidate, its cost is its own, and no candidate is cheaper
     # by more than TOLERANCE; the exact cheapest is still the answer wherever the rest is
     # clearly dearer
-    from globaltensor.ops.choose import TOLERANCE, _candidate_cost
+    from globaltensor.ops.choice.choose import TOLERANCE, _candidate_cost
     checked, same, dearer = 0, 0, 0
     for grid in GRIDS:
         for call, layouts, itemsizes, fixed, grads, free in _sample(grid):
@@ -98,10 +98,10 @@ def test_the_candidate_table_holds_each_candidates_facts_and_a_bound_below_its_c
     # candidates.Table works out every candidate's facts as arrays over the whole product; each
     # must equal what the candidate itself says (its results' partial sums, the inputs it
     # changes, one kernel at most), and its bound must stay below the candidate's cost
-    from globaltensor.ops.candidates import (Table as _Table, axis_options as _options,
-                                             outs_of, partial_count as _partials,
-                                             target_layouts as _targets)
-    from globaltensor.ops.choose import _candidate_cost
+    from globaltensor.ops.choice.candidates import (Table as _Table, axis_options as _options,
+                                                    outs_of, partial_count as _partials,
+                                                    target_layouts as _targets)
+    from globaltensor.ops.choice.choose import _candidate_cost
     from globaltensor.ops.signature import rows_for
     rng = random.Random("table" + grid)
     placement = gt.placement("cpu", GRIDS[grid])

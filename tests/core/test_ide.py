@@ -24,11 +24,11 @@ from helpers import ROOT
 
 PUBLIC = ["globaltensor", "globaltensor.env", "globaltensor.sbp", "globaltensor.placement",
           "globaltensor.debug", "globaltensor.data", "globaltensor.factories",
-          "globaltensor.random", "globaltensor.explain", "globaltensor.visualize",
-          "globaltensor.policy", "globaltensor.trace", "globaltensor.verify",
+          "globaltensor.random", "globaltensor.tools.explain", "globaltensor.tools.visualize",
+          "globaltensor.tools.policy", "globaltensor.tools.trace", "globaltensor.tools.verify",
           "globaltensor.testing", "globaltensor.launch.spawn", "globaltensor.launch",
           "globaltensor.comm", "globaltensor.nn", "globaltensor.checkpoint",
-          "globaltensor.errors", "globaltensor.mode"]
+          "globaltensor.errors", "globaltensor.mode.global_mode"]
 NOT_API = {"annotations", "contextvars", "dataclass", "dataclasses", "torch", "os", "sys",
            "functools", "Iterable", "Union"}
 

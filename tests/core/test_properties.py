@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import globaltensor as gt
-from globaltensor.plan import simulate
+from globaltensor.plan import oracle as simulate
 from globaltensor.layout import Layout
 from globaltensor.plan import plan
 from globaltensor.plan import holds_full

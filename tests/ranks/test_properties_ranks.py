@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from globaltensor.plan import simulate
+from globaltensor.plan import oracle as simulate
 from globaltensor.plan import plan
 from globaltensor.redistribute import redistribute_local
 from globaltensor.testing import run_ranks

@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 import globaltensor as gt
-from globaltensor import watch, world
+from globaltensor.world import stalls as watch, world
 from globaltensor.testing import RankFailed, RanksHung, run_ranks
 
 

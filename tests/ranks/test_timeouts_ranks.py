@@ -12,7 +12,7 @@ import globaltensor as gt
 from globaltensor.runtime.agreement import check
 from globaltensor.runtime.groups import group_of_ranks
 from globaltensor.runtime.guard import guard
-from globaltensor.world import world_timeout
+from globaltensor.world.world import world_timeout
 from globaltensor.testing import run_ranks
 
 from helpers import error_or_none  # (type name, message) of the GlobalTensorError, or None

@@ -190,7 +190,7 @@ def test_an_output_is_gathered_once_not_again_as_the_next_ops_input(monkeypatch)
     them as its outputs. A piece written since (its version moved) is gathered again."""
     import importlib
 
-    verify_module = importlib.import_module("globaltensor.verify")
+    verify_module = importlib.import_module("globaltensor.tools.verify")
     sent = {}
     real = verify_module.all_objects
 

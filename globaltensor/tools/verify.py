@@ -36,14 +36,14 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_modes
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
-from . import debug, env
-from .plan import simulate
-from .errors import GlobalTensorError, ShapeMismatchError
-from .observe import reset, set_watchers
-from .ops.signature import arg_value
-from .runtime.meta import all_objects
-from .sbp import format_sbp
-from .tensor import GlobalTensor
+from .. import debug, env
+from ..plan import oracle as simulate
+from ..errors import GlobalTensorError, ShapeMismatchError
+from ..observe import reset, set_watchers
+from ..ops.signature import arg_value
+from ..runtime.meta import all_objects
+from ..sbp import format_sbp
+from ..tensor import GlobalTensor
 from .verify_values import FLOOR_FACTOR, Diff, compare, floor_of, tolerance, widened
 
 MODES = ("raise", "report")

@@ -19,7 +19,7 @@ the autograd node and, when the forward ran under ``torch.autograd.detect_anomal
 forward's line. ``GT_COMMUNICATION=warn|explicit`` sets the policy for every context that has not
 set one (read once per context); ``gt.communication(...)`` overrides it.
 
-The check runs where redistributions are observed (trace.py ``observed``), so the policy costs
+The check runs where redistributions are observed (observe.py ``redistribution``), so the policy costs
 nothing per operator that moves no data, and nothing at all while it is ``implicit``.
 """
 from __future__ import annotations
@@ -30,10 +30,10 @@ import sys
 import torch
 from torch.utils._pytree import tree_leaves
 
-from . import debug
-from .errors import GlobalTensorError
-from .observe import check_policy, current, reset, set_watchers
-from .sbp import format_sbp
+from .. import debug
+from ..errors import GlobalTensorError
+from ..observe import check_policy, current, plug, reset, set_watchers
+from ..sbp import format_sbp
 
 LOG = logging.getLogger("globaltensor")
 
@@ -69,7 +69,7 @@ class communication:  # noqa: N801 - used like a function, as torch.set_grad_ena
 
 
 def on_move(watchers, call: str, plan, local, memo: bool = False) -> None:
-    """An observed redistribution under the ``warn`` or ``explicit`` policy (trace.py);
+    """An observed redistribution under the ``warn`` or ``explicit`` policy (observe.py);
     ``memo``: served from the memo of an earlier move of the tensor (nothing sent now)."""
     if not _operator(call) or not any(s.communicates() for s in plan.steps):
         return  # asked for by the user, a gradient bucket, or local steps only: allowed
@@ -140,3 +140,6 @@ def _text(value) -> str:
 
 
 __all__ = ["communication"]
+
+
+plug("policy", on_move)  # observe.py calls it for every observed move

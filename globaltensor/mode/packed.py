@@ -20,9 +20,9 @@ from __future__ import annotations
 
 import torch
 
-from .errors import GlobalTensorError
-from .sbp import broadcast
-from .tensor import GlobalTensor
+from ..errors import GlobalTensorError
+from ..sbp import broadcast
+from ..tensor import GlobalTensor
 
 
 def _plain(values) -> torch.Tensor:
@@ -44,7 +44,7 @@ def _rows(batch_sizes: torch.Tensor, batch: int, steps: int, batch_first: bool) 
 
 def _index(rows: torch.Tensor, like: GlobalTensor) -> GlobalTensor:
     """``rows`` as a broadcast global index on ``like``'s placement (no communication)."""
-    from .factories import tensor
+    from ..factories import tensor
 
     return tensor(rows, placement=like.placement, sbp=(broadcast,) * like.placement.ndim)
 

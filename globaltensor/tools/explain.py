@@ -1,10 +1,10 @@
 """``gt.explain``: the plan a redistribution would run, with bytes per rank (no communication)."""
 from __future__ import annotations
 
-from .convert import target_layout
-from .errors import GlobalTensorError
-from .plan import plan
-from .tensor import GlobalTensor
+from ..convert import target_layout
+from ..errors import GlobalTensorError
+from ..plan import plan
+from ..tensor import GlobalTensor
 
 
 class Explanation:

@@ -5,10 +5,10 @@ Pure: no torch.distributed, no rank.
 """
 from __future__ import annotations
 
-from ..layout import Layout, trusted
-from ..plan import plan
-from ..sbp import Broadcast, PartialSum
-from .signature import B, P
+from ...layout import Layout, trusted
+from ...plan import plan
+from ...sbp import Broadcast, PartialSum
+from ..signature import B, P
 
 
 def grad_layout(dst: Layout, outs) -> Layout:

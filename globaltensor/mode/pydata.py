@@ -24,11 +24,11 @@ import numbers
 import numpy as np
 import torch
 
-from . import debug as _debug
-from .dispatch.adopt import agree_on_value
-from .errors import GlobalTensorError
-from .sbp import Broadcast
-from .tensor import GlobalTensor
+from .. import debug as _debug
+from ..dispatch.adopt import agree_on_value
+from ..errors import GlobalTensorError
+from ..sbp import Broadcast
+from ..tensor import GlobalTensor
 
 _getitem = torch.Tensor.__getitem__
 _setitem = torch.Tensor.__setitem__
@@ -37,7 +37,7 @@ _tensor_split_method = torch.Tensor.tensor_split
 
 
 def _broadcast(x: GlobalTensor, data, dtype=None) -> GlobalTensor:
-    from .factories import tensor
+    from ..factories import tensor
 
     value = torch.as_tensor(data, dtype=dtype)
     if _debug.is_debug():
@@ -81,7 +81,7 @@ def new_tensor(self, data, dtype=None, device=None, requires_grad=False, **_):
 def new(self, *args, **kwargs):
     """``x.new(*sizes)`` (uninitialised) or ``x.new(data)``: a broadcast global tensor on this
     tensor's placement, with this tensor's dtype."""
-    from .factories import empty
+    from ..factories import empty
 
     kwargs.pop("device", None)  # a global tensor's device is its placement's
     if not args:  # torch's x.new(): an empty tensor of shape (0,)

@@ -26,7 +26,7 @@ import time
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from .errors import GlobalTensorError
+from ..errors import GlobalTensorError
 
 INIT_KEY = "gt/init"
 POLL_S = (0.005, 0.1)  # rank 0 polls for the others at exit: first and longest pause

@@ -11,8 +11,8 @@ import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
-from . import exits, watch
-from .errors import GlobalTensorError
+from . import exits, stalls as watch
+from ..errors import GlobalTensorError
 
 
 def is_initialized() -> bool:

@@ -15,7 +15,8 @@ redistribution is a ``record_function`` range named ``gt.redistribute: <call>``.
 What it costs when neither is on: one ContextVar read and one module attribute read per
 redistribution (redistribute.py), nothing per operator that moves no data. The call's name is read
 from the stack only while a trace, the profiler, a communication policy (policy.py) or
-``gt.verify`` is on: they share one ContextVar (observe.py).
+``gt.verify`` is on: they share one ContextVar (observe.py), which announces each event to the
+active trace's methods (``moved``, ``bucket_reduced``, ``comm_called``).
 """
 from __future__ import annotations
 
@@ -24,12 +25,10 @@ import contextlib
 from dataclasses import dataclass
 
 import torch
-import torch.autograd.profiler as _profiler
 
-from . import debug, policy
-from .layout import Layout
-from .observe import current, watched, watching
-from .sbp import format_sbp
+from ..layout import Layout
+from ..observe import current, watched, watching
+from ..sbp import format_sbp
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,6 +104,27 @@ class CommTrace:
 
     __str__ = table
 
+    # --- the observer side (observe.py announces; these record) ------------------------------
+    def moved(self, call: str, plan, local: torch.Tensor) -> None:
+        """A redistribution ``plan`` of ``local`` run for ``call``."""
+        self.add(Record(
+            op=call, source=plan.src, target=plan.dst,
+            steps=tuple(" ".join(f"{s.kind} {s.where()}".split()) for s in plan.steps),
+            collectives=tuple(s.kind for s in plan.steps if s.communicates()),
+            bytes_per_rank=plan.bytes_per_rank(local.element_size()), dtype=local.dtype))
+
+    def bucket_reduced(self, count: int, nbytes: int) -> None:
+        """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes``."""
+        self.add(Record(op=f"gradient bucket ({count} gradient{'' if count == 1 else 's'})",
+                        source=None, target=None, steps=("all_reduce",),
+                        collectives=("all_reduce",), bytes_per_rank=nbytes, dtype=None))
+
+    def comm_called(self, name: str) -> None:
+        """A ``gt.comm`` collective ran."""
+        full = "gt.comm." + name
+        self.add(Record(op=full, source=None, target=None, steps=(), collectives=(full,),
+                        bytes_per_rank=None, dtype=None))
+
     def __repr__(self):
         return f"<CommTrace: {len(self.records)} records, counts {self.counts()}>"
 
@@ -127,67 +147,10 @@ def comm_trace():
     {'all_gather': 1}
     >>> print(t)        # a table: call, source -> target, shape, bytes per rank, steps
     """
-    trace = CommTrace(_trace())
+    watchers = current()
+    trace = CommTrace(None if watchers is None else watchers.trace)
     with watched(trace=trace):
         yield trace
-
-
-def _trace() -> "CommTrace | None":
-    watchers = current()
-    return None if watchers is None else watchers.trace
-
-
-def observed(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
-    """``run(plan, local, rank)``, checked by the communication policy, recorded in the active
-    trace, shown to the profiler and checked by ``gt.verify`` (see observe.py)."""
-    watchers = current()
-    if watchers is None and not _profiler._is_profiler_enabled:
-        return run(plan, local, rank)  # GT_COMMUNICATION was just read: nothing watches
-    call = debug.user_call(2) or "redistribute"
-    if watchers is not None and watchers.policy != "implicit":
-        policy.on_move(watchers, call, plan, local)
-    if watchers is not None and watchers.trace is not None:
-        watchers.trace.add(Record(
-            op=call, source=plan.src, target=plan.dst,
-            steps=tuple(" ".join(f"{s.kind} {s.where()}".split()) for s in plan.steps),
-            collectives=tuple(s.kind for s in plan.steps if s.communicates()),
-            bytes_per_rank=plan.bytes_per_rank(local.element_size()), dtype=local.dtype))
-    if not _profiler._is_profiler_enabled:
-        result = run(plan, local, rank)
-    else:
-        with torch.profiler.record_function(
-                f"gt.redistribute: {call}", f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
-            result = run(plan, local, rank)
-    if watchers is not None and watchers.verifier is not None:
-        watchers.verifier.redistributed(call, plan, local, result)
-    return result
-
-
-def served_from_memo(plan, piece: torch.Tensor) -> None:
-    """An operator's move served from the memo of an earlier one (redistribute.moved): nothing
-    is sent now (no trace record), but the communication policy hears of it: the op still
-    needs the move, and a changed tensor would make it send again."""
-    watchers = current()
-    if watchers is not None and watchers.policy != "implicit":
-        policy.on_move(watchers, debug.user_call(2) or "redistribute", plan, piece, memo=True)
-
-
-def bucket_reduced(count: int, nbytes: int) -> None:
-    """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (grads.py)."""
-    trace = _trace()
-    if trace is not None:
-        trace.add(Record(op=f"gradient bucket ({count} gradient{'' if count == 1 else 's'})", source=None, target=None,
-                         steps=("all_reduce",), collectives=("all_reduce",),
-                         bytes_per_rank=nbytes, dtype=None))
-
-
-def comm_called(name: str) -> None:
-    """A ``gt.comm`` collective ran (counted in the active trace, if any)."""
-    trace = _trace()
-    if trace is not None:
-        full = "gt.comm." + name
-        trace.add(Record(op=full, source=None, target=None, steps=(), collectives=(full,),
-                         bytes_per_rank=None, dtype=None))
 
 
 __all__ = ["CommTrace", "Record", "comm_trace", "watching"]

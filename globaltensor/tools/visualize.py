@@ -1,8 +1,8 @@
 """Pictures of a layout: which ranks hold which block of a tensor (pure: a Layout in, text out)."""
 from __future__ import annotations
 
-from .layout import Layout
-from .sbp import format_sbp
+from ..layout import Layout
+from ..sbp import format_sbp
 
 
 def _blocks(layout: Layout, dim: int) -> list[tuple[int, int]]:
@@ -71,7 +71,7 @@ def draw(layout: Layout, max_rows: int = 16, max_cols: int = 16) -> str:
 
 def visualize(x, max_rows: int = 16, max_cols: int = 16, **unknown) -> str:
     """``gt.visualize(x)``: the drawing of a global tensor's layout (no communication)."""
-    from .errors import GlobalTensorError
+    from ..errors import GlobalTensorError
 
     if unknown:
         raise GlobalTensorError(f"visualize takes x, max_rows and max_cols, found "

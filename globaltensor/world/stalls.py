@@ -24,8 +24,9 @@ import sys
 import threading
 import time
 
-from . import debug, exits
-from .errors import GlobalTensorError
+from .. import debug
+from . import exits
+from ..errors import GlobalTensorError
 
 __all__ = ["Watch", "Waiting", "current", "start", "stop", "stall_seconds", "stall_report",
            "finished_message"]

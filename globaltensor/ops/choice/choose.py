@@ -17,14 +17,14 @@ import itertools
 import math
 from dataclasses import dataclass
 
-from ..errors import GlobalTensorError
-from ..layout import Layout
-from ..plan import ALPHA, cost_above, lower_bound, plan
-from ..sbp import PartialSum, SbpValue
+from ...errors import GlobalTensorError
+from ...layout import Layout
+from ...plan import ALPHA, cost_above, lower_bound, plan
+from ...sbp import PartialSum, SbpValue
 from .backward import backward_cost, backward_move, with_sbp
 from .candidates import (Table, axis_options, candidates, costing_nothing, outs_of, partial_count,
                          resolved_layouts, target_layouts)
-from .signature import KEEP, Call, Rule, rows_for
+from ..signature import KEEP, Call, Rule, rows_for
 
 
 @dataclass(frozen=True, slots=True)

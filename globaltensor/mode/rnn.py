@@ -14,10 +14,10 @@ from __future__ import annotations
 
 import torch
 
-from . import world
-from .layout import Layout
-from .sbp import Broadcast, Split
-from .tensor import FromLocal, GlobalTensor
+from ..world import world
+from ..layout import Layout
+from ..sbp import Broadcast, Split
+from ..tensor import FromLocal, GlobalTensor
 
 _VF = torch._C._VariableFunctions
 

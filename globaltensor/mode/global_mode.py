@@ -32,19 +32,19 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._pytree import tree_leaves
 
-from . import debug as _debug
-from . import env
-from .compile_support import nonstrict
-from .convert import check_placement, device_for
-from .errors import GlobalTensorError
-from .layout import Layout
-from .ops import factory_roles
-from .placement import Placement
-from .sbp import Broadcast, from_codes, normalize, to_codes
-from .dispatch.adopt import active, agree_on_value, modes
+from .. import debug as _debug
+from .. import env
+from ..compile_support import nonstrict
+from ..convert import check_placement, device_for
+from ..errors import GlobalTensorError
+from ..layout import Layout
+from ..ops import factory_roles
+from ..placement import Placement
+from ..sbp import Broadcast, from_codes, normalize, to_codes
+from ..dispatch.adopt import active, agree_on_value, modes
 from . import packed, rnn
-from .runtime.emit import is_traced
-from .tensor import GlobalTensor
+from ..runtime.emit import is_traced
+from ..tensor import GlobalTensor
 
 @contextlib.contextmanager
 def global_mode(placement, sbp=None):
@@ -134,7 +134,7 @@ class GlobalMode(TorchFunctionMode):
         return _piece_of(full, layout)
 
     def _random(self, full: torch.Tensor, kind: str) -> GlobalTensor:
-        from . import random as gt_random
+        from .. import random as gt_random
 
         layout = self._layout(full)
         coord = layout.placement.coord_of(env.get_rank())

@@ -1,0 +1,50 @@
+"""Gradient buckets: pieces all-reduced together as one flat buffer, asynchronously (the
+data-parallel reduction grads.py schedules; DDP's reducer). A bucket is filled in the order
+the gradient hooks fire, launched when full (or at the end of backward), and waited for once."""
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from .. import observe
+from .guard import guard
+
+
+class Bucket:
+    """Pieces (None on a rank outside the placement) summed over ``group`` as one buffer;
+    ``nbytes`` counts what the caller says each piece weighs (the same on every rank)."""
+
+    __slots__ = ("group", "pieces", "nbytes", "flat", "work")
+
+    def __init__(self, group):
+        self.group, self.pieces, self.nbytes = group, [], 0
+        self.flat = self.work = None
+
+    def add(self, piece, nbytes: int) -> None:
+        self.pieces.append(piece)
+        self.nbytes += nbytes
+
+    def launch(self) -> None:
+        """Start the all-reduce of the flat buffer (nothing where this rank holds no piece)."""
+        pieces = [p for p in self.pieces if p is not None]
+        if pieces and self.group is not None:
+            self.flat = torch.cat([p.reshape(-1) for p in pieces])
+            self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+            n = dist.get_world_size(self.group)
+            observe.bucket_reduced(len(pieces), -(-2 * (n - 1) * self.nbytes // n))  # a ring's
+
+    def reduced(self) -> list:
+        """Wait for the all-reduce; each piece's sum, a view of the flat buffer (None where the
+        piece was None)."""
+        if self.work is not None:
+            with guard("a gradient bucket's all-reduce",
+                       ranks=lambda: dist.get_process_group_ranks(self.group)):
+                self.work.wait()
+        out, offset = [], 0
+        for piece in self.pieces:
+            if piece is None:
+                out.append(None)
+                continue
+            out.append(self.flat[offset:offset + piece.numel()].view(piece.shape))
+            offset += piece.numel()
+        return out
