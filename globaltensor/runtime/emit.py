@@ -7,7 +7,10 @@ the functional collectives of ``torch.ops._c10d_functional`` (what
 ``torch.distributed._functional_collectives`` lowers to; gloo and NCCL run them), each followed
 by its ``wait_tensor``, so the traced graph holds the collectives as values. The executor picks
 an emitter once per plan with :func:`emitter_for`; every step is worked out the same way for
-both (shapes, padding, orders, trims), only the call differs.
+both (shapes, padding, orders, trims), only the call differs. Every other eager/traced
+difference is the emitter's too (the executor never asks which it holds): the first-use tag,
+what a failing step becomes, the result's freshness, the Exchange step, and whether gathers may
+run point to point.
 """
 from __future__ import annotations
 
@@ -16,7 +19,13 @@ import functools
 import torch
 import torch.distributed as dist
 
+from ..plan import LocalSlice, ZeroFill
+from ..world import world
+from .exchange import exchange_eager, exchange_traced
+from .failure import executor_failure
 from .groups import all_gather_flat, byte_view, group_name, reduce_scatter_flat
+from .guard import step_ranks, step_words
+from .layoutcheck import check_first_use
 
 @functools.cache
 def _ops():
@@ -38,6 +47,32 @@ class Eager:
     """Real collectives, in place into buffers made here."""
 
     traced = False
+    point_to_point = True  # gloo's gathers and reductions may run as isend/irecv batches
+
+    @staticmethod
+    def first_use_tag(plan, local: torch.Tensor, rank: int) -> int:
+        """The tag of the plan's messages; its first run in a world checks that the ranks
+        agree on it (layoutcheck.py): an error, not a crash."""
+        return check_first_use(plan, local, rank)
+
+    @staticmethod
+    def failure(plan, index: int, error: Exception) -> Exception:
+        """What a step that raised on this rank becomes: the same error on every rank at once
+        (failure.py), in a world of more than one."""
+        if world.get_world_size() == 1:
+            return error
+        return executor_failure(step_words(plan, index), step_ranks(plan.steps[index]), error)
+
+    @staticmethod
+    def fresh(out: torch.Tensor, local: torch.Tensor, plan) -> torch.Tensor:
+        """``out`` as a contiguous tensor that never shares the caller's storage."""
+        if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
+            return out.clone(memory_format=torch.contiguous_format)
+        return out.contiguous()
+
+    @staticmethod
+    def exchange(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
+        return exchange_eager(step, local, rank, tag)
 
     @staticmethod
     def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:
@@ -76,6 +111,24 @@ class Traced:
     """Functional collectives: each returns a new tensor, recorded in the graph being traced."""
 
     traced = True
+    point_to_point = False  # a traced graph holds collectives only
+
+    @staticmethod
+    def first_use_tag(plan, local: torch.Tensor, rank: int) -> int:
+        return 0  # checked when the compiled graph's plan ran eager, not when traced
+
+    @staticmethod
+    def failure(plan, index: int, error: Exception) -> Exception:
+        return error  # tracing is the same on every rank: it fails alike
+
+    @staticmethod
+    def fresh(out: torch.Tensor, local: torch.Tensor, plan) -> torch.Tensor:
+        """No storage to compare: a fresh tensor unless a collective made it."""
+        made = any(not isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
+        return out.contiguous() if made else out.clone(memory_format=torch.contiguous_format)
+
+    def exchange(self, step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
+        return exchange_traced(step, local, rank, self)
 
     @staticmethod
     def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:

@@ -1,7 +1,8 @@
-"""An Exchange step under torch.compile: its sends, receives and broadcasts as one all_to_all.
+"""An Exchange step (a change of placement, or pieces that cannot move by collectives alone).
 
-Eager, an Exchange runs as a batch of isend/irecv and then broadcasts (execute.py). A traced
-graph has no point-to-point ops, so the same moves become one ``all_to_all_single`` over the
+Eager (:func:`exchange_eager`), an Exchange runs as a batch of isend/irecv and then broadcasts.
+Under torch.compile (:func:`exchange_traced`) a traced graph has no point-to-point ops, so the
+same moves become one ``all_to_all_single`` over the
 whole world: every rank of the world runs every redistribution (SPMD), so every rank takes
 part, with empty runs to and from the ranks it exchanges nothing with. A broadcast move sends
 its region to each of its destinations. Each rank works out the same runs from the step alone:
@@ -13,11 +14,13 @@ import torch
 import torch.distributed as dist
 
 from ..layout import box_numel, box_shape, relative
-from .emit import TRACED
+from .groups import byte_view, group_of_ranks
+from .pairwise import send_recv
 
 
-def exchange_traced(step, local: torch.Tensor, rank: int) -> torch.Tensor:
-    """This rank's piece of ``step.after`` from its piece of ``step.before`` (traced)."""
+def exchange_traced(step, local: torch.Tensor, rank: int, emit) -> torch.Tensor:
+    """This rank's piece of ``step.after`` from its piece of ``step.before`` (traced: ``emit``
+    is the traced emitter)."""
     before, after = step.before, step.after
     world = dist.get_world_size()
     have = before.box(before.placement.coord_of(rank)) if rank in before.placement else None
@@ -38,7 +41,7 @@ def exchange_traced(step, local: torch.Tensor, rank: int) -> torch.Tensor:
     send_splits = [sum(box_numel(r) for r in regions) for regions in sends]
     recv_splits = [sum(box_numel(r) for r in regions) for regions in recvs]
     send = _packed(local, have, sends)
-    recv = TRACED.all_to_all(send, recv_splits, send_splits, None, _any_traffic(step))
+    recv = emit.all_to_all(send, recv_splits, send_splits, None, _any_traffic(step))
     at = 0
     for regions in recvs:
         for region in regions:
@@ -56,3 +59,40 @@ def _packed(local, have, sends) -> torch.Tensor:
 def _any_traffic(step) -> bool:
     """Whether any move leaves its rank (the same answer on every rank)."""
     return any(dst != move.src for move in step.moves for dst in move.dsts)
+
+
+def exchange_eager(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
+    """Sends/recvs as one batch, then broadcasts in plan order; pieces land in a new tensor."""
+    before, after = step.before, step.after
+    for move in step.broadcasts:  # every rank creates every broadcast group, in order
+        group_of_ranks(move.group)
+    have = before.box(before.placement.coord_of(rank)) if rank in before.placement else None
+    mine = after.placement.coord_of(rank)
+    shape = after.local_shape_of_rank(rank)
+    out = local.new_zeros(shape) if after.is_partial or mine is None else local.new_empty(shape)
+    want = after.box(mine) if mine is not None else None
+    ops, landing = [], []
+    for move in step.moves:
+        if move.is_broadcast:
+            continue
+        if move.src == rank and move.is_local:
+            out[relative(move.region, want)] = local[relative(move.region, have)]
+        elif move.src == rank:
+            ops.append(dist.P2POp(dist.isend, local[relative(move.region, have)].contiguous(),
+                                  move.dsts[0], tag=tag))
+        elif move.dsts[0] == rank:
+            buf = local.new_empty(box_shape(move.region))
+            ops.append(dist.P2POp(dist.irecv, buf, move.src, tag=tag))
+            landing.append((move.region, buf))
+    send_recv(ops)
+    for region, buf in landing:
+        out[relative(region, want)] = buf
+    for move in step.broadcasts:
+        if rank == move.src:
+            dist.broadcast(byte_view(local[relative(move.region, have)].contiguous()),
+                           src=move.src, group=group_of_ranks(move.group))
+        elif rank in move.dsts:
+            buf = local.new_empty(box_shape(move.region))
+            dist.broadcast(byte_view(buf), src=move.src, group=group_of_ranks(move.group))
+            out[relative(move.region, want)] = buf
+    return out

@@ -16,9 +16,7 @@ import contextvars
 import os
 
 import torch
-import torch.distributed as dist
 
-from ..world import world
 from .._cache import MISSING, ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative
@@ -26,13 +24,10 @@ from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalS
                      ReduceScatter, ZeroFill)
 from ..sbp import Broadcast
 from .emit import EAGER, emitter_for
-from .exchange import exchange_traced
-from .groups import byte_view, group_along, group_of_ranks, groups_along
-from .failure import executor_failure
-from .guard import step_guard, step_ranks, step_words
-from .layoutcheck import check_first_use
+from .groups import group_along, groups_along
+from .guard import step_guard
 from .pairwise import (all_reduce_pairwise, gather_pairwise, member_coords, offsets, prod,
-                       reduce_scatter_pairwise, send_recv, sizes_along)
+                       reduce_scatter_pairwise, sizes_along)
 
 
 def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
@@ -43,8 +38,7 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         local = local.resolve_conj().resolve_neg()  # sends them, so move the values they mean
     _check_summable(plan, local.dtype)
     emit = emitter_for(local)  # under torch.compile: functional collectives (emit.py)
-    # ranks that disagree: an error, not a crash (checked when the plan runs, not when traced)
-    tag = 0 if emit.traced else check_first_use(plan, local, rank)
+    tag = emit.first_use_tag(plan, local, rank)  # ranks that disagree: an error, not a crash
     cuts = _STATIC.computed(plan, rank, _cuts)
     if cuts is not None:  # no communication: narrow, then one copy (never the caller's storage)
         for dim, start, length in cuts:
@@ -59,16 +53,8 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         except GlobalTensorError:  # ours: raised alike everywhere, or already a peer's failure
             raise
         except Exception as error:  # noqa: BLE001 - this rank alone may have raised
-            if emit.traced or world.get_world_size() == 1:
-                raise
-            raise executor_failure(step_words(plan, index), step_ranks(plan.steps[index]),
-                                   error) from error
-    if emit.traced:  # no storage to compare: a fresh tensor unless a collective made it
-        fresh = any(not isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
-        return out.contiguous() if fresh else out.clone(memory_format=torch.contiguous_format)
-    if out.untyped_storage().data_ptr() == local.untyped_storage().data_ptr():
-        return out.clone(memory_format=torch.contiguous_format)
-    return out.contiguous()
+            raise emit.failure(plan, index, error) from error
+    return emit.fresh(out, local, plan)
 
 
 def _check_summable(plan: Plan, dtype: torch.dtype) -> None:
@@ -122,12 +108,10 @@ def _run_step(step, local: torch.Tensor, rank: int, tag: int, emit=EAGER) -> tor
     """One step; point-to-point messages travel on the plan's ``tag`` (layoutcheck.data_tag)."""
     after = step.after
     if isinstance(step, Exchange):
-        if emit.traced:
-            return exchange_traced(step, local, rank)
-        return _exchange(step, local, rank, tag)
+        return emit.exchange(step, local, rank, tag)
     # every rank of the world creates the axis's groups together, members or not
     n = after.placement.shape[step.axis]
-    pairwise = not emit.traced and (
+    pairwise = emit.point_to_point and (
         _pairwise(step) or (local.dtype in _GLOO_CANNOT_REDUCE  # int16: p2p sums it
                             and after.placement.type == "cpu"
                             and isinstance(step, (ReduceScatter, AllReduce))))
@@ -308,41 +292,4 @@ def _zero_fill(step: ZeroFill, local, coord) -> torch.Tensor:
     have, want = step.before.box(coord), step.after.box(coord)
     out = local.new_zeros(box_shape(want))
     out[relative(have, want)] = local
-    return out
-
-
-def _exchange(step: Exchange, local, rank: int, tag: int) -> torch.Tensor:
-    """Sends/recvs as one batch, then broadcasts in plan order; pieces land in a new tensor."""
-    before, after = step.before, step.after
-    for move in step.broadcasts:  # every rank creates every broadcast group, in order
-        group_of_ranks(move.group)
-    have = before.box(before.placement.coord_of(rank)) if rank in before.placement else None
-    mine = after.placement.coord_of(rank)
-    shape = after.local_shape_of_rank(rank)
-    out = local.new_zeros(shape) if after.is_partial or mine is None else local.new_empty(shape)
-    want = after.box(mine) if mine is not None else None
-    ops, landing = [], []
-    for move in step.moves:
-        if move.is_broadcast:
-            continue
-        if move.src == rank and move.is_local:
-            out[relative(move.region, want)] = local[relative(move.region, have)]
-        elif move.src == rank:
-            ops.append(dist.P2POp(dist.isend, local[relative(move.region, have)].contiguous(),
-                                  move.dsts[0], tag=tag))
-        elif move.dsts[0] == rank:
-            buf = local.new_empty(box_shape(move.region))
-            ops.append(dist.P2POp(dist.irecv, buf, move.src, tag=tag))
-            landing.append((move.region, buf))
-    send_recv(ops)
-    for region, buf in landing:
-        out[relative(region, want)] = buf
-    for move in step.broadcasts:
-        if rank == move.src:
-            dist.broadcast(byte_view(local[relative(move.region, have)].contiguous()),
-                           src=move.src, group=group_of_ranks(move.group))
-        elif rank in move.dsts:
-            buf = local.new_empty(box_shape(move.region))
-            dist.broadcast(byte_view(buf), src=move.src, group=group_of_ranks(move.group))
-            out[relative(move.region, want)] = buf
     return out
