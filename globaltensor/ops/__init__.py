@@ -1,16 +1,20 @@
 """Operators on global tensors: one module per op family, each owning its rows, its kernels
 and its size rewrites, registered with one ``register(...)`` line per op or group of ops.
 
-    signature.py   Row, Rule, Call, Ref, KEEP; sig()/table(); the registry: OPS[name] -> OpEntry
-                   (rule, kernels, rewrite, decompose, mutates, write-back, factory role);
-                   register(); describe(op) prints an entry
-    choose.py      candidates over the grid, move + backward cost, Choice
-    pointwise.py  creation.py  random_ops.py  sampling.py  reductions.py  matmul.py  views.py
-    indexing.py  nn.py  norms.py  losses.py
+    rules.py       Row, Rule, Call, Ref, KEEP; sig()/table()/fit(); broadcasting frames
+    registry.py    OPS[name] -> OpEntry (rule, kernels, rewrite, decompose, mutates, write-back,
+                   factory role); register(); rows_for(call); describe(op); KernelContext
+    naming.py      the keys of ops: torch's spellings of an op, custom ops with their namespace
+    pieces.py      which pieces of a row belong together; zeros only where exact
+    choice/        the signature choice (choose, candidates, backward): the only part that
+                   imports ``plan``
+    the families:  pointwise  activations  creation  random_ops  sampling  reductions  scans
+                   matmul  views  shapes  indexing  embedding_bag  linalg  spatial  nn  norms
+                   losses  recurrent  unsupported
 
 Adding an op family is one new module here: every module of the package is imported below, so
 its ``register(...)`` lines run (see docs/architecture.md). Nothing in ``ops/`` imports ``tensor``
-or ``dispatch``: kernels get what they need through :class:`signature.KernelContext`.
+or ``dispatch``: kernels get what they need through :class:`registry.KernelContext`.
 """
 import importlib
 import pkgutil
@@ -18,9 +22,10 @@ import pkgutil
 from .choice.backward import backward_cost, grad_layout
 from .choice.candidates import outs_of
 from .choice.choose import MOVES, Choice, choose
-from .signature import (B, KEEP, KERNELS, LOCAL, NUMBER, OPS, P, S, Call, KernelContext, OpEntry,
-                        Ref, Row, Rule, arg_value, describe, entry, factory_roles, fit, qualified,
-                        register, rows_for, rule_for, sig, table)
+from .rules import B, KEEP, LOCAL, NUMBER, P, S, Call, Ref, Row, Rule, arg_value, fit, sig, table
+from .naming import qualified
+from .registry import (KERNELS, OPS, KernelContext, OpEntry, describe, entry, factory_roles, register,
+                       rows_for, rule_for)
 from .views import view_groups
 
 for _module in pkgutil.iter_modules(__path__):  # the op families: each registers its ops

@@ -11,7 +11,8 @@ bucketize / isin: the values split, the boundaries (test elements) whole.
 from __future__ import annotations
 
 from .pointwise import pointwise
-from .signature import B, P, S, Call, Ref, Row, dim_of, linear_in, register, sig
+from .rules import B, P, S, Call, Ref, Row, dim_of, linear_in, sig
+from .registry import register
 
 # element-wise, not linear
 PLAIN = ("hardswish", "log_sigmoid_forward", "masked_fill.Tensor", "masked_fill_.Tensor")

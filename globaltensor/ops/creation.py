@@ -12,7 +12,9 @@ on every rank); "first", the first rank's draw, sent to the others.
 """
 from __future__ import annotations
 
-from .signature import B, S, Call, Row, register, sig
+from .rules import B, S, Call, Row, sig
+
+from .registry import register
 
 
 def like(call: Call) -> tuple[Row, ...]:

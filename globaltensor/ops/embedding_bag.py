@@ -26,7 +26,8 @@ from __future__ import annotations
 
 from ..errors import GlobalTensorError
 from ..sbp import Split
-from .signature import B, Call, Ref, Rule, fit, register, sig, with_arg
+from .rules import B, Call, Ref, Rule, fit, sig, with_arg
+from .registry import register
 
 _SUM, _MAX = 0, 2  # modes (1: mean)
 

@@ -23,8 +23,9 @@ import math
 
 import torch
 
-from .signature import (B, P, S, Call, Ref, Row, broadcast_shapes, broadcasting, dim_of, fit,
-                        register, repeat, sig)
+from .rules import B, P, S, Call, Ref, Row, broadcast_shapes, broadcasting, dim_of, fit, repeat, sig
+
+from .registry import register
 
 
 def gather(call: Call):

@@ -18,7 +18,9 @@ values of the dims it transforms only.
 """
 from __future__ import annotations
 
-from .signature import B, S, Call, Ref, Row, dims_of, register, repeat, sig
+from .rules import B, S, Call, Ref, Row, dims_of, repeat, sig
+
+from .registry import register
 
 # op -> (number of outputs, (tensor input, its core dims)...): an input's leading dims before
 # its core are its batch dims; a row splits a batch dim only when every input has the same

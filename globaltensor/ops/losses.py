@@ -10,8 +10,9 @@ import math
 
 import torch
 
-from .signature import (B, P, S, Call, Row, broadcast_shapes, broadcasting, fit, register, repeat,
-                        sig, with_arg)
+from .rules import B, P, S, Call, Row, broadcast_shapes, broadcasting, fit, repeat, sig, with_arg
+
+from .registry import register
 
 
 def nll_loss(call: Call):

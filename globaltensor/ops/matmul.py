@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from .signature import B, P, S, Call, Row, broadcasting, fit, register, table
+from .rules import B, P, S, Call, Row, broadcasting, fit, table
+
+from .registry import register
 
 MM = table(
     "S(0) B    -> S(0)",   # rows of the left operand split: each rank computes its rows

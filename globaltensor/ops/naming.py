@@ -5,7 +5,7 @@
     other ops      "mylib::cube", "mylib::cube.default", "mylib.cube.default", "mylib.cube",
                    torch.ops.mylib.cube(.default)  -> "mylib::cube" / "mylib::cube.default"
 
-Dispatch looks ops up by the same keys (``signature.qualified``), so a custom op never takes
+Dispatch looks ops up by the same keys (``naming.qualified``), so a custom op never takes
 the entry of an aten op of the same name. A name that cannot match any op is refused: an op
 not defined (yet) in ``torch.ops``, an overload the op does not have, or the bare name of a
 custom op (which would have been looked for among aten's). globaltensor's own tables may name

@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-from .signature import B, P, S, Call, Ref, Row, broadcasting, fit, register, repeat, sig
+from .rules import B, P, S, Call, Ref, Row, broadcasting, fit, repeat, sig
+
+from .registry import register
 
 aten = torch.ops.aten
 

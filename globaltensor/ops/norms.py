@@ -11,7 +11,8 @@ import math
 import torch
 
 from ..layout import Layout
-from .signature import B, P, S, Call, Row, arg_names, fit, register, repeat, sig
+from .rules import B, P, S, Call, Row, arg_names, fit, repeat, sig
+from .registry import register
 
 
 def layer_norm(call: Call):

@@ -7,7 +7,7 @@ grouped heads of attention (4 query heads over 2 key/value heads: query heads 2j
 key head j) are cut into matching groups when each size divides evenly by the ranks that split
 it; cut unevenly (2 key heads over 4 ranks: ranks 2 and 3 get none) they do not, and the op
 would run on pieces that do not belong together. :func:`unequal_splits_even` is the check
-:func:`~globaltensor.ops.signature.rows_for` adds to every rule whose rows split unequal dims
+:func:`~globaltensor.ops.registry.rows_for` adds to every rule whose rows split unequal dims
 (a rule whose kernel matches such pieces itself says ``ragged=True``). A split dim of size 1
 beside a longer one is never right (:func:`splits_size_one`): it broadcasts.
 

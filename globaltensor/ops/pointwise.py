@@ -7,8 +7,10 @@
 """
 from __future__ import annotations
 
-from .signature import B, P, S, Call, Ref, Row, Rule, linear_in, register, register_tag, repeat, sig
-from .signature import broadcast_shapes, broadcasting
+from .rules import B, P, S, Call, Ref, Row, Rule, linear_in, repeat, sig
+
+from .registry import register, register_tag
+from .rules import broadcast_shapes, broadcasting
 
 # ops linear in the named inputs together: all P -> P (the other inputs must be B)
 JOINT_LINEAR = {

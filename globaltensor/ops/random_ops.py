@@ -20,7 +20,8 @@ import torch
 
 from .. import random
 from .creation import like
-from .signature import S, Call, Row, Rule, broadcast_shapes, broadcasting, register, repeat, sig, B
+from .rules import S, Call, Row, Rule, broadcast_shapes, broadcasting, repeat, sig, B
+from .registry import register
 
 
 def random_inplace(call: Call) -> tuple[Row, ...]:

@@ -32,7 +32,8 @@ import torch
 
 from ..errors import GlobalTensorError
 from ..sbp import Split
-from .signature import Call, fit, register, sig, with_arg
+from .rules import Call, fit, sig, with_arg
+from .registry import register
 
 _FORWARD_ARGS = ("input", "weight0", "weight1", "weight2", "weight3", "hx_", "cx_", "reverse",
                  "batch_sizes", "mode", "hidden_size", "num_layers", "has_biases",

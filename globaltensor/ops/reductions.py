@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import math
 
-from .signature import B, P, S, Call, Row, dim_of, dims_of, linear_in, register, repeat, sig
+from .rules import B, P, S, Call, Row, dim_of, dims_of, linear_in, repeat, sig
+
+from .registry import register
 
 
 def reduced_rows(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:

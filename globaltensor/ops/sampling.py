@@ -19,7 +19,8 @@ from __future__ import annotations
 import torch
 
 from .. import random
-from .signature import B, S, Call, Row, register
+from .rules import B, S, Call, Row
+from .registry import register
 
 
 def multinomial(call: Call) -> tuple[Row, ...]:

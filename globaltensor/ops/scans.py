@@ -16,7 +16,8 @@
 from __future__ import annotations
 
 from .reductions import all_reduced_rows, reduced_rows, along_dim
-from .signature import B, P, S, Call, Ref, Row, dim_of, dims_of, register, sig
+from .rules import B, P, S, Call, Ref, Row, dim_of, dims_of, sig
+from .registry import register
 
 
 def _one_dim(call: Call, nouts: int, default=-1, partial=None):

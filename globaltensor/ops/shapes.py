@@ -28,7 +28,8 @@ from . import views
 import math
 
 from ..sbp import Split
-from .signature import Call, Row, Rule, S, dim_of, dims_of, keep_whole, register, sig
+from .rules import Call, Row, Rule, S, dim_of, dims_of, keep_whole, sig
+from .registry import register
 
 aten = torch.ops.aten
 

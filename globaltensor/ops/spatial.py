@@ -13,7 +13,9 @@ max_unpool{2,3}d(x, indices, output_size, ...) writes each value at its index wi
 """
 from __future__ import annotations
 
-from .signature import B, P, S, Call, Row, arg_value, register, repeat, with_arg
+from .rules import B, P, S, Call, Row, arg_value, repeat, with_arg
+
+from .registry import register
 
 
 def leading(spatial: int, sized: bool = False):

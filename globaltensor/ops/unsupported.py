@@ -11,7 +11,8 @@ wrapper failing later in torch's own code.
 from __future__ import annotations
 
 from ..errors import GlobalTensorError
-from .signature import Call, register
+from .rules import Call
+from .registry import register
 
 
 def not_dense(call: Call):

@@ -14,7 +14,8 @@ import torch
 
 from ..errors import GlobalTensorError
 from ..sbp import Split
-from .signature import B, P, S, Call, Row, Rule, dim_of, dims_of, keep_whole, register, repeat, sig
+from .rules import B, P, S, Call, Row, Rule, dim_of, dims_of, keep_whole, repeat, sig
+from .registry import register
 
 aten = torch.ops.aten
 

@@ -40,7 +40,7 @@ from .. import debug, env
 from ..plan import oracle as simulate
 from ..errors import GlobalTensorError, ShapeMismatchError
 from ..observe import reset, set_watchers
-from ..ops.signature import arg_value
+from ..ops.rules import arg_value
 from ..runtime.meta import all_objects
 from ..sbp import format_sbp
 from ..tensor import GlobalTensor

@@ -102,7 +102,7 @@ def test_the_candidate_table_holds_each_candidates_facts_and_a_bound_below_its_c
                                                     outs_of, partial_count as _partials,
                                                     target_layouts as _targets)
     from globaltensor.ops.choice.choose import _candidate_cost
-    from globaltensor.ops.signature import rows_for
+    from globaltensor.ops.registry import rows_for
     rng = random.Random("table" + grid)
     placement = gt.placement("cpu", GRIDS[grid])
     mesh = placement.shape

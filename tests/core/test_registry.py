@@ -82,4 +82,4 @@ def test_a_custom_op_named_like_an_aten_op_never_takes_its_entry():
     call = Call("gt_naming::cumsum.default", ((4,),), (Ref(0),))
     assert ops.rule_for(call) is None
     assert ops.rule_for(Call("cumsum.default", ((4,),), (Ref(0), 0))) is not None
-    assert ops.signature.arg_names("gt_naming::cumsum.default") == ("x",)
+    assert ops.rules.arg_names("gt_naming::cumsum.default") == ("x",)

@@ -22,7 +22,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import globaltensor as gt
-from globaltensor.ops import signature
+from globaltensor.ops import registry as signature
 from globaltensor.testing import run_ranks
 from helpers import G2, G22, gen, reference, run_global, run_no_grad
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 from ...layout import Layout, trusted
 from ...plan import plan
 from ...sbp import Broadcast, PartialSum
-from ..signature import B, P
+from ..rules import B, P
 
 
 def grad_layout(dst: Layout, outs) -> Layout:

@@ -15,7 +15,7 @@ from ...errors import GlobalTensorError
 from ...layout import Layout, trusted
 from ...plan import ALPHA, candidate_terms, code, fewest_collectives
 from ...sbp import PartialSum, SbpValue, Split
-from ..signature import KEEP, Rule
+from ..rules import KEEP, Rule
 
 
 def partial_count(outs, grid) -> int:

@@ -24,7 +24,8 @@ from ...sbp import PartialSum, SbpValue
 from .backward import backward_cost, backward_move, with_sbp
 from .candidates import (Table, axis_options, candidates, costing_nothing, outs_of, partial_count,
                          resolved_layouts, target_layouts)
-from ..signature import KEEP, Call, Rule, rows_for
+from ..rules import KEEP, Call, Rule
+from ..registry import rows_for
 
 
 @dataclass(frozen=True, slots=True)
