@@ -68,6 +68,11 @@ SBP_TYPES = (Split, Broadcast, PartialSum)
 
 broadcast = Broadcast()
 partial_sum = PartialSum()
+
+
+def replicated(ndim: int) -> tuple:
+    """The sbp of a value every rank holds whole: B on each of ``ndim`` placement axes."""
+    return (broadcast,) * ndim
 # OneFlow spells these as B / P too
 B = broadcast
 P = partial_sum
@@ -125,7 +130,7 @@ def by_axis(sbp: Mapping, ndim: int | None, axes: tuple | None) -> tuple[SbpValu
     """``{"tp": S(0)}`` (or ``{1: S(0)}``) -> one value per placement axis, B where not named."""
     if ndim is None:
         raise SbpError(f"an sbp by axis, {dict(sbp)!r}, needs the placement it is for")
-    values = [Broadcast()] * ndim
+    values = list(replicated(ndim))
     for key, value in sbp.items():
         values[_axis_index(key, ndim, axes, sbp)] = _one(value)
     return tuple(values)
@@ -165,4 +170,5 @@ def from_codes(codes) -> tuple[SbpValue, ...]:
 
 
 __all__ = ["Split", "Broadcast", "PartialSum", "SbpValue", "SbpSpec", "broadcast", "partial_sum",
+           "replicated",
            "B", "P", "split", "S", "normalize", "format_sbp", "SbpError"]

@@ -21,7 +21,7 @@ from .layout import Layout
 from .placement import Placement
 from .redistribute import redistribute_local
 from .runtime.groups import create_placement_groups
-from .sbp import Broadcast, PartialSum, SbpSpec, SbpValue, format_sbp
+from .sbp import Broadcast, PartialSum, SbpSpec, SbpValue, format_sbp, replicated
 
 broadcast, partial_sum = Broadcast(), PartialSum()
 _GRAPH_FORMAT = "groups named by ranks"  # in the cache key of a compiled graph's global inputs
@@ -223,7 +223,7 @@ def _full_layout(layout: Layout) -> Layout:
     placement = layout.placement
     if placement.size != size or set(placement.flat_ranks) != set(range(size)):
         placement = Placement(placement.type, list(range(size)))
-    return Layout(placement, (broadcast,) * placement.ndim, layout.shape)
+    return Layout(placement, replicated(placement.ndim), layout.shape)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -260,7 +260,7 @@ def _as_global_grad(grad, like: Layout) -> GlobalTensor:
     """A gradient for a global output: a plain tensor is taken as the full logical value."""
     if isinstance(grad, GlobalTensor):
         return grad
-    full = Layout(like.placement, (broadcast,) * like.placement.ndim, like.shape)
+    full = Layout(like.placement, replicated(like.placement.ndim), like.shape)
     coord = like.placement.coord_of(world.get_rank())
     local = grad if coord is not None else grad.new_empty((0,) * grad.dim())
     return redistribute(GlobalTensor._make(local, full), like)

@@ -11,6 +11,8 @@ costs the walk, a dict lookup, the local op and the wrapping.
     decisions.py  Plain, Decomposed, ViaFunctional, Contextual, Special
     special.py    copy_, item, foreach
     outputs.py    output layouts (a meta run), wrappers, the empty pieces of outside ranks
+    adopt.py      local tensors taken as broadcast values in global mode (GT_DEBUG compares them)
+    aliasing.py   views made from moved pieces: a write into one reaches its base
 
 Ranks outside the placement run every redistribution (SPMD) but skip the local op: their pieces
 are empty, with the output's ndim and dtype.

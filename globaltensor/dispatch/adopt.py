@@ -15,12 +15,13 @@ from torch.utils._pytree import tree_leaves, tree_map
 from .. import debug as _debug
 from ..errors import GlobalTensorError
 from ..layout import Layout
-from ..ops import B
 from ..runtime.agreement import check
+from ..sbp import replicated
 from ..tensor import GlobalTensor
 from .args import local_tensor_error
 from .decide import op_name
 from .decisions import my_coord
+
 
 class _ModeStack(threading.local):
     """Each thread's stack of global modes, there from the thread's first look (so code that
@@ -71,7 +72,7 @@ def adopt_locals(func, args, kwargs, found):
         if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor) and v.dim() != 0:
             if in_mode and _debug.is_debug():
                 agree_on_value(f"aten.{op_name(func)}: a local input", v)
-            layout = Layout(placement, (B,) * placement.ndim, tuple(v.shape))
+            layout = Layout(placement, replicated(placement.ndim), tuple(v.shape))
             return GlobalTensor._make(v if inside else v.new_empty((0,) * v.dim()), layout)
         return v
     return tree_map(adopt, (list(args), kwargs))

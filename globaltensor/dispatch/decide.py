@@ -7,8 +7,8 @@ import collections
 import torch
 
 from ..errors import GlobalTensorError
-from ..ops import MOVES, B, Choice, arg_value, choose, entry, qualified, rule_for
-from ..sbp import PartialSum
+from ..ops import MOVES, Choice, arg_value, choose, entry, qualified, rule_for
+from ..sbp import PartialSum, replicated
 from ..tensor import GlobalTensor
 from .args import call_of, slots_of
 from .decisions import (AdoptIndexScalars, Contextual, Decomposed, InplaceView, NoRule, Plain,
@@ -98,7 +98,7 @@ def _plain(func, args, kwargs, tensors, choice, inplace, call, key):
         if inplace:
             raise
         LEARNT[call.op] += 1
-        full = (B,) * tensors[0]._layout.placement.ndim
+        full = replicated(tensors[0]._layout.placement.ndim)
         return RunToLearn(tuple(t._layout if t._layout.sbp == full else t._layout.with_sbp(full)
                                 for t in tensors))
     if inplace:
@@ -210,6 +210,6 @@ def _broadcast_choice(func, name, layouts):
             f"(dropout, rand_like, bernoulli, normal, poisson, multinomial, uniform_; "
             f"docs/sbp.md, 'Random ops')")
     FALLBACKS[name] += 1
-    full = (B,) * layouts[0].placement.ndim
+    full = replicated(layouts[0].placement.ndim)
     targets = tuple(l if l.sbp == full else l.with_sbp(full) for l in layouts)
     return Choice(targets, (full,), None, 0.0)

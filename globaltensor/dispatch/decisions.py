@@ -22,7 +22,7 @@ from .._cache import Bounded
 from ..debug import user_frame
 from ..errors import GlobalTensorError
 from ..layout import Layout
-from ..sbp import Broadcast
+from ..sbp import replicated
 from ..ops import KERNELS, KernelContext
 from ..ops.pieces import nothing_held, zero_pieces
 from ..redistribute import moved, moved_targets, redistribute_local
@@ -34,7 +34,6 @@ from .outputs import empties, wrap
 from .aliasing import LINK, link, write_back, write_into
 
 
-B_SBP = Broadcast()
 _WARNED = Bounded(10_000)  # ops already warned about (no rule: broadcast fallback)
 
 
@@ -383,7 +382,7 @@ def _from_first_member(result, placement, inside):
 
 
 def _broadcast_wrapped(result, placement):
-    full = (B_SBP,) * placement.ndim
+    full = replicated(placement.ndim)
     if isinstance(result, tuple) and len(result) == 3 and result[0] == "shape":
         _, shape, empty = result  # an outside rank: an empty piece of the learnt shape
         return GlobalTensor._make(empty, Layout(placement, full, shape))
@@ -407,7 +406,7 @@ class AdoptIndexScalars:
     def run(self, func, args, kwargs, tensors):
         placement = tensors[0]._layout.placement
         inside = my_coord(placement) is not None
-        full = (B_SBP,) * placement.ndim
+        full = replicated(placement.ndim)
 
         def adopt(v):
             if type(v) is torch.Tensor and v.dim() == 0:

@@ -8,7 +8,7 @@ from .. import debug as _debug
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..redistribute import redistribute_local
-from ..sbp import Broadcast, broadcast
+from ..sbp import Broadcast, replicated
 from ..tensor import GlobalTensor
 from .decisions import my_coord
 from .aliasing import LINK, write_back, write_into
@@ -31,7 +31,7 @@ def _copy_(func, args, kwargs, tensors):
 
 def _local_scalar_dense(func, args, kwargs, tensors):
     x = tensors[0]
-    full = Layout(x._layout.placement, (broadcast,) * x._layout.placement.ndim, x._layout.shape)
+    full = Layout(x._layout.placement, replicated(x._layout.placement.ndim), x._layout.shape)
     piece = redistribute_local(x._local, x._layout, full)
     if my_coord(full.placement) is None:
         raise GlobalTensorError(

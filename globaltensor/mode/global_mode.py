@@ -40,7 +40,7 @@ from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..ops import factory_roles
 from ..placement import Placement
-from ..sbp import Broadcast, from_codes, normalize, to_codes
+from ..sbp import from_codes, normalize, replicated, to_codes
 from ..dispatch.adopt import active, agree_on_value, modes
 from . import packed, rnn
 from ..runtime.emit import is_traced
@@ -73,7 +73,7 @@ class GlobalMode(TorchFunctionMode):
     def __init__(self, placement, sbp=None):
         super().__init__()
         self.placement = check_placement(placement)
-        sbp = (Broadcast(),) * self.placement.ndim if sbp is None else sbp
+        sbp = replicated(self.placement.ndim) if sbp is None else sbp
         self.sbp = normalize(sbp, self.placement.ndim, self.placement.axes)
 
     def __enter__(self):
@@ -120,13 +120,13 @@ class GlobalMode(TorchFunctionMode):
     # ---- making global tensors
     def _layout(self, full: torch.Tensor, placement=None) -> Layout:
         placement = placement or self.placement
-        sbp = self.sbp if placement is self.placement else (Broadcast(),) * placement.ndim
+        sbp = self.sbp if placement is self.placement else replicated(placement.ndim)
         return Layout(placement, sbp, tuple(full.shape))
 
     def _wrap(self, full: torch.Tensor, *, sync: bool, placement=None) -> GlobalTensor:
         layout = self._layout(full, placement)
         if sync:  # the first rank's draw, sent to the others (to_global's broadcast)
-            every = (Broadcast(),) * layout.placement.ndim
+            every = replicated(layout.placement.ndim)
             out = full.detach().to_global(placement=layout.placement, sbp=every)
             return out if layout.sbp == every else out.to_global(sbp=layout.sbp)
         if _debug.is_debug():

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..errors import GlobalTensorError
-from ..sbp import broadcast
+from ..sbp import replicated
 from ..tensor import GlobalTensor
 
 
@@ -46,7 +46,7 @@ def _index(rows: torch.Tensor, like: GlobalTensor) -> GlobalTensor:
     """``rows`` as a broadcast global index on ``like``'s placement (no communication)."""
     from ..factories import tensor
 
-    return tensor(rows, placement=like.placement, sbp=(broadcast,) * like.placement.ndim)
+    return tensor(rows, placement=like.placement, sbp=replicated(like.placement.ndim))
 
 
 def _torch_says(func, *args):

@@ -27,7 +27,7 @@ import torch
 from .. import debug as _debug
 from ..dispatch.adopt import agree_on_value
 from ..errors import GlobalTensorError
-from ..sbp import Broadcast
+from ..sbp import replicated
 from ..tensor import GlobalTensor
 
 _getitem = torch.Tensor.__getitem__
@@ -42,7 +42,7 @@ def _broadcast(x: GlobalTensor, data, dtype=None) -> GlobalTensor:
     value = torch.as_tensor(data, dtype=dtype)
     if _debug.is_debug():
         agree_on_value("python data used with a global tensor", value)
-    return tensor(value, placement=x.placement, sbp=(Broadcast(),) * x.placement.ndim,
+    return tensor(value, placement=x.placement, sbp=replicated(x.placement.ndim),
                   dtype=value.dtype)
 
 
@@ -95,7 +95,7 @@ def new(self, *args, **kwargs):
         raise GlobalTensorError(
             f"x.new(...) on a global tensor expects sizes (ints) or data, found {args!r}; use "
             f"x.new_empty(size) or gt.tensor(data, placement=..., sbp=...)")
-    return empty(*args, placement=self.placement, sbp=(Broadcast(),) * self.placement.ndim,
+    return empty(*args, placement=self.placement, sbp=replicated(self.placement.ndim),
                  dtype=self.dtype)
 
 

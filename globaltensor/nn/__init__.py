@@ -1,4 +1,10 @@
-"""Modules and global tensors: ``gt.nn``."""
+"""Modules and global tensors: ``gt.nn``, for the user who trains.
+
+    module.py      module.to_global / gt.nn.to_global, to_local; a converted module's entry
+                   points run in global mode
+    styles.py      ready-made sbp_fns (column / row parallel, ...)
+    pretrained.py  HF's save_pretrained on a converted model (full values, rank 0 writes)
+    parallel/      DistributedDataParallel"""
 from . import parallel
 from .module import to_global, to_local
 from .styles import colwise, rowwise, sbp_plan, sequence

@@ -18,7 +18,7 @@ import torch
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..placement import Placement
-from ..sbp import SBP_TYPES, Broadcast, PartialSum, format_sbp, normalize
+from ..sbp import Broadcast, PartialSum, SBP_TYPES, format_sbp, normalize, replicated
 from ..convert import check_placement
 from ..tensor import GlobalTensor, redistribute
 from . import pretrained
@@ -187,14 +187,14 @@ def _join(prefix: str, name: str) -> str:
 
 def _sbp_chooser(sbp_fn, placement: Placement):
     if sbp_fn is None:
-        return lambda name, t: (Broadcast(),) * placement.ndim
+        return lambda name, t: replicated(placement.ndim)
     is_value = (isinstance(sbp_fn, (list, tuple, dict) + SBP_TYPES)
                 or sbp_fn in (Broadcast, PartialSum))
     if not is_value and callable(sbp_fn):
         def choose(name, t):
             value = sbp_fn(name, t)
             if value is None:
-                return (Broadcast(),) * placement.ndim
+                return replicated(placement.ndim)
             return _normalized(value, name, placement)
         return choose
     fixed = _normalized(sbp_fn, "every tensor", placement)
@@ -229,11 +229,11 @@ def _converted(value, name, placement, choose, converted, parameter, piece_of=No
 def _full_to_global(full: torch.Tensor, placement: Placement, sbp, name) -> GlobalTensor:
     """The full value on each rank -> global with ``sbp``; the first rank's values win."""
     try:
-        replicated = full.to_global(placement=placement, sbp=(Broadcast(),) * placement.ndim)
+        whole = full.to_global(placement=placement, sbp=replicated(placement.ndim))
         layout = Layout(placement, sbp, tuple(full.shape))
     except GlobalTensorError as e:
         raise GlobalTensorError(f"module.to_global: {name} of shape {list(full.shape)}: {e}") from None
-    return redistribute(replicated, layout)
+    return redistribute(whole, layout)
 
 
 def _from_piece(piece: torch.Tensor, layout: Layout, name) -> GlobalTensor:

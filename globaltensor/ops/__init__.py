@@ -8,7 +8,7 @@ and its size rewrites, registered with one ``register(...)`` line per op or grou
     pieces.py      which pieces of a row belong together; zeros only where exact
     choice/        the signature choice (choose, candidates, backward): the only part that
                    imports ``plan``
-    the families:  pointwise  activations  creation  random_ops  sampling  reductions  scans
+    the families:  pointwise  activations  creation  random_ops  sampling  reductions
                    matmul  views  shapes  indexing  embedding_bag  linalg  spatial  nn  norms
                    losses  recurrent  unsupported
 

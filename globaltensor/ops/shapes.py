@@ -1,9 +1,14 @@
-"""More shape ops: flips, rolls, repeats, diagonals, windows, channel shuffles, and the ``*_copy``
-forms of the view ops (which take their view's rule).
+"""Shape ops whose result is a new tensor (views.py holds the ops whose result aliases its
+input): cat, stack, tril/triu, constant padding, the scatters and backwards of the views, flips,
+rolls, repeats, diagonals, windows, channel shuffles, and the ``*_copy`` forms of the view ops
+(which take their view's rule).
 
     B    -> B, P -> P      these ops move values, never mix them (all linear)
     S(d) -> S(d')          a dim the op does not reorder keeps its split, at its new place:
         flip / roll / rot90        the flipped, rolled, rotated dims whole
+        cat / stack                every dim but the joined one (stack: shifted past the new)
+        tril / triu / pad          the masked or padded dims whole (pad: P only with value 0)
+        *_scatter / *_backward     the view's other dims, split alike in base and src
         repeat                     a dim repeated once; new leading dims shift the others
         diag_embed                 every dim but the last (which becomes the diagonal)
         diagonal_backward          the grad's dims but the diagonal (local sizes rewritten)
@@ -24,11 +29,12 @@ from __future__ import annotations
 
 import torch
 
-from . import views
 import math
 
+from . import views
 from ..sbp import Split
-from .rules import Call, Row, Rule, S, dim_of, dims_of, keep_whole, sig
+from .rules import B, P, S, Call, Row, Rule, dim_of, dims_of, keep_whole, sig
+from .rules import repeat as times
 from .registry import register
 
 aten = torch.ops.aten
@@ -162,6 +168,95 @@ def narrow_copy(call: Call):
     return keep_whole(call, () if whole else (dim,))
 
 
+def cat(call: Call):
+    n = len(call.shapes)
+    nd = max(len(s) for s in call.shapes)
+    dim = dim_of(call.get("dim", 0), nd)
+    real = [len(s) == nd for s in call.shapes]  # legacy 1-D empty tensors are skipped by cat
+    rows = [Row(times(n, B), (B,)), Row(times(n, P), (P,))]
+    rows += [Row(tuple(S(d) if r else B for r in real), (S(d),)) for d in range(nd) if d != dim]
+    return tuple(rows)
+
+
+def stack(call: Call):
+    n = len(call.shapes)
+    nd = len(call.shapes[0])
+    dim = call.get("dim", 0) % (nd + 1)
+    rows = [Row(times(n, B), (B,)), Row(times(n, P), (P,))]
+    rows += [Row(times(n, S(d)), (S(d + (d >= dim)),)) for d in range(nd)]
+    return tuple(rows)
+
+
+def tri(call: Call):
+    """``tril`` / ``triu``: the masked (last two) dims whole."""
+    nd = len(call.shapes[0])
+    return keep_whole(call, (nd - 2, nd - 1) if nd >= 2 else ())
+
+
+def select_backward(call: Call):
+    """``select_backward(grad, input_sizes, dim, index)``: grad's dims map around ``dim``."""
+    nd = len(call.get("input_sizes"))
+    dim = dim_of(call.get("dim"), nd)
+    rows = [sig("B -> B"), sig("P -> P")]
+    rows += [Row((S(d),), (S(d + (d >= dim)),)) for d in range(nd - 1)]
+    return tuple(rows)
+
+
+def _rewrite_select_backward(decision, largs, pieces):
+    sizes = list(largs[1])
+    dim = largs[2] % len(sizes)
+    local = list(pieces[0].shape)
+    largs[1] = local[:dim] + [sizes[dim]] + local[dim:]
+
+
+def slice_backward(call: Call):
+    return keep_whole(call, (dim_of(call.get("dim"), len(call.shapes[0])),))
+
+
+def _rewrite_slice_backward(decision, largs, pieces):
+    sizes = list(largs[1])
+    dim = largs[2] % len(sizes)
+    local = list(pieces[0].shape)
+    local[dim] = sizes[dim]
+    largs[1] = local
+
+
+def select_scatter(call: Call):
+    """``select_scatter(x, src, dim, index)``: x's other dims split alike with src's; linear in
+    (x, src) together (writes through a ``select`` view, dispatch/views.py)."""
+    nd = len(call.shapes[0])
+    dim = dim_of(call.get("dim"), nd)
+    rows = [sig("B B -> B"), sig("P P -> P")]
+    return tuple(rows + [Row((S(d), S(d - (d > dim))), (S(d),)) for d in range(nd) if d != dim])
+
+
+def slice_scatter(call: Call):
+    """``slice_scatter(x, src, dim, start, end, step)``: other dims split alike."""
+    nd = len(call.shapes[0])
+    dim = dim_of(call.get("dim", 0), nd)
+    rows = [sig("B B -> B"), sig("P P -> P")]
+    return tuple(rows + [Row((S(d), S(d)), (S(d),)) for d in range(nd) if d != dim])
+
+
+def diagonal_scatter(call: Call):
+    """``diagonal_scatter(x, src, offset, dim1, dim2)``: src holds x's other dims, then the
+    diagonal; those other dims split alike."""
+    rows = [sig("B B -> B"), sig("P P -> P")]
+    return tuple(rows + [Row((S(d), S(k)), (S(d),)) for k, d in enumerate(views.diagonal_rest(call))])
+
+
+def constant_pad(call: Call):
+    """``constant_pad_nd(x, pad, value)``: the padded dims must be whole, the others may stay
+    split; a partial sum passes only when the padding value is 0 (every rank pads with it)."""
+    nd = len(call.shapes[0])
+    pad = list(call.get("pad"))
+    padded = {nd - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0}
+    rows = keep_whole(call, padded)
+    if call.get("value", 0) != 0:
+        rows = tuple(r for r in rows if r.ins[0] != P)
+    return rows
+
+
 register("flip", rule=flip)
 register("roll", rule=roll)
 register("rot90", rule=rot90)
@@ -186,3 +281,12 @@ register("unbind_copy", rule=views.unbind)
 register("split_with_sizes_copy", "split_copy", rule=views.split)
 register("select_copy", rule=views.select)
 register("slice_copy", rule=views.slice_)
+register("constant_pad_nd", rule=constant_pad)
+register("cat", rule=cat)
+register("stack", rule=stack)
+register("tril", "triu", "tril_", "triu_", rule=tri)
+register("select_backward", rule=select_backward, rewrite=_rewrite_select_backward)
+register("slice_backward", rule=slice_backward, rewrite=_rewrite_slice_backward)
+register("select_scatter", rule=select_scatter)
+register("slice_scatter", rule=slice_scatter)
+register("diagonal_scatter", rule=diagonal_scatter)

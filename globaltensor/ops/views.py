@@ -1,10 +1,12 @@
-"""Views and shape ops: a split follows its dim to where the op puts it.
+"""Views: the ops whose result aliases its input; a split follows its dim to where the op puts it.
 
-    B    -> B, P -> P      every shape op moves values, never mixes them
+    B    -> B, P -> P      a view moves values, never mixes them
     S(d) -> S(d')          d' is where dim d lands (permute, unsqueeze, a merged or split view)
-A dim the op cuts, selects or removes (slice, select, split, unbind, tril's last two) must be
-whole. Ops whose arguments name global sizes (view, expand, *_backward) get this rank's local
-sizes through their rewrite.
+A dim the op cuts, selects or removes (slice, select, split, unbind, diagonal's pair) must be
+whole. Ops whose arguments name global sizes (view, expand) get this rank's local sizes through
+their rewrite. Each view has its write-back (a write into a view made from moved pieces reaches
+the base). Ops that make new tensors of other shapes (cat, stack, tril, pad, the scatters, the
+views' backwards and ``*_copy`` forms) are in shapes.py.
 """
 from __future__ import annotations
 
@@ -14,7 +16,7 @@ import torch
 
 from ..errors import GlobalTensorError
 from ..sbp import Split
-from .rules import B, P, S, Call, Row, Rule, dim_of, dims_of, keep_whole, repeat, sig
+from .rules import S, Call, Row, Rule, dim_of, dims_of, keep_whole, sig
 from .registry import register
 
 aten = torch.ops.aten
@@ -248,77 +250,7 @@ def rewrite_expand(decision, largs, pieces):
     largs[1] = size
 
 
-def cat(call: Call):
-    n = len(call.shapes)
-    nd = max(len(s) for s in call.shapes)
-    dim = dim_of(call.get("dim", 0), nd)
-    real = [len(s) == nd for s in call.shapes]  # legacy 1-D empty tensors are skipped by cat
-    rows = [Row(repeat(n, B), (B,)), Row(repeat(n, P), (P,))]
-    rows += [Row(tuple(S(d) if r else B for r in real), (S(d),)) for d in range(nd) if d != dim]
-    return tuple(rows)
-
-
-def stack(call: Call):
-    n = len(call.shapes)
-    nd = len(call.shapes[0])
-    dim = call.get("dim", 0) % (nd + 1)
-    rows = [Row(repeat(n, B), (B,)), Row(repeat(n, P), (P,))]
-    rows += [Row(repeat(n, S(d)), (S(d + (d >= dim)),)) for d in range(nd)]
-    return tuple(rows)
-
-
-def tri(call: Call):
-    """``tril`` / ``triu``: the masked (last two) dims whole."""
-    nd = len(call.shapes[0])
-    return keep_whole(call, (nd - 2, nd - 1) if nd >= 2 else ())
-
-
-def select_backward(call: Call):
-    """``select_backward(grad, input_sizes, dim, index)``: grad's dims map around ``dim``."""
-    nd = len(call.get("input_sizes"))
-    dim = dim_of(call.get("dim"), nd)
-    rows = [sig("B -> B"), sig("P -> P")]
-    rows += [Row((S(d),), (S(d + (d >= dim)),)) for d in range(nd - 1)]
-    return tuple(rows)
-
-
-def _rewrite_select_backward(decision, largs, pieces):
-    sizes = list(largs[1])
-    dim = largs[2] % len(sizes)
-    local = list(pieces[0].shape)
-    largs[1] = local[:dim] + [sizes[dim]] + local[dim:]
-
-
-def slice_backward(call: Call):
-    return keep_whole(call, (dim_of(call.get("dim"), len(call.shapes[0])),))
-
-
-def _rewrite_slice_backward(decision, largs, pieces):
-    sizes = list(largs[1])
-    dim = largs[2] % len(sizes)
-    local = list(pieces[0].shape)
-    local[dim] = sizes[dim]
-    largs[1] = local
-
-
-def select_scatter(call: Call):
-    """``select_scatter(x, src, dim, index)``: x's other dims split alike with src's; linear in
-    (x, src) together (writes through a ``select`` view, dispatch/views.py)."""
-    nd = len(call.shapes[0])
-    dim = dim_of(call.get("dim"), nd)
-    rows = [sig("B B -> B"), sig("P P -> P")]
-    return tuple(rows + [Row((S(d), S(d - (d > dim))), (S(d),)) for d in range(nd) if d != dim])
-
-
-def slice_scatter(call: Call):
-    """``slice_scatter(x, src, dim, start, end, step)``: other dims split alike."""
-    nd = len(call.shapes[0])
-    dim = dim_of(call.get("dim", 0), nd)
-    rows = [sig("B B -> B"), sig("P P -> P")]
-    return tuple(rows + [Row((S(d), S(d)), (S(d),)) for d in range(nd) if d != dim])
-
-
-def _diagonal_rest(call: Call) -> list[int]:
+def diagonal_rest(call: Call) -> list[int]:
     nd = len(call.shapes[0])
     pair = {dim_of(call.get("dim1", 0), nd), dim_of(call.get("dim2", 1), nd)}
     return [d for d in range(nd) if d not in pair]
@@ -328,26 +260,7 @@ def diagonal(call: Call):
     """``diagonal(x, offset, dim1, dim2)``: the two dims whole; the others keep their split
     (numbered in order, the diagonal last)."""
     rows = [sig("B -> B"), sig("P -> P")]
-    return tuple(rows + [Row((S(d),), (S(k),)) for k, d in enumerate(_diagonal_rest(call))])
-
-
-def diagonal_scatter(call: Call):
-    """``diagonal_scatter(x, src, offset, dim1, dim2)``: src holds x's other dims, then the
-    diagonal; those other dims split alike."""
-    rows = [sig("B B -> B"), sig("P P -> P")]
-    return tuple(rows + [Row((S(d), S(k)), (S(d),)) for k, d in enumerate(_diagonal_rest(call))])
-
-
-def constant_pad(call: Call):
-    """``constant_pad_nd(x, pad, value)``: the padded dims must be whole, the others may stay
-    split; a partial sum passes only when the padding value is 0 (every rank pads with it)."""
-    nd = len(call.shapes[0])
-    pad = list(call.get("pad"))
-    padded = {nd - 1 - i // 2 for i in range(len(pad)) if pad[i] != 0}
-    rows = keep_whole(call, padded)
-    if call.get("value", 0) != 0:
-        rows = tuple(r for r in rows if r.ins[0] != P)
-    return rows
+    return tuple(rows + [Row((S(d),), (S(k),)) for k, d in enumerate(diagonal_rest(call))])
 
 
 # ----------------------------------------------------------------------------- write-backs
@@ -403,7 +316,6 @@ def _scatter_split(get, k):
 
 
 register("view", "_unsafe_view", "reshape", rule=view, rewrite=rewrite_view)
-register("constant_pad_nd", rule=constant_pad)
 register("permute", rule=permute)
 register("transpose", "t", rule=transpose)
 register("squeeze", rule=squeeze, kernels={"squeeze": _k_squeeze})
@@ -413,15 +325,7 @@ register("select", rule=select)
 register("slice", rule=slice_)
 register("split", "split_with_sizes", rule=split)
 register("unbind", rule=unbind)
-register("cat", rule=cat)
-register("stack", rule=stack)
-register("tril", "triu", "tril_", "triu_", rule=tri)
-register("select_backward", rule=select_backward, rewrite=_rewrite_select_backward)
-register("slice_backward", rule=slice_backward, rewrite=_rewrite_slice_backward)
-register("select_scatter", rule=select_scatter)
-register("slice_scatter", rule=slice_scatter)
 register("diagonal", rule=diagonal)
-register("diagonal_scatter", rule=diagonal_scatter)
 # a write into the view reaches the base (the write-backs above)
 register("select", write_back=_scatter_select)
 register("slice", write_back=_scatter_slice)

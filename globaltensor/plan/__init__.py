@@ -12,7 +12,8 @@ the layout before and after it, so an executor runs a plan with no search of its
 Pure: no torch.distributed, no rank. Plans depend only on (src, dst) and are cached. This
 module only re-exports; one file per part (docs/architecture.md, docs/planner.md):
 steps · cost · codes · ranges · space · messages · exchange · bound · search · reference ·
-simulate (imported on its own: ``from globaltensor.plan import simulate``).
+oracle (a plan run over every rank's full set of pieces in one process: the tests' and
+``gt.verify``'s oracle, imported on its own: ``from globaltensor.plan import oracle``).
 """
 from .bound import candidate_terms, fewest_collectives, lower_bound, move_bounds
 from .codes import code

@@ -37,7 +37,7 @@ from torch.utils._python_dispatch import TorchDispatchMode, _disable_current_mod
 from torch.utils._pytree import tree_flatten, tree_leaves, tree_map, tree_unflatten
 
 from .. import debug, env
-from ..plan import oracle as simulate
+from ..plan import oracle
 from ..errors import GlobalTensorError, ShapeMismatchError
 from ..observe import reset, set_watchers
 from ..ops.rules import arg_value
@@ -156,8 +156,8 @@ class verify(TorchDispatchMode):  # noqa: N801 - a context manager named like a 
             everyone = all_objects((local.detach().cpu(), result.detach().cpu()),
                                    f"gt.verify: {call}")
             try:
-                src = simulate.gather({r: e[0] for r, e in enumerate(everyone)}, plan.src)
-                dst = simulate.gather({r: e[1] for r, e in enumerate(everyone)}, plan.dst)
+                src = oracle.gather({r: e[0] for r, e in enumerate(everyone)}, plan.src)
+                dst = oracle.gather({r: e[1] for r, e in enumerate(everyone)}, plan.dst)
                 diff = compare(dst, src, self.rtol, self.atol)
             except ShapeMismatchError as error:
                 diff = Diff(False, math.inf, math.inf, note=f"pieces disagree: {error}")
@@ -270,7 +270,7 @@ def _full(i: int, value, everyone, which: int, what: str, known=None):
         return full
     if isinstance(value, GlobalTensor):
         try:
-            return simulate.gather(pieces, value._layout)
+            return oracle.gather(pieces, value._layout)
         except ShapeMismatchError as error:
             raise ValueError(f"{what} {i} ({format_sbp(value.sbp)}, shape {list(value.shape)}) "
                              f"holds pieces that disagree between ranks: {error}") from None

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.plan import oracle as simulate
+from globaltensor.plan import oracle
 from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.runtime import execute
@@ -36,8 +36,8 @@ def test_local_slice_plans_return_fresh_contiguous_pieces_on_every_rank():
     for src, dst in cases:
         p = plan(src, dst)
         assert p.steps and all(isinstance(s, LocalSlice) for s in p.steps), p
-        pieces = simulate.scatter(full_of(src.shape), src, 4)
-        expected = simulate.run(p, pieces)
+        pieces = oracle.scatter(full_of(src.shape), src, 4)
+        expected = oracle.run(p, pieces)
         for _ in range(2):
             for rank in (0, 3, 1, 2):
                 got = execute.run(p, pieces[rank], rank)

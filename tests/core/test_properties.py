@@ -14,7 +14,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import globaltensor as gt
-from globaltensor.plan import oracle as simulate
+from globaltensor.plan import oracle
 from globaltensor.layout import Layout
 from globaltensor.plan import plan
 from globaltensor.plan import holds_full
@@ -77,11 +77,11 @@ def test_split_minus_one_is_the_last_dim(layout):
 def test_every_plan_preserves_the_value_in_the_simulator(case, dtype):
     src, dst = case
     full = small_ints(src.shape, dtype)
-    pieces = simulate.scatter(full, src, world_size=6)
-    out = simulate.run(plan(src, dst), pieces)
+    pieces = oracle.scatter(full, src, world_size=6)
+    out = oracle.run(plan(src, dst), pieces)
     for rank in range(6):
         assert tuple(out[rank].shape) == dst.local_shape_of_rank(rank)
-    assert torch.equal(simulate.gather(out, dst), full)
+    assert torch.equal(oracle.gather(out, dst), full)
 
 
 @PURE

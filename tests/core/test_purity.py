@@ -250,3 +250,81 @@ def test_short_files_and_functions():
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 length = node.end_lineno - node.lineno + 1
                 assert length <= 60, f"{name}.{node.name} has {length} lines"
+
+
+# ----------------------------------------------------------------------------- the house by audience
+# (DESIGN.md, "The shape of the house"; docs/architecture.md: one paragraph per room)
+
+EFFECTS = ("runtime", "comm", "world", "checkpoint", "launch")
+
+
+def test_tools_are_a_leaf_the_core_never_imports():
+    # the core announces through observe.py; the tools listen (only the face imports them)
+    for name, edges in _graph().items():
+        if _unit(name) in ("tools", "") or name == "globaltensor":
+            continue
+        bad = sorted(e for e in edges if _unit(e) == "tools")
+        assert not bad, f"{name} imports {bad}: announce through globaltensor.observe instead"
+
+
+def test_global_mode_is_imported_only_by_the_face_and_nn():
+    for name, edges in _graph().items():
+        if _unit(name) in ("mode", "nn") or name == "globaltensor":
+            continue
+        bad = sorted(e for e in edges if _unit(e) == "mode")
+        assert not bad, f"{name} imports {bad}"
+
+
+def test_torch_distributed_is_called_only_from_the_effects_layer():
+    for name, path in _MODULES.items():
+        if _unit(name) in EFFECTS or name == "globaltensor.testing":
+            continue
+        found = sorted(n for n in _imports(path) if n == "torch.distributed"
+                       or n.startswith("torch.distributed."))
+        assert not found, f"{name} imports {found}: go through runtime/ (or world/, comm/)"
+
+
+def test_op_families_import_neither_the_planner_nor_the_choice():
+    for name, edges in _graph().items():
+        if _unit(name) != "ops" or name.startswith("globaltensor.ops.choice") or name == "globaltensor.ops":
+            continue
+        bad = sorted(e for e in edges if e.startswith(("globaltensor.plan", "globaltensor.ops.choice")))
+        assert not bad, f"{name} imports {bad}: only ops/choice/ prices plans"
+
+
+@pytest.mark.parametrize("package", sorted(str(p.parent.relative_to(PKG.parent))
+                                           for p in PKG.rglob("__init__.py")))
+def test_every_package_docstring_names_every_module_of_its_folder(package):
+    folder = PKG.parent / package
+    doc = ast.get_docstring(ast.parse((folder / "__init__.py").read_text())) or ""
+    if folder == PKG:
+        return  # the face's docstring is the project's; docs/architecture.md maps the root
+    names = [p.stem for p in folder.glob("*.py") if p.stem != "__init__"]
+    names += [p.name for p in folder.iterdir() if (p / "__init__.py").exists()]
+    missing = sorted(n for n in names if n not in doc)
+    assert not missing, f"{package}/__init__.py's docstring does not name {missing}"
+
+
+def _replicated_spellings(tree):
+    """``(B,) * placement.ndim``-like expressions: a one-element tuple or list of a broadcast
+    value times something's ``ndim``."""
+    broadcast_names = {"B", "B_SBP", "broadcast", "Broadcast"}
+    for node in ast.walk(tree):
+        if isinstance(node, ast.BinOp) and isinstance(node.op, ast.Mult):
+            seq, times = node.left, node.right
+            if not (isinstance(seq, (ast.Tuple, ast.List)) and len(seq.elts) == 1):
+                continue
+            value = seq.elts[0]
+            name = value.func if isinstance(value, ast.Call) else value
+            named = getattr(name, "id", None) or getattr(name, "attr", None)
+            if named in broadcast_names and "ndim" in ast.unparse(times):
+                yield node.lineno
+
+
+def test_the_replicated_sbp_is_spelled_once():
+    # sbp.replicated(ndim): B on every placement axis
+    for name, path in _MODULES.items():
+        if name == "globaltensor.sbp":
+            continue
+        lines = list(_replicated_spellings(ast.parse(path.read_text())))
+        assert not lines, f"{name}:{lines}: write sbp.replicated(placement.ndim)"

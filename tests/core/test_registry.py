@@ -77,7 +77,7 @@ def test_register_refuses_names_that_cannot_match(spelling, message):
 
 
 def test_a_custom_op_named_like_an_aten_op_never_takes_its_entry():
-    # "cumsum" is aten's (scans.py); gt_naming::cumsum is looked up under its own key
+    # "cumsum" is aten's (reductions.py); gt_naming::cumsum is looked up under its own key
     assert ops.qualified(torch.ops.gt_naming.cumsum.default) == "gt_naming::cumsum.default"
     call = Call("gt_naming::cumsum.default", ((4,),), (Ref(0),))
     assert ops.rule_for(call) is None

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.plan import oracle as simulate
+from globaltensor.plan import oracle
 from globaltensor.runtime import execute
 from globaltensor.layout import Layout
 from globaltensor.plan import plan
@@ -26,7 +26,7 @@ def convert_all(rank, cases, world):
     """Run every case on this rank; check the input is untouched and the output fresh."""
     out = []
     for src, dst in cases:
-        piece = simulate.scatter(full_of(src.shape), src, world)[rank]
+        piece = oracle.scatter(full_of(src.shape), src, world)[rank]
         before = piece.clone()
         result = execute.run(plan(src, dst), piece, rank)
         assert torch.equal(piece, before), "the executor modified its input"
@@ -40,12 +40,12 @@ def convert_all(rank, cases, world):
 def check_against_simulator(cases, world, timeout=60):
     results = run_ranks(convert_all, world, cases, world, timeout=timeout)
     for k, (src, dst) in enumerate(cases):
-        expected = simulate.run(plan(src, dst), simulate.scatter(full_of(src.shape), src, world))
+        expected = oracle.run(plan(src, dst), oracle.scatter(full_of(src.shape), src, world))
         for rank in range(world):
             got = results[rank][k]
             assert got.shape == expected[rank].shape and torch.equal(got, expected[rank]), (
                 f"rank {rank}: {plan(src, dst).describe()}")
-        assert torch.equal(simulate.gather([results[r][k] for r in range(world)], dst),
+        assert torch.equal(oracle.gather([results[r][k] for r in range(world)], dst),
                            full_of(src.shape))
 
 
@@ -93,13 +93,13 @@ def test_other_dtypes_and_higher_rank_tensors(cpu_path):
         out = []
         for src, dst in cases:
             full = torch.arange(90, dtype=torch.int64).reshape(3, 5, 6)
-            piece = simulate.scatter(full, src, 4)[rank]
+            piece = oracle.scatter(full, src, 4)[rank]
             out.append(execute.run(plan(src, dst), piece, rank))
         return out
 
     results = run_ranks(body, 4, timeout=60)
     for k, (src, dst) in enumerate(cases):
-        got = simulate.gather([results[r][k] for r in range(4)], dst)
+        got = oracle.gather([results[r][k] for r in range(4)], dst)
         assert got.dtype == torch.int64
         assert torch.equal(got, torch.arange(90).reshape(3, 5, 6))
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from globaltensor.plan import oracle as simulate
+from globaltensor.plan import oracle
 from globaltensor.plan import plan
 from globaltensor.redistribute import redistribute_local
 from globaltensor.testing import run_ranks
@@ -30,9 +30,9 @@ WORLD = 4
 def test_executed_plans_agree_with_the_simulator(cases):
     inputs, expected = [], []
     for seed, ((src, dst), dtype) in enumerate(cases):
-        pieces = simulate.scatter(small_ints(src.shape, dtype, seed), src, world_size=WORLD)
+        pieces = oracle.scatter(small_ints(src.shape, dtype, seed), src, world_size=WORLD)
         inputs.append(pieces)
-        expected.append(simulate.run(plan(src, dst), pieces))
+        expected.append(oracle.run(plan(src, dst), pieces))
 
     def body(rank):
         out = []

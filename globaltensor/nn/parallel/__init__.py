@@ -1,4 +1,4 @@
-"""Data parallel training: ``gt.nn.parallel.DistributedDataParallel``."""
+"""Data parallel training: ``gt.nn.parallel.DistributedDataParallel`` (distributed.py)."""
 from .distributed import Bucket, DistributedDataParallel, plan_buckets
 
 __all__ = ["Bucket", "DistributedDataParallel", "plan_buckets"]
