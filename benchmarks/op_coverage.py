@@ -9,7 +9,7 @@ not hidden in rounding), each tensor argument is laid out four ways:
     2x2     a 2x2 grid: the first tensor (S(0), S(last)), the others (S(0), B)
 
 The outputs (full values) and the gradients of the inputs are compared with torch on the full
-tensors (tests/ranks/test_opinfo.py's oracle). Each op-layout (worst over its samples) is one of
+tensors (tests/ranks/ops/test_opinfo.py's oracle). Each op-layout (worst over its samples) is one of
 
     rule       correct, and no aten op of the call took the broadcast fallback
     data       correct; a data-dependent op (nonzero, unique, x[mask]) ran on B inputs: its

@@ -1,6 +1,6 @@
 """The stall report (GT_STALL_REPORT, globaltensor/watch.py): when no rank has made progress for
 that long, every rank prints what each rank waits in, long before the timeout (issue 34 item 2).
-In real processes: tests/processes/test_day_two_processes.py."""
+In real processes: tests/processes/test_launcher_everyday_use.py."""
 import datetime
 import time
 

@@ -163,7 +163,7 @@ transformers = pytest.importorskip("transformers")
 
 @pytest.mark.slow  # ~15 s; the planted-bug tests run by default
 def test_a_correct_llama_tensor_and_data_parallel_step_reports_nothing():
-    from test_real_models import IDS, llama, megatron
+    from ranks.test_real_models import IDS, llama, megatron
 
     base = llama("eager")
 

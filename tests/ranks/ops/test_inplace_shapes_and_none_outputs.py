@@ -1,4 +1,4 @@
-"""Results that used to be silently wrong (issue 11), each against the full-tensor oracle on
+"""Results that used to be silently wrong, each against the full-tensor oracle on
 thread-ranks: in-place shape ops, None among an op's outputs, squeeze of uneven pieces."""
 import pytest
 import torch
@@ -279,7 +279,7 @@ def test_random_fill_draws_integers_in_torchs_range(dtype, args):
 
 def test_a_cast_and_its_gradient_run_on_every_layout():
     # backward of .float() is a _to_copy with device=: its output shape came from a meta run
-    # that tried to copy to the device (found by tests/ranks/test_fuzz.py)
+    # that tried to copy to the device (found by tests/ranks/ops/test_fuzz.py)
     check(lambda x: x.float().double() * 2, [gen(5, 3, seed=43)], atol=1e-5)
 
 

@@ -18,8 +18,8 @@ case ends as
 
 Run it by its marker (not part of the default suite):
 
-    pytest -m slow tests/ranks/test_opinfo.py           # fails on any WRONG
-    python tests/ranks/test_opinfo.py [--ops add,mm] [--samples 3]   # the table, per op
+    pytest -m slow tests/ranks/ops/test_opinfo.py           # fails on any WRONG
+    python tests/ranks/ops/test_opinfo.py [--ops add,mm] [--samples 3]   # the table, per op
 """
 from __future__ import annotations
 

@@ -12,7 +12,7 @@ layouts chosen differ between the two (a backward has a price) while the values 
 first seeds of each world (``PROGRAMS``), ``pytest -m slow`` the next ones (``SLOW_PROGRAMS`` in
 all); more on demand, printing the seed and program of any mismatch::
 
-    python tests/ranks/test_fuzz.py --count 2000 [--start 0] [--world 2|4]
+    python tests/ranks/ops/test_fuzz.py --count 2000 [--start 0] [--world 2|4]
 """
 from __future__ import annotations
 

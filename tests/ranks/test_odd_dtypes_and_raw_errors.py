@@ -1,4 +1,4 @@
-"""Reliability, round 3 (issue 37), the ordinary items, on thread-ranks with real gloo groups:
+"""On thread-ranks with real gloo groups:
 dtypes gloo cannot move by type, random factories with integer dtypes, grad_sbp's placement,
 exact integer sums in value style, fill with a global 0-dim value, the gradient of an empty
 leaf, and the raw errors that became GlobalTensorErrors."""

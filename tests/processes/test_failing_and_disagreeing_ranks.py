@@ -1,4 +1,4 @@
-"""Reliability, round 3 (issue 37), in real processes: a rank whose program raises is named in
+"""In real processes: a rank whose program raises is named in
 every other rank's error (its own report through the store); ranks that disagree on a tensor's
 dtype or shape end with an error, never SIGABRT, also where one of them has run the plan before.
 

@@ -1,6 +1,6 @@
 """Everyday use, in one process: rank-0 output, GT_TIMEOUT, TORCH_DISTRIBUTED_DEBUG, SLURM's
-variables, one spelling of sbp, the version (real processes: tests/processes/test_day_two_processes.py;
-thread-ranks: tests/ranks/test_comm_trace_ranks.py)."""
+variables, one spelling of sbp, the version (real processes: tests/processes/test_launcher_everyday_use.py;
+thread-ranks: tests/ranks/tools/test_comm_trace_ranks.py)."""
 import datetime
 import pathlib
 import tomllib

@@ -1,5 +1,5 @@
-"""Issue 34 item 10: gt.visualize draws blocks at any size, gtrun names itself, messages
-pluralise. (The no-rule warning: tests/ranks/test_ops_misc.py; pytest's summary: pyproject.)"""
+"""gt.visualize draws blocks at any size, gtrun names itself, messages
+pluralise. (The no-rule warning: tests/ranks/ops/test_ops_misc.py; pytest's summary: pyproject.)"""
 import pytest
 
 import globaltensor as gt

@@ -1,4 +1,4 @@
-"""Reliability, round 3 (issue 37), on thread-ranks with real gloo groups: ranks that disagree
+"""On thread-ranks with real gloo groups: ranks that disagree
 on a tensor never crash gloo nor read garbage, gt.comm's torch-style calls on views, rank-valued
 arguments checked at the call."""
 import pytest

@@ -1,5 +1,4 @@
-"""What a port of OneFlow's global-tensor tests found, and two smaller gaps (issue 36, items 6
-and 7), on thread-ranks against the full tensors: full_tensor() never aliases, torch.save's
+"""What a port of OneFlow's global-tensor tests found, and two smaller gaps, on thread-ranks against the full tensors: full_tensor() never aliases, torch.save's
 message, the factories OneFlow has (linspace, logspace, eye, randperm, normal, hann_window),
 rrelu in training, module.to_global / to_local round trips, x.new(), and a view of a tensor
 split twice on one dim that moves nothing."""
