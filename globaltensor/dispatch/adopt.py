@@ -1,4 +1,4 @@
-"""Local tensors among a global op's inputs, and the thread's global mode (mode.py).
+"""Local tensors among a global op's inputs, and the thread's global mode (mode/global_mode.py).
 
 A non-scalar local tensor meeting a global one is an error, except where it is known to hold
 the same value on every rank: inside backward (autograd's own zeros) and in global mode, where
@@ -57,7 +57,7 @@ def agree_on_value(what: str, value: torch.Tensor) -> None:
 def adopt_locals(func, args, kwargs, found):
     """A non-scalar local tensor among a global op's inputs is taken as a broadcast value on the
     placement of the global inputs where it is known to be one: inside backward (autograd makes
-    full-size local zeros for the gradients of unused outputs) and in global mode (mode.py;
+    full-size local zeros for the gradients of unused outputs) and in global mode (mode/global_mode.py;
     with GT_DEBUG the ranks' values are compared). Elsewhere it is a clear error."""
     in_mode = active() is not None
     if not in_mode and torch._C._current_graph_task_id() < 0:

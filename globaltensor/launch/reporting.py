@@ -37,7 +37,7 @@ _MISMATCH_WORDS = ("mismatch", "disagree", "connection closed by peer",
 _TIMEOUT_WORDS = ("timed out", "timeout")
 # words of errors the hint does not help with: a node that never joined, a rank that finished
 _NO_HINT_WORDS = ("never joined", "to finish gt.init", "finished (exit 0)")
-# how another rank's error names the rank that caused it (runtime/failure.py, watch.py)
+# how another rank's error names the rank that caused it (runtime/failure.py, world/stalls.py)
 # a rank named as having raised (not one named as having finished: a rank that finished early
 # and was stopped while exiting did not fail; the rank that waited for it reports the error)
 _CAUSE = re.compile(r"rank (\d+) left the job|failed on rank (\d+)")

@@ -104,7 +104,7 @@ def _slots(module):
 
 
 def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -> None:
-    """The module's forward runs in ``gt.global_mode(placement)`` (mode.py): positions, masks and
+    """The module's forward runs in ``gt.global_mode(placement)`` (mode/global_mode.py): positions, masks and
     rotary tables it builds with torch's factories are global (broadcast) tensors."""
     from ..mode.global_mode import GlobalMode
 

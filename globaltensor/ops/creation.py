@@ -5,7 +5,7 @@
     S(d) -> S(d)
     *    -> B        ``new_zeros(size)`` & co: the input is only read for dtype and device
 
-And the torch factories that global mode (``mode.py``) turns into global ones, by their role
+And the torch factories that global mode (``mode/global_mode.py``) turns into global ones, by their role
 (``factory=``): "same", computed alike on every rank, whole, then this rank's piece kept;
 "uniform" / "normal", the size from the call and the values from gt's random stream (the same
 on every rank); "first", the first rank's draw, sent to the others.

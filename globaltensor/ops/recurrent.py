@@ -23,7 +23,7 @@ workspace when they were given an empty one (a batch-split forward) or split the
 themselves (a replicated forward's workspace is for the whole batch).
 
 ``_pack_padded_sequence`` has no row: its ``batch_sizes`` must be a plain CPU tensor torch's C++
-reads; global mode packs on global tensors (``globaltensor/packed.py``), so reaching here means
+reads; global mode packs on global tensors (``globaltensor/mode/packed.py``), so reaching here means
 the call ran outside it: an error saying so.
 """
 from __future__ import annotations

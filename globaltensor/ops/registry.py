@@ -83,7 +83,7 @@ def entry(name: str) -> OpEntry:
 
 
 def factory_roles() -> dict[str, str]:
-    """torch factory name -> its role in global mode (``mode.py`` reads it)."""
+    """torch factory name -> its role in global mode (``mode/global_mode.py`` reads it)."""
     return {name: e.factory for name, e in OPS.items() if e.factory}
 
 

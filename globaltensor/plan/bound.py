@@ -207,7 +207,7 @@ def lower_bound(src: Layout, dst: Layout, itemsize: int = SEARCH_ITEMSIZE) -> fl
 
 
 def move_bounds(layout: Layout, itemsize: int, sbp, free=()) -> tuple[float, float]:
-    """The two bounds the signature choice's table (ops/candidates.py) puts on moving
+    """The two bounds the signature choice's table (ops/choice/candidates.py) puts on moving
     ``layout`` to ``sbp`` (resolved): the first stage's and the refined one (with
     :func:`fewest_collectives`)."""
     collectives, rest = candidate_terms(layout, itemsize, free,

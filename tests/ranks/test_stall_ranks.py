@@ -1,4 +1,4 @@
-"""The stall report (GT_STALL_REPORT, globaltensor/watch.py): when no rank has made progress for
+"""The stall report (GT_STALL_REPORT, globaltensor/world/stalls.py): when no rank has made progress for
 that long, every rank prints what each rank waits in, long before the timeout (issue 34 item 2).
 In real processes: tests/processes/test_launcher_everyday_use.py."""
 import datetime

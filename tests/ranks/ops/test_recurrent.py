@@ -192,7 +192,7 @@ def test_lstm_kernel_keeps_the_batch_split(batch_first, grid, batch):
 # ----------------------------------------------------------------------------- layers on pieces
 # nn.GRU, nn.RNN and a float64 nn.LSTM are composites above the dispatcher (their input
 # projection flattens time and batch: no aten rule keeps a split batch through it); global mode
-# runs them on each rank's sequences (globaltensor/rnn.py).
+# runs them on each rank's sequences (globaltensor/mode/rnn.py).
 
 
 @pytest.mark.parametrize("cell", ["GRU", "RNN", "LSTM"])
