@@ -106,9 +106,10 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
     if local.device != device:
         local = local.to(device)
     if check_meta:  # a rank outside the placement passes an ignored tensor: take the members'
-        metas = [per_rank[0] for per_rank in exchange_meta([local])]  # (shape, dtype) by rank
-        first_shape, dtype = metas[placement.flat_ranks[0]]
+        metas = [per_rank[0] for per_rank in exchange_meta([local], sbp=sbp)]  # by rank
+        first_shape, dtype, _ = metas[placement.flat_ranks[0]]
         ndim = len(first_shape)
+        _check_same_sbp(metas, ndim)
     else:
         ndim, dtype = local.dim(), local.dtype
     values = resolve(sbp, ndim)
@@ -137,6 +138,28 @@ def _sync_broadcast(piece, layout: Layout, rank: int, already_copied: bool):
         if isinstance(v, Broadcast):
             broadcast_along(layout.placement, axis, piece, rank)
     return piece
+
+
+def _check_same_sbp(metas, ndim: int) -> None:
+    """Every rank must pass the same sbp (negative split dims resolved against the members'
+    ``ndim``): else each builds another layout, and their global shapes differ. Every rank
+    holds every rank's sbp (``metas``), so all raise the same message."""
+    def key(values):
+        try:
+            return resolve(values, ndim)
+        except SbpError:  # a dim the tensor lacks: resolve (below) raises it, on every rank
+            return values
+    ranks_of: dict = {}
+    for rank, meta in enumerate(metas):
+        ranks_of.setdefault(key(meta.sbp), []).append(rank)
+    if len(ranks_of) > 1:
+        found = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: "
+                          f"{format_sbp(v)}" for v, r in ranks_of.items())
+        raise SbpError(
+            f"to_global: expected every rank to pass the same sbp (one layout of one global "
+            f"tensor), found {found}; the ranks would disagree on its global shape. Compute "
+            f"the sbp from what every rank shares, not from the rank (gt.get_rank()); pieces "
+            f"that differ per rank still go with one sbp")
 
 
 def _checked_global_shape(metas, placement: Placement, values):

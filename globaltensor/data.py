@@ -18,7 +18,7 @@ from typing import Any, Callable, Iterator
 
 import torch
 import torch.utils.data
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_flatten, tree_map
 
 from .world import world
 from .convert import check_placement, device_for
@@ -46,11 +46,13 @@ class GlobalLoader:
 
     def __init__(self, dataset, placement: Placement, batch_size: int, sbp, shuffle: bool,
                  seed: int, drop_last: bool, collate_fn: Callable | None, loader_kwargs: dict):
-        self.dataset = dataset
+        self.dataset = _checked_dataset(dataset)
         self.placement = check_placement(placement)
         self.sbp = _checked_sbp(sbp, self.placement)
         self.batch_size = _checked_batch_size(batch_size)
-        self.shuffle, self.seed, self.drop_last = bool(shuffle), int(seed), bool(drop_last)
+        self.shuffle, self.drop_last = _checked_flag("shuffle", shuffle), _checked_flag(
+            "drop_last", drop_last)
+        self.seed = int(seed)
         self.collate_fn = collate_fn or torch.utils.data.default_collate
         self.loader_kwargs = loader_kwargs
         self.epoch = 0
@@ -126,6 +128,29 @@ def _checked_sbp(sbp, placement: Placement) -> tuple:
     return values
 
 
+def _checked_dataset(dataset):
+    """A map-style dataset (``len`` and ``dataset[i]``): the order is drawn over its indices."""
+    iterable = isinstance(dataset, torch.utils.data.IterableDataset)
+    if iterable or not (hasattr(dataset, "__len__") and hasattr(dataset, "__getitem__")):
+        kind = "an IterableDataset" if iterable else "no __len__ and __getitem__"
+        raise GlobalTensorError(
+            f"gt.data.loader: expected a map-style dataset (__len__ and __getitem__, sample i "
+            f"is dataset[i]: the order of a batch is drawn over the indices), found "
+            f"{type(dataset).__name__}, {kind}. Give it __len__ and __getitem__, or load its "
+            f"samples into a list: gt.data.loader(list(samples), ...); a stream too large for "
+            f"that: read it with torch's DataLoader on each rank and make each batch global "
+            f"with gt.from_local(batch, placement, gt.sbp.split(0))")
+    return dataset
+
+
+def _checked_flag(name: str, value) -> bool:
+    if not isinstance(value, bool):
+        raise GlobalTensorError(
+            f"gt.data.loader: expected {name}=True or {name}=False, found {name}={value!r} "
+            f"({type(value).__name__}); pass a bool (a string such as \"no\" is truthy)")
+    return value
+
+
 def _checked_batch_size(batch_size) -> int:
     if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
         raise GlobalTensorError(
@@ -160,12 +185,29 @@ def _reader(owner: GlobalLoader, index_lists: list[list[int]]):
 def _wrap(local, n: int, piece, owner: GlobalLoader):
     """Each tensor of the collated ``local`` samples -> the global tensor of the batch."""
     empty = piece is None or piece[0] == piece[1]
+    _check_split_dims(local, owner.sbp)
 
     def one(t):
         if not isinstance(t, torch.Tensor):
             return t[:0] if empty and isinstance(t, (list, tuple)) else t
         return _global_batch(t[:0] if empty else t, n, owner)
     return tree_map(one, local)
+
+
+def _check_split_dims(local, sbp) -> None:
+    """A split dim that no tensor of the collated batch has would broadcast them all: the
+    batch would come out whole on every rank. The same samples' shapes on every rank: every
+    rank raises alike, at the first batch."""
+    shapes = [list(t.shape) for t in tree_flatten(local)[0] if isinstance(t, torch.Tensor)]
+    most = max((len(s) for s in shapes), default=0)
+    for axis, v in enumerate(sbp):
+        if isinstance(v, Split) and v.dim >= most:
+            raise GlobalTensorError(
+                f"gt.data.loader: sbp {format_sbp(sbp)} splits dim {v.dim} on placement axis "
+                f"{axis}, found a collated batch whose tensors have at most {most} dims (shapes "
+                f"{shapes}, dim 0 the batch); no tensor would be split, every rank would get it "
+                f"whole. Pick a dim below {most} (S(0): the batch dim; S(1): the samples' first "
+                f"dim), or B for the same samples on that axis")
 
 
 def _global_batch(t: torch.Tensor, n: int, owner: GlobalLoader) -> GlobalTensor:

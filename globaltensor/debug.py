@@ -25,7 +25,7 @@ import json
 import linecache
 import os
 import sys
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -137,23 +137,27 @@ def _is_sbp(value) -> bool:
 
 @dataclass(frozen=True, slots=True)
 class Descriptor:
-    """One rank's account of a global operation: its sequence number, name and facts."""
+    """One rank's account of a global operation: its sequence number, name and facts, and
+    ``where``: the user's source line that led to it (shown in messages, never compared: ranks
+    may reach one operation from different lines)."""
 
     seq: int
     op: str
     facts: tuple[tuple[str, str], ...]
+    where: str = field(default="", compare=False)
 
     @classmethod
-    def of(cls, seq: int, op: str, facts: dict) -> "Descriptor":
-        return cls(seq, op, tuple((k, fact_text(v)) for k, v in sorted(facts.items())))
+    def of(cls, seq: int, op: str, facts: dict, where: str = "") -> "Descriptor":
+        return cls(seq, op, tuple((k, fact_text(v)) for k, v in sorted(facts.items())), where)
 
     def encode(self) -> bytes:
-        return json.dumps([self.seq, self.op, [list(f) for f in self.facts]]).encode()
+        return json.dumps([self.seq, self.op, [list(f) for f in self.facts],
+                           self.where]).encode()
 
     @classmethod
     def decode(cls, raw: bytes) -> "Descriptor":
-        seq, op, facts = json.loads(raw)
-        return cls(int(seq), op, tuple((k, v) for k, v in facts))
+        seq, op, facts, *where = json.loads(raw)
+        return cls(int(seq), op, tuple((k, v) for k, v in facts), where[0] if where else "")
 
     def title(self) -> str:
         return f"#{self.seq} {self.op}"
@@ -186,7 +190,7 @@ def disagreement(descs: dict[int, Descriptor], scope: str = "the world") -> str 
     ref = max(groups, key=lambda d: (len(groups[d]), -min(groups[d])))
     ref_fields = _fields(ref)
     lines = [f"GT_DEBUG: ranks of {scope} disagree about the next global operation.",
-             f"  {_ranks_text(groups[ref])}: {ref}"]
+             f"  {_ranks_text(groups[ref])}: {ref}"] + _lines_of(descs, groups[ref])
     for d, ranks in groups.items():
         if d == ref:
             continue
@@ -194,17 +198,30 @@ def disagreement(descs: dict[int, Descriptor], scope: str = "the world") -> str 
         if d.op != ref.op:
             lines.append(f"  {_ranks_text(ranks)} {verb}: op: {d.op} instead of {ref.op}, "
                          f"at {d}")
-            continue
-        fields = _fields(d)
-        diffs = [f"{k}: {fields.get(k, '<missing>')} instead of {ref_fields.get(k, '<missing>')}"
-                 for k in sorted(set(fields) | set(ref_fields), key=_field_order)
-                 if fields.get(k) != ref_fields.get(k)]
-        lines.append(f"  {_ranks_text(ranks)} {verb}: {'; '.join(diffs)}")
+        else:
+            fields = _fields(d)
+            diffs = [f"{k}: {fields.get(k, '<missing>')} instead of "
+                     f"{ref_fields.get(k, '<missing>')}"
+                     for k in sorted(set(fields) | set(ref_fields), key=_field_order)
+                     if fields.get(k) != ref_fields.get(k)]
+            lines.append(f"  {_ranks_text(ranks)} {verb}: {'; '.join(diffs)}")
+        lines += _lines_of(descs, ranks)
     lines.append("Expected every rank to run the same global operations, with the same layouts, "
                  "shapes and dtypes, in the same order (SPMD). Fix the code path that differs "
                  "between those ranks (an `if rank == ...` around a global operation, or "
                  "rank-dependent arguments).")
     return "\n".join(lines)
+
+
+def _lines_of(descs: dict[int, Descriptor], ranks) -> list[str]:
+    """The user's source lines the ``ranks`` reached their operation from (one line when they
+    share it); none when the descriptors carry none."""
+    wheres = {descs[r].where for r in ranks}
+    if wheres == {""}:
+        return []
+    if len(wheres) == 1:
+        return [f"    at {wheres.pop()}"]
+    return [f"    rank {r} at {descs[r].where or '<unknown line>'}" for r in sorted(ranks)]
 
 
 def _field_order(key: str):
@@ -217,13 +234,17 @@ def missing_message(me: int, mine: Descriptor, missing: list[int], last: dict[in
     where = "; ".join(
         f"rank {r} last checked in at {last[r].title()}" if last.get(r) is not None
         else f"rank {r} has not checked in at any global operation yet" for r in missing)
+    lines = [f"rank {me} is at {mine.where}"] if mine.where else []
+    lines += [f"rank {r} checked in last from {last[r].where}" for r in missing
+              if last.get(r) is not None and last[r].where]
     return (
         f"GT_DEBUG: rank {me} waited {waited:g}s (the timeout) at global operation {mine} but "
         f"{_ranks_text(missing)} of {scope} did not arrive ({where}). Expected every rank to run "
         f"the same global operations in the same order (SPMD): {_ranks_text(missing)} skipped "
-        f"this operation, is stuck, or has died. Make every rank call it (no `if rank == ...` "
-        f"around global operations), or raise the timeout with gt.set_debug(True, timeout=...) "
-        f"if that rank is merely slow."
+        f"this operation, is stuck, or has died. "
+        + (f"Source lines: {'; '.join(lines)}. " if lines else "")
+        + "Make every rank call it (no `if rank == ...` around global operations), or raise the "
+        "timeout with gt.set_debug(True, timeout=...) if that rank is merely slow."
     )
 
 

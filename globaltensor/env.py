@@ -94,6 +94,14 @@ def print0(*values, sep: str = " ", end: str = "\n", file=None, flush: bool = Fa
         print(text, end=end, file=file, flush=flush)
 
 
+def all_device_placement(type: str = "cpu"):
+    """Every rank of the world as a 1-D placement: OneFlow's
+    ``flow.env.all_device_placement("cuda")``, the same as ``gt.placement.all(type)``."""
+    from .placement import Placement
+
+    return Placement.all(type)
+
+
 def sub_placement(placement, axis):
     """``placement[axis]``: this rank's 1-D sub-placement along ``axis`` (a name or a number),
     as DTensor's ``mesh["tp"]``: the ranks that share this rank's coordinate on every other
@@ -102,4 +110,4 @@ def sub_placement(placement, axis):
 
 __all__ = ["get_rank", "get_world_size", "init", "is_initialized", "LocalInfo", "get_local_rank",
            "get_local_world_size", "get_node_rank", "get_node_size", "set_local_info",
-           "rank_zero_only", "print0", "sub_placement"]
+           "rank_zero_only", "print0", "sub_placement", "all_device_placement"]

@@ -107,9 +107,9 @@ class Placement:
     def all(cls, type: str = "cpu", world_size: int | None = None) -> "Placement":
         """Every rank of the world, 1-D."""
         if world_size is None:
-            from . import env
+            from . import world  # not env, which builds placements (all_device_placement)
 
-            world_size = env.get_world_size()
+            world_size = world.get_world_size()
         return cls(type, list(range(world_size)))
 
     # --- value semantics ---
@@ -138,6 +138,11 @@ class Placement:
     @property
     def ranks(self) -> np.ndarray:
         return np.array(self.flat_ranks, dtype=np.int64).reshape(self.shape)
+
+    @property
+    def hierarchy(self) -> tuple[int, ...]:
+        """The grid's shape, by OneFlow's name (``placement.hierarchy``): ``shape``."""
+        return self.shape
 
     @property
     def ndim(self) -> int:

@@ -78,9 +78,15 @@ B = broadcast
 P = partial_sum
 
 
-def split(dim: int) -> Split:
-    """``split(dim)``: each rank along the placement axis holds a slice of tensor dim ``dim``."""
-    return Split(dim)
+def split(dim: int | None = None, *, axis: int | None = None) -> Split:
+    """``split(dim)``: each rank along the placement axis holds a slice of tensor dim ``dim``.
+    ``split(axis=1)`` is OneFlow's spelling of ``split(1)`` (its keyword; the tensor dim, not a
+    placement axis)."""
+    if (dim is None) == (axis is None):
+        found = "neither" if dim is None else f"both dim={dim!r} and axis={axis!r}"
+        raise SbpError(f"gt.sbp.split expects one tensor dim, as split(1) or OneFlow's "
+                       f"split(axis=1), found {found}; pass one of them")
+    return Split(dim if axis is None else axis)
 
 
 def S(dim: int) -> Split:

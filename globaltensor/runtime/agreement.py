@@ -70,7 +70,7 @@ def agree(op: str, facts: dict, ranks=None, timeout: float | None = None) -> Non
         return
     scope, words = _scope(ranks, world)
     store = c10d._get_default_store()
-    mine = Descriptor.of(_next_seq(scope), op, facts)
+    mine = Descriptor.of(_next_seq(scope), op, facts, where=_where())
     store.set(_key(scope, mine.seq, me), mine.encode())
     keys = [_key(scope, mine.seq, r) for r in ranks]
     _wait_all(store, scope, words, ranks, keys, mine, me, timeout)
@@ -80,6 +80,12 @@ def agree(op: str, facts: dict, ranks=None, timeout: float | None = None) -> Non
         raise RankMismatchError(message)
     if mine.seq:
         store.delete_key(_key(scope, mine.seq - 1, me))
+
+
+def _where() -> str:
+    """The user's source line of this check (and, in backward, the autograd node running)."""
+    line, origin = debug.user_line(3), debug.backward_origin()
+    return f"{line}, {origin}" if origin else line
 
 
 def _wait_all(store, scope, words, ranks, keys, mine: Descriptor, me: int, timeout) -> None:

@@ -91,14 +91,15 @@ def _register_name(cache: dict, members: tuple[int, ...], pg) -> None:
     c10d = torch._C._distributed_c10d
     c10d._unregister_process_group(name)  # an earlier world's group of these ranks
     c10d._register_process_group(name, pg)
-    cache[("name", pg)] = name
+    cache[("name", members)] = name  # by ranks: the world's cache must never hold its own group
 
 
 def group_name(group) -> str:
     """The name compiled graphs hold for ``group`` (None: the world): the same in every process
     of the same world size; torch's own name for a group made elsewhere."""
     pg = _resolve(group)
-    return _world_cache().get(("name", pg)) or pg.group_name
+    members = tuple(sorted(dist.get_process_group_ranks(pg)))
+    return _world_cache().get(("name", members)) or pg.group_name
 
 
 def create_placement_groups(placement: Placement) -> None:

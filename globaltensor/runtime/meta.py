@@ -1,6 +1,8 @@
-"""Small metadata exchanges: shapes and dtypes of pieces (one exchange, shared by
+"""Small metadata exchanges: shapes, dtypes and sbps of pieces (one exchange, shared by
 ``to_global(check_meta=True)`` and value-style ``gt.comm.all_gather``), and broadcast syncs."""
 from __future__ import annotations
+
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -9,10 +11,13 @@ import torch.distributed.distributed_c10d as c10d
 from ..world import world
 from ..errors import GlobalTensorError
 from ..placement import Placement
+from ..sbp import Broadcast, PartialSum, Split
 from .groups import all_gather_flat, byte_view, group_along, groups_along
 from .guard import guard
 
 MAX_NDIM = 64  # fixed-size records, so every rank's fit in one collective
+MAX_AXES = 16
+ROW = 3 + MAX_NDIM + MAX_AXES  # dtype, ndim, shape, number of sbp axes, sbp codes
 DTYPES = tuple(sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str))
 _CODE = {d: i for i, d in enumerate(DTYPES)}
 
@@ -30,33 +35,60 @@ def _world_of_one() -> bool:
     )
 
 
-def _records(tensors, what: str) -> list[list[int]]:
+class Meta(NamedTuple):
+    """One rank's record of one tensor: its shape and dtype, and the sbp that rank passed."""
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    sbp: tuple = ()
+
+
+def _sbp_code(v) -> int:
+    """B: 1, P: 2, S(d): 4d + 3 (any d, negative too: never 1 or 2 mod 4)."""
+    return 4 * v.dim + 3 if isinstance(v, Split) else (2 if isinstance(v, PartialSum) else 1)
+
+
+def _sbp_value(code: int):
+    return Split((code - 3) // 4) if code % 4 == 3 else (PartialSum() if code == 2 else Broadcast())
+
+
+def _records(tensors, sbp: tuple, what: str) -> list[list[int]]:
+    if len(sbp) > MAX_AXES:
+        raise GlobalTensorError(f"{what}: expected a placement of at most {MAX_AXES} axes, found "
+                                f"{len(sbp)}; use fewer placement axes")
+    tail = [len(sbp)] + [_sbp_code(v) for v in sbp] + [0] * (MAX_AXES - len(sbp))
     rows = []
     for t in tensors:
         if t.dim() > MAX_NDIM:
             raise GlobalTensorError(f"{what}: expected tensors of at most {MAX_NDIM} dims, found "
                                     f"{t.dim()}; reshape it first")
-        rows.append([_CODE[t.dtype], t.dim(), *t.shape] + [0] * (MAX_NDIM - t.dim()))
+        rows.append([_CODE[t.dtype], t.dim(), *t.shape] + [0] * (MAX_NDIM - t.dim()) + tail)
     return rows
 
 
+def _meta(rec: list[int]) -> Meta:
+    axes = rec[2 + MAX_NDIM]
+    sbp = tuple(_sbp_value(c) for c in rec[3 + MAX_NDIM:3 + MAX_NDIM + axes])
+    return Meta(tuple(rec[2:2 + rec[1]]), DTYPES[rec[0]], sbp)
+
+
 def exchange_meta(tensors, group=None, what: str = "to_global: exchanging piece shapes "
-                  "(check_meta=True)") -> list[list[tuple[tuple[int, ...], torch.dtype]]]:
-    """``[rank in group][i] = (shape, dtype)`` of every rank's ``tensors[i]``, in one all_gather
-    over ``group`` (default: the world). Every rank of the group must call it with as many
-    tensors."""
-    rows = _records(tensors, what)
+                  "(check_meta=True)", sbp=()) -> list[list[Meta]]:
+    """``[rank in group][i] = (shape, dtype, sbp)`` of every rank's ``tensors[i]``, in one
+    all_gather over ``group`` (default: the world); ``sbp`` is the sbp values this rank passed
+    for them (unresolved: a negative split dim stays), for the caller to compare. Every rank of
+    the group must call it with as many tensors."""
+    sbp = tuple(sbp)
+    rows = _records(tensors, sbp, what)
     if group is None and _world_of_one():
-        return [[(tuple(t.shape), t.dtype) for t in tensors]]
+        return [[Meta(tuple(t.shape), t.dtype, sbp) for t in tensors]]
     device = torch.device(c10d._get_object_coll_device(group))
-    mine = torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), 2 + MAX_NDIM)
+    mine = torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), ROW)
     n = dist.get_world_size(group)
     table = mine.new_empty((n,) + tuple(mine.shape))
     if mine.numel():
         with guard(what):
             all_gather_flat(table.view(-1), mine.reshape(-1), group=group)
-    return [[(tuple(rec[2:2 + rec[1]]), DTYPES[rec[0]]) for rec in per_rank]
-            for per_rank in table.cpu().tolist()]
+    return [[_meta(rec) for rec in per_rank] for per_rank in table.cpu().tolist()]
 
 
 def all_objects(value, what: str) -> list:

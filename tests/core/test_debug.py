@@ -6,7 +6,7 @@ import torch
 import globaltensor as gt
 from globaltensor import debug
 from globaltensor.runtime.agreement import check
-from globaltensor.debug import Descriptor, disagreement, fact_text
+from globaltensor.debug import Descriptor, disagreement, fact_text, missing_message
 from globaltensor.errors import CollectiveTimeoutError, GlobalTensorError, RankMismatchError
 
 
@@ -91,6 +91,23 @@ def test_disagreement_on_op_and_seq_tie_goes_to_lowest_rank():
     msg = disagreement({0: a, 1: b})
     assert "rank 0: #4 to_global()" in msg
     assert "rank 1 differs: op: gt.zeros instead of to_global, at #5 gt.zeros()" in msg
+
+
+def test_user_lines_travel_with_descriptors_and_are_shown_not_compared():
+    a = Descriptor.of(2, "to_global", {"sbp": (gt.sbp.broadcast,)}, where="train.py:10 (`a`)")
+    b = Descriptor.of(2, "to_global", {"sbp": (gt.sbp.broadcast,)}, where="train.py:12 (`b`)")
+    c = Descriptor.of(2, "to_global", {"sbp": (gt.sbp.split(0),)}, where="train.py:14 (`c`)")
+    assert Descriptor.decode(a.encode()).where == "train.py:10 (`a`)"
+    assert Descriptor.decode(b"[1, \"x\", []]") == Descriptor(1, "x", ())  # no line: ""
+    assert a == b and disagreement({0: a, 1: b}) is None  # another line, the same operation
+    lines = disagreement({0: a, 1: b, 2: c}).splitlines()
+    assert lines[1:6] == ["  ranks [0, 1]: #2 to_global(sbp=(B,))",
+                          "    rank 0 at train.py:10 (`a`)", "    rank 1 at train.py:12 (`b`)",
+                          "  rank 2 differs: sbp: (S(0),) instead of (B,)",
+                          "    at train.py:14 (`c`)"]
+    msg = missing_message(0, c, [1], {1: a}, 2.0)
+    assert "Source lines: rank 0 is at train.py:14 (`c`); rank 1 checked in last from " \
+           "train.py:10 (`a`). Make every rank" in msg
 
 
 # --- a world of one: no store -----------------------------------------------------------------

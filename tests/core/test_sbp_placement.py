@@ -101,6 +101,22 @@ def test_placement_all():
     assert gt.placement.all("cpu").ranks.tolist() == list(range(gt.env.get_world_size()))
 
 
+def test_oneflow_spellings():
+    """split(axis=1), placement.hierarchy and env.all_device_placement, as OneFlow spells them."""
+    assert gt.sbp.split(axis=1) == gt.sbp.split(1) == Split(1)
+    assert str(gt.sbp.split(axis=-1)) == "S(-1)"
+    for call, found in ((lambda: gt.sbp.split(), "found neither"),
+                        (lambda: gt.sbp.split(0, axis=1), "found both dim=0 and axis=1")):
+        with pytest.raises(SbpError) as e:
+            call()
+        assert "split(1) or OneFlow's split(axis=1)" in str(e.value) and found in str(e.value)
+    p = gt.placement("cpu", [[0, 1, 2], [3, 4, 5]])
+    assert p.hierarchy == p.shape == (2, 3)
+    assert gt.placement("cpu", [4]).hierarchy == (1,)
+    assert gt.env.all_device_placement("cpu") == gt.placement.all("cpu")
+    assert gt.env.all_device_placement().type == "cpu"
+
+
 @pytest.mark.parametrize("type_, ranks, match", [
     ("cpu", [0, 0], "distinct"),
     ("cpu", [[0, 1], [1, 2]], "distinct"),

@@ -41,6 +41,11 @@ def test_item_under_rank_zero_gets_a_hint_and_gt_debug_names_it():
     assert "rank 0: #5 item()(dtype=torch.float32, source=Layout(placement('cpu', ranks=[0, 1]), " \
            "(P,), [])" in checked.stderr
     assert "rank 1 differs: op: gt.ones instead of item()" in checked.stderr
+    # and each rank's line of the script (issue 41)
+    assert "item_trap.py:12 (`print(f\"step {step}: loss {loss.item()}\", flush=True)`)" \
+        in checked.stderr
+    assert "item_trap.py:9 (`x = gt.ones(8, 4, placement=p, sbp=gt.sbp.split(0)) * (step + 1)`)" \
+        in checked.stderr
     assert "[launch] hint" not in checked.stderr  # GT_DEBUG already named them
 
 

@@ -80,6 +80,23 @@ def test_pieces_of_different_ndim_are_named_on_every_rank():
     assert "rank 1 with [2, 2]" in out[0][1]
 
 
+def test_rank_dependent_sbp_is_named_on_every_rank():
+    """Issue 41: ranks passing different sbps built different global shapes, silently."""
+    p = gt.placement("cpu", [0, 1, 2])
+    sbps = [S(0), B, S(0)]
+    out = _messages(lambda r: torch.ones(2, 4).to_global(placement=p, sbp=sbps[r]), 3)
+    assert len(set(out)) == 1
+    kind, msg = out[0]
+    assert kind == "SbpError"
+    assert "expected every rank to pass the same sbp" in msg
+    assert "found ranks 0, 2: (S(0),); rank 1: (B,)" in msg and "gt.get_rank()" in msg
+    # the same split spelled per rank (S(-1) is S(1) of a 2-D piece) is the same sbp
+    dims = [1, -1, 1]
+    same = run_ranks(lambda r: tuple(torch.ones(2, 4).to_global(p, S(dims[r])).shape), 3,
+                     timeout=30)
+    assert same == [(2, 12)] * 3
+
+
 def test_operators_reject_mixed_placements_and_local_operands():
     def body(rank):
         p, q = gt.placement("cpu", [0, 1]), gt.placement("cpu", [1, 0])

@@ -156,3 +156,36 @@ def test_bad_input_is_a_clear_error():
     assert "no partial sum" in partial and "(P,)" in partial
     assert "'tp'" in name and "unnamed" in name
     assert "seed=2" in state and "seed=1" in state
+
+
+class Stream(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        return iter(range(4))
+
+
+def test_input_it_would_silently_misread_is_a_clear_error_on_every_rank():
+    """Issue 41: S(3) on 2-D samples gave every batch whole, shuffle="no" shuffled, an iterable
+    dataset raised a raw TypeError."""
+    def body(rank):
+        p = gt.placement("cpu", [0, 1])
+        messages = []
+        for dataset, kwargs in ((Numbers(4), {"shuffle": "no"}), (Numbers(4), {"drop_last": 1}),
+                                (Stream(), {}), (iter([1, 2]), {})):
+            with pytest.raises(GlobalTensorError) as e:
+                gt.data.loader(dataset, p, 2, **kwargs)
+            messages.append(str(e.value))
+        matrices = torch.utils.data.TensorDataset(torch.zeros(4, 2, 5), torch.arange(4))
+        loader = gt.data.loader(matrices, p, 2, sbp=S(3))
+        with pytest.raises(GlobalTensorError) as e:
+            next(iter(loader))
+        return messages + [str(e.value)]
+    results = run_ranks(body, 2, timeout=TIMEOUT)
+    assert results[0] == results[1]  # the same error on every rank
+    shuffle, drop_last, stream, generator, split = results[0]
+    assert "expected shuffle=True or shuffle=False, found shuffle='no' (str)" in shuffle
+    assert "found drop_last=1 (int)" in drop_last
+    assert "expected a map-style dataset (__len__ and __getitem__" in stream
+    assert "found Stream, an IterableDataset" in stream and "list(samples)" in stream
+    assert "found list_iterator, no __len__ and __getitem__" in generator
+    assert "splits dim 3 on placement axis 0" in split and "at most 3 dims" in split
+    assert "[[2, 2, 5], [2]]" in split and "Pick a dim below 3" in split

@@ -1,5 +1,7 @@
 """GT_DEBUG consistency checks: every rank agrees on each global operation, or all of them raise.
 (The flag, descriptors and messages alone are checked in tests/core/test_debug.py.)"""
+import re
+
 import torch
 import torch.distributed.distributed_c10d as c10d
 
@@ -46,6 +48,9 @@ def test_differing_facts_raise_on_every_rank():
         assert kind == "RankMismatchError"
         assert "ranks [0, 2]: #1 to_global(sbp=(S(0),))" in msg
         assert "rank 1 differs: sbp: (S(1),) instead of (S(0),)" in msg
+        # the user's line, under each group (issue 41: the messages named no line)
+        code = '(`return error_or_none(lambda: check("to_global", sbp=(gt.sbp.split(rank % 2),)))`)'
+        assert len(re.findall(rf"\n    at {re.escape(__file__)}:\d+ {re.escape(code)}", msg)) == 2
 
 
 def test_rank_skipping_a_to_global_is_named_not_a_hang():
@@ -64,6 +69,10 @@ def test_rank_skipping_a_to_global_is_named_not_a_hang():
         assert kind == "CollectiveTimeoutError"
         assert "global operation #1 to_global(" in msg
         assert "rank 1 of the world did not arrive (rank 1 last checked in at #0 gt.ones)" in msg
+        assert re.search(rf"rank {0 if msg is out[0][1] else 2} is at {re.escape(__file__)}:\d+ "
+                         r"\(`return error_or_none\(lambda: x.to_global\(sbp=", msg)
+        assert re.search(rf"rank 1 checked in last from {re.escape(__file__)}:\d+ "
+                         r"\(`x = gt.ones\(3, 4, placement=p, ", msg)
 
 
 def test_rank_running_another_operation_is_named():

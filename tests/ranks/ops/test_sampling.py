@@ -23,6 +23,8 @@ OPS = {
     "normal_mean_std": lambda x: torch.normal(x, x),
     "normal_mean": lambda x: torch.normal(x, 2.0),
     "normal_std": lambda x: torch.normal(2.0, x),
+    "normal_broadcast_std": lambda x: torch.normal(x, x[:1]),  # std (1, 6): a row for all
+    "bernoulli_broadcast_p": lambda x: torch.ops.aten.bernoulli.Tensor(x, x[:, :1] / 2),
     "poisson": lambda x: torch.poisson(x * 3),
     "rand_like": torch.rand_like,
     "exponential": lambda x: torch.ops.aten.exponential(x, 2.0),
