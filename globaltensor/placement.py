@@ -107,7 +107,7 @@ class Placement:
     def all(cls, type: str = "cpu", world_size: int | None = None) -> "Placement":
         """Every rank of the world, 1-D."""
         if world_size is None:
-            from . import world  # not env, which builds placements (all_device_placement)
+            from .world import world  # not env, which builds placements (all_device_placement)
 
             world_size = world.get_world_size()
         return cls(type, list(range(world_size)))
