@@ -7,9 +7,12 @@ under a microsecond and no communication. A daemon thread per world looks at it 
 - a wait older than ``publish_s`` (a few seconds) is written once to the world's store under
   ``gt/wait/<generation>/<rank>`` (the operation, its number, the user's line, its ranks) and
   deleted when it ends;
+- a rank outside any collective that has entered none for ``publish_s`` writes where it runs (its
+  user line) under ``gt/run/<generation>/<rank>``, withdrawn at its next collective;
 - a wait older than ``GT_STALL_REPORT`` seconds (default 30; 0 turns the report off): the other
-  ranks' records are read, and when every other rank waits too (or has left the job), the report
-  is printed once on this rank's stderr, naming what each rank waits in.
+  ranks' records are read, and when every other rank waits too, runs at one place without a
+  collective (a rank stuck in user code: a sleep, a hung read, a long loop) or has left the job,
+  the report is printed once on this rank's stderr, naming what each rank waits in or runs at.
 
 Nothing is written while no wait lasts ``publish_s``. Ranks that left the job are read from the
 keys ``exits.py`` writes as a rank leaves (``exits.left``): a rank still waiting for one of them
@@ -111,6 +114,8 @@ class Watch:
         self.reported = 0
         self.ident = threading.get_ident()  # the rank's thread (compiled graphs run there)
         self.compiled: tuple | None = None  # (number, since) of a wait in a compiled graph
+        self.running: tuple = (0, time.monotonic(), None)  # outside collectives: (count, since, line published)
+        self.seen_running: tuple | None = None  # (other ranks' run records, first seen)
 
     # -- the waiting thread: the hot path
     def enter(self, what) -> None:
@@ -141,8 +146,12 @@ class Watch:
             except Exception:  # noqa: BLE001 - the store went away with its owner: stop watching
                 return
 
+    def run_key(self, rank: int) -> str:
+        return f"gt/run/{self.generation}/{rank}"
+
     def look(self) -> None:
         now = self.now or self.compiled_wait()
+        self.look_running(now is None)
         if now is None or time.monotonic() - now[3] < self.publish_s:
             if self.published:
                 self.published = 0
@@ -157,6 +166,24 @@ class Watch:
             if report is not None:
                 self.reported = number
                 print(report, file=sys.stderr, flush=True)
+
+    def look_running(self, outside: bool) -> None:
+        """Outside any collective with no new one for ``publish_s``: publish where this rank
+        runs (its user line), so a waiting rank's report can name a rank that never reaches
+        the collective (user code that blocks or runs long); withdrawn at its next one."""
+        count, since, line = self.running
+        if not outside or count != self.count:
+            if line is not None:
+                self.store.delete_key(self.run_key(self.rank))
+            self.running = (self.count, time.monotonic(), None)
+            return
+        if time.monotonic() - since < self.publish_s:
+            return
+        frame = sys._current_frames().get(self.ident)
+        where = _short(debug.user_line(frame=frame)) if frame is not None else "<unknown line>"
+        if where != line:
+            self.store.set(self.run_key(self.rank), json.dumps({"number": count, "line": where}))
+            self.running = (count, since, where)
 
     def compiled_wait(self) -> tuple | None:
         """A wait no guard records: the rank's thread inside a functional collective of a
@@ -178,28 +205,50 @@ class Watch:
         return {"number": number, "name": name, "detail": detail, "line": _short(line)}
 
     def report(self, waited: float) -> str | None:
-        """The stall report, or None while some other rank is not waiting (it is working)."""
+        """The stall report, or None while some other rank makes progress (it entered a
+        collective lately, or has not been at one line long enough to publish it)."""
         others = [r for r in range(self.world_size) if r != self.rank]
         left = self.left(others)
         waits = {self.rank: json.loads(self.store.get(self.key(self.rank)))}
+        running = {}
         for r in others:
             if r in left:
                 continue
-            if not self.store.check([self.key(r)]):
+            if self.store.check([self.key(r)]):
+                waits[r] = json.loads(self.store.get(self.key(r)))
+            elif self.store.check([self.run_key(r)]):
+                running[r] = json.loads(self.store.get(self.run_key(r)))
+            else:
                 return None
-            waits[r] = json.loads(self.store.get(self.key(r)))
-        return stall_report(waits, left, waited)
+        if running and not self.steady(running):
+            return None
+        return stall_report(waits, left, waited, running)
+
+    def steady(self, running: dict) -> bool:
+        """Whether the same ranks have been seen running at the same lines for ``publish_s``:
+        a rank that has just entered the collective withdraws its record at its next tick."""
+        seen = tuple(sorted((r, w["number"], w["line"]) for r, w in running.items()))
+        if self.seen_running is None or self.seen_running[0] != seen:
+            self.seen_running = (seen, time.monotonic())
+        return time.monotonic() - self.seen_running[1] >= self.publish_s
 
 
-def stall_report(waits: dict[int, dict], left: dict, waited: float) -> str:
-    """The text: ranks grouped by what they wait in (pure, for the tests)."""
+def stall_report(waits: dict[int, dict], left: dict, waited: float,
+                 running: dict | None = None) -> str:
+    """The text: ranks grouped by what they wait in, then the ranks that run outside any
+    collective, at their line (pure, for the tests)."""
     groups: dict[tuple, list[int]] = {}
     for rank, w in sorted(waits.items()):
         groups.setdefault((w["name"], w["number"], w["line"], w["detail"]), []).append(rank)
     parts = [f"{_ranks(ranks)} wait{'s' * (len(ranks) == 1)} in {name} (collective #{number}, "
              f"{detail}) at {line}" for (name, number, line, detail), ranks in groups.items()]
+    parts += [f"rank {r} has not reached a collective since its #{w['number']}: it runs at "
+              f"{w['line']}" for r, w in sorted((running or {}).items())]
     parts += [_left_words(r, status, n) for r, (status, n) in sorted(left.items())]
-    if any(w["name"] == CompiledWait.COMPILED for w in waits.values()):
+    if running:
+        cause = ("a rank that never reaches the collective the others wait in: code that blocks "
+                 "or runs long on that rank (see its line), or a collective only some ranks call")
+    elif any(w["name"] == CompiledWait.COMPILED for w in waits.values()):
         cause = ("collectives of a compiled graph and of eager code (gradient hooks, code "
                  "between graph breaks) issued in another order on some ranks; globaltensor "
                  "means to keep one order: please report it with this message")

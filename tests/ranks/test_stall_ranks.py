@@ -1,5 +1,6 @@
 """The stall report (GT_STALL_REPORT, globaltensor/world/stalls.py): when no rank has made progress for
-that long, every rank prints what each rank waits in, long before the timeout (issue 34 item 2).
+that long, every rank prints what each rank waits in (or, for a rank stuck in user code, the
+line it runs at), long before the timeout.
 In real processes: tests/processes/test_launcher_everyday_use.py."""
 import datetime
 import time
@@ -42,12 +43,31 @@ def test_item_under_if_rank_zero_is_reported_within_the_stall_time(capsys):
     assert time.monotonic() - start < 15
 
 
-def test_no_report_while_one_rank_works(capsys):
+def test_a_rank_stuck_in_user_code_is_named_with_its_line(capsys):
     def body(rank):
         world.start_watch(stall_s=0.5)
         if rank == 0:
-            time.sleep(2)  # working (no collective): not a stall
+            time.sleep(3)  # stuck in user code: never reaches the barrier while rank 1 waits
         gt.comm.barrier()
+        return rank
+
+    assert run_ranks(body, 2, timeout=20) == [0, 1]  # the report does not stop the job
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "no rank has made progress" in line]
+    assert lines, err
+    text = lines[0]
+    assert "rank 1 waits in gt.comm.barrier (collective #" in text
+    assert "rank 0 has not reached a collective since its #" in text
+    assert "test_stall_ranks.py:" in text and "`time.sleep(3)" in text
+    assert "never reaches the collective" in text
+
+
+def test_no_report_while_ranks_make_progress(capsys):
+    def body(rank):
+        world.start_watch(stall_s=2)
+        for _ in range(8):  # each rank enters a collective at least every 0.3 s
+            time.sleep(0.2 if rank == 0 else 0.05)
+            gt.comm.barrier()
         return rank
 
     assert run_ranks(body, 2, timeout=20) == [0, 1]
