@@ -104,9 +104,13 @@ def _me() -> str:
 
 def timeout_message(op: str, ranks: list[int] | None, error: BaseException) -> str:
     among = f" among ranks {ranks}" if ranks is not None else ""
+    try:
+        stuck = watch.running_message(watch.current(), ranks or [])
+    except RuntimeError:  # the store is gone too
+        stuck = ""
     return (
         f"{op}: timed out on {_me()}{among} ({_first_line(error)}). "
-        f"{_arrivals(ranks)}Expected every rank of the group to reach this collective within the "
+        f"{stuck}{_arrivals(ranks)}Expected every rank of the group to reach this collective within the "
         f"timeout (gt.init(timeout=...) or GT_TIMEOUT=seconds); a rank skipped it, reordered its "
         f"collectives, is stuck or has died. A read of a global value (x.item(), print(x)) is a "
         f"collective too: under `if rank == 0:` the other ranks never join it (use gt.print0)."

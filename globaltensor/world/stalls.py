@@ -32,7 +32,7 @@ from . import exits
 from ..errors import GlobalTensorError
 
 __all__ = ["Watch", "Waiting", "current", "start", "stop", "stall_seconds", "stall_report",
-           "finished_message"]
+           "finished_message", "running_message"]
 
 DEFAULT_STALL_S = 30.0
 PUBLISH_S = 5.0  # a wait this old is written to the store (at most half the stall time)
@@ -258,6 +258,20 @@ def stall_report(waits: dict[int, dict], left: dict, waited: float,
     return (f"globaltensor: no rank has made progress for {waited:.0f}s (GT_STALL_REPORT): "
             + "; ".join(parts) + ". Expected every rank to reach the same collectives in the same "
             f"order (SPMD): {cause}. The job goes on waiting until the timeout (GT_TIMEOUT).")
+
+
+def running_message(watch: "Watch | None", ranks) -> str:
+    """After a timeout: the ranks of ``ranks`` that run outside any collective at one line
+    (stuck in user code), as their stall records say; "" when none is known."""
+    if watch is None:
+        return ""
+    found = []
+    for r in ranks:
+        if r != watch.rank and watch.store.check([watch.run_key(r)]):
+            w = json.loads(watch.store.get(watch.run_key(r)))
+            found.append(f"rank {r} had not reached a collective since its #{w['number']}: it "
+                         f"ran at {w['line']}")
+    return ("; ".join(found) + ". ") if found else ""
 
 
 def finished_message(watch: "Watch | None", ranks, where: str) -> str | None:
