@@ -250,7 +250,7 @@ def test_constant_pad_keeps_unpadded_dims_split(pad, value):
     check(lambda x: F.pad(x, pad, value=value), [gen(5, 4, 3, seed=11)])
 
 
-@pytest.mark.parametrize("training", [True, False])
+@pytest.mark.parametrize("training", [True, pytest.param(False, marks=pytest.mark.slow)])
 def test_batch_norm_over_every_layout(training):
     # sync-BN semantics: the statistics of the whole batch whatever the split (a rule with a
     # kernel for batch and spatial splits in training, local for a channel split)

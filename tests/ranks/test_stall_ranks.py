@@ -64,10 +64,10 @@ def test_a_rank_stuck_in_user_code_is_named_with_its_line(capsys):
 
 def test_a_timeout_names_the_rank_stuck_in_user_code_and_its_line():
     def body(rank):
-        _shorten_world_timeout(3)
+        _shorten_world_timeout(2)
         world.start_watch(stall_s=1)
         if rank == 0:
-            time.sleep(6)  # never joins rank 1's barrier in time
+            time.sleep(4)  # never joins rank 1's barrier in time
         gt.comm.barrier()
         return rank
 
@@ -75,7 +75,7 @@ def test_a_timeout_names_the_rank_stuck_in_user_code_and_its_line():
         run_ranks(body, 2, timeout=30)
     text = str(info.value)
     assert "timed out on rank 1" in text
-    assert "rank 0 had not reached a collective since its #" in text and "`time.sleep(6)" in text
+    assert "rank 0 had not reached a collective since its #" in text and "`time.sleep(4)" in text
 
 
 def test_no_report_while_ranks_make_progress(capsys):

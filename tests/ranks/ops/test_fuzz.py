@@ -30,7 +30,7 @@ from globaltensor.testing import run_ranks
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
 # seeds per world: 2 ranks ([2]) from 0, 4 ranks ([2, 2]) from 10_000. The default run takes
 # the first PROGRAMS (a 2x2 program costs about 2.5x a [2] one), -m slow the rest of SLOW_PROGRAMS
-PROGRAMS = {2: 100, 4: 30}
+PROGRAMS = {2: 60, 4: 20}
 SLOW_PROGRAMS = 300
 FIRST_SEED = {2: 0, 4: 10_000}
 
