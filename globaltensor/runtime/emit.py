@@ -46,7 +46,6 @@ def is_traced(piece: torch.Tensor) -> bool:
 class Eager:
     """Real collectives, in place into buffers made here."""
 
-    traced = False
     point_to_point = True  # gloo's gathers and reductions may run as isend/irecv batches
 
     @staticmethod
@@ -110,7 +109,6 @@ class Eager:
 class Traced:
     """Functional collectives: each returns a new tensor, recorded in the graph being traced."""
 
-    traced = True
     point_to_point = False  # a traced graph holds collectives only
 
     @staticmethod
