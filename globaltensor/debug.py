@@ -352,12 +352,19 @@ def user_line(skip: int = 1, frame=None) -> str:
     frame = sys._getframe(skip) if frame is None else frame
     while frame is not None:
         module = frame.f_globals.get("__name__", "")
-        if not module.startswith(("globaltensor", "torch")):
+        if not module.startswith(("globaltensor", "torch")) and not _generated(frame):
             code = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
             where = f"{frame.f_code.co_filename}:{frame.f_lineno}"
             return f"{where} (`{code}`)" if code else where
         frame = frame.f_back
     return "<unknown line>"
+
+
+def _generated(frame) -> bool:
+    """A frame of code torch.compile generated (an fx graph, inductor's output): not the user's."""
+    name = frame.f_code.co_filename
+    return (name.startswith("<eval_with_key") or "torchinductor" in name
+            or f"{os.sep}torch{os.sep}" in name)  # AOTAutograd's wrappers name torch's files
 
 
 def backward_origin() -> str | None:

@@ -3,7 +3,8 @@ compile them (docs/compile.md), in real processes: ``torch.compile(model)`` itse
 beside the logits: unused outputs get plain zero tangents) and a loss function without
 ``fullgraph``, through graph breaks inside the forward; GPT-2 data parallel, Llama on a 2x2
 grid, BERT tensor parallel; an FSDP-style x tensor-parallel 2x2 model trained compiled as eager,
-without a hang. The executor, the MLPs, the CNN and the warm cache: test_compile.py.
+without a hang; the stall report naming a rank that waits inside a compiled graph's collective.
+The executor, the MLPs, the CNN and the warm cache: test_compile.py.
 """
 import pytest
 import torch
@@ -290,3 +291,35 @@ def test_fsdp_style_by_tensor_parallel_compiled_trains_as_eager_without_a_hang(
         for got, want in zip(r["compiled params"], reference.parameters()):
             torch.testing.assert_close(torch.tensor(got, dtype=torch.float64), want.detach(),
                                        rtol=1e-5, atol=2e-5, msg=f"rank {rank}")
+
+
+# --------------------------------------------------------------------------- a stall in a graph
+
+_STALL = '''
+import time, torch, globaltensor as gt
+gt.init()
+p = gt.placement("cpu", [0, 1])
+x = gt.ones(4, 3, placement=p, sbp=gt.sbp.split(0))
+step = torch.compile(lambda t: t.to_global(sbp=gt.sbp.broadcast) * 2, backend="aot_eager")
+step(x)
+if gt.env.get_rank() == 1:
+    time.sleep(7)  # rank 0 waits inside the compiled graph's all_gather meanwhile
+print(step(x).sum().item())
+'''
+
+
+@pytest.mark.slow  # 16 s
+def test_the_stall_report_sees_a_rank_waiting_in_a_compiled_graphs_collective():
+    import os
+
+    from globaltensor.testing import run_script
+
+    run = run_script(_STALL, 2, timeout=120, env=dict(os.environ, GT_STALL_REPORT="2"))
+    assert run.returncode == 0, run.stderr[-2000:]
+    reports = [line for line in (run.stdout + run.stderr).splitlines()
+               if "no rank has made progress" in line]
+    assert reports, run.stderr[-2000:]
+    text = reports[0]
+    assert "rank 0 waits in a compiled graph's collective" in text
+    assert "_c10d_functional.wait_tensor" in text and "script.py:" in text
+    assert "rank 1 has not reached a collective since its #" in text and "`time.sleep(7)" in text
