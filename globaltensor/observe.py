@@ -2,7 +2,8 @@
 (tools/policy.py) and ``gt.verify``'s check of explicit ``to_global`` (tools/verify.py).
 
 The core announces its events here (:func:`redistribution`, :func:`served_from_memo`,
-:func:`bucket_reduced`, :func:`comm_called`) and never imports ``tools/``: the watchers in this
+:func:`bucket_reduced`, :func:`comm_called`, :func:`unit_collective`, :func:`storage_kind` for
+``gt.memory()``) and never imports ``tools/``: the watchers in this
 context's ContextVar are the tools' own objects (a trace's ``moved``, a verifier's
 ``redistributed``), and the policy check is the one function ``tools/policy.py`` plugs in when
 it is imported (:func:`plug`, a registry filled once, like the ops' registry).
@@ -39,9 +40,11 @@ class Watchers:
     policy: str = "implicit"        # gt.communication(...): implicit, warn or explicit
     warned: set = field(default_factory=set, compare=False)  # warn: (op, layouts, line) seen
     verifier: object = None         # the active gt.verify() (verify.Verifier)
+    memory: object = None           # the active gt.memory() (memory.MemoryTracker)
 
     def idle(self) -> bool:
-        return self.trace is None and self.policy == "implicit" and self.verifier is None
+        return (self.trace is None and self.policy == "implicit" and self.verifier is None
+                and self.memory is None)
 
 
 UNREAD = Watchers(policy="unread")  # GT_COMMUNICATION not read yet in this context
@@ -164,5 +167,22 @@ def comm_called(name: str) -> None:
         watchers.trace.comm_called(name)
 
 
+def unit_collective(op: str, collective: str, nbytes: int, dtype) -> None:
+    """A sharded unit's gather or reduce-scatter ran (nn/fully_shard.py), this rank sending
+    ``nbytes``."""
+    watchers = current()
+    if watchers is not None and watchers.trace is not None:
+        watchers.trace.unit_collective(op, collective, nbytes, dtype)
+
+
+def storage_kind(t: torch.Tensor, kind: str) -> None:
+    """``t``'s storage holds ``kind`` (``"communication"``, ``"gradients"``...), at its size
+    now (a resized storage is announced again): what ``gt.memory()`` counts it as."""
+    watchers = current()
+    if watchers is not None and watchers.memory is not None:
+        watchers.memory.classify(t, kind)
+
+
 __all__ = ["Watchers", "watching", "current", "watched", "set_watchers", "POLICIES", "plug",
-           "redistribution", "served_from_memo", "bucket_reduced", "comm_called"]
+           "redistribution", "served_from_memo", "bucket_reduced", "comm_called",
+           "unit_collective", "storage_kind"]

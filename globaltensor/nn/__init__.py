@@ -4,11 +4,13 @@
                    points run in global mode
     styles.py      ready-made sbp_fns (column / row parallel, ...)
     pretrained.py  HF's save_pretrained on a converted model (full values, rank 0 writes)
+    fully_shard.py gt.nn.fully_shard, MixedPrecision: FSDP2's surface (docs/fully_shard.md)
     parallel/      DistributedDataParallel"""
 from . import parallel
 from .module import to_global, to_local
+from .fully_shard import FSDPModule, MixedPrecision, fully_shard
 from .styles import colwise, rowwise, sbp_plan, sequence
 from ..grads import set_bucket_cap_mb
 
-__all__ = ["parallel", "to_global", "to_local", "colwise", "rowwise", "sbp_plan", "sequence",
+__all__ = ["FSDPModule", "MixedPrecision", "fully_shard", "parallel", "to_global", "to_local", "colwise", "rowwise", "sbp_plan", "sequence",
            "set_bucket_cap_mb"]

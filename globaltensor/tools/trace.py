@@ -119,6 +119,11 @@ class CommTrace:
                         source=None, target=None, steps=("all_reduce",),
                         collectives=("all_reduce",), bytes_per_rank=nbytes, dtype=None))
 
+    def unit_collective(self, op: str, collective: str, nbytes: int, dtype) -> None:
+        """A sharded unit's flat gather or reduce-scatter (gt.nn.fully_shard)."""
+        self.add(Record(op=op, source=None, target=None, steps=(collective,),
+                        collectives=(collective,), bytes_per_rank=nbytes, dtype=dtype))
+
     def comm_called(self, name: str) -> None:
         """A ``gt.comm`` collective ran."""
         full = "gt.comm." + name

@@ -1,0 +1,168 @@
+"""A sharded unit's communication (``gt.nn.fully_shard``): one all-gather of its parameters'
+pieces as a flat buffer, one reduce-scatter of its gradients.
+
+Every parameter of a unit is split on one dim (``ShardSpec.dim``) over the unit's axis, the
+innermost axis that splits that dim, so the pieces of the members of this rank's group along
+the axis, put together along the dim, make this rank's piece of the *gathered* layout (the axis
+broadcast). Pieces may be uneven: each takes a segment of ``ceil(rows / n)`` rows in the flat
+buffer (FSDP2's padding), so every member sends the same number of elements.
+
+Memory: the send buffer lives only while the gather runs; the received buffer until it is
+copied out into the unit's *unsharded storage* (one flat tensor, parameters are views of it),
+which :meth:`UnitComm.free` gives back (its storage resized to 0: views of it stay valid and
+are filled again by the next gather, FSDP2's storage resize).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+from .. import observe
+from ..layout import split_sizes
+from .groups import all_gather_flat, reduce_scatter_flat
+from .guard import guard
+
+
+@dataclass(frozen=True)
+class ShardSpec:
+    """One parameter of a unit, on this rank: its gathered piece's shape, the dim it is split
+    on over the axis, and the n pieces' row counts along that dim (uneven rule)."""
+
+    shape: tuple[int, ...]   # this rank's piece of the gathered layout
+    dim: int
+    rows: tuple[int, ...]    # rows of each member's piece along ``dim``, in axis order
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def row_numel(self) -> int:
+        return math.prod(self.shape[:self.dim] + self.shape[self.dim + 1:])
+
+    @property
+    def segment(self) -> int:
+        """Elements each member sends for this parameter (its piece, padded)."""
+        return max(self.rows) * self.row_numel
+
+    def piece_shape(self, i: int) -> tuple[int, ...]:
+        return self.shape[:self.dim] + (self.rows[i],) + self.shape[self.dim + 1:]
+
+
+def shard_spec(shape: tuple[int, ...], dim: int, n: int) -> ShardSpec:
+    return ShardSpec(tuple(shape), dim, split_sizes(shape[dim], n))
+
+
+class UnitComm:
+    """The flat buffers and collectives of one unit on this rank: ``group`` is this rank's group
+    along the unit's axis (``members`` in axis order, ``index`` this rank's place in it)."""
+
+    def __init__(self, specs: list[ShardSpec], group, members: tuple[int, ...], index: int,
+                 name: str):
+        self.specs, self.group, self.members, self.index = specs, group, members, index
+        self.n = len(members)
+        self.name = name
+        self.offsets = []  # of each parameter's segment in a member's block
+        offset = 0
+        for spec in specs:
+            self.offsets.append(offset)
+            offset += spec.segment
+        self.block = offset  # elements each member sends
+        self.numel = sum(s.numel for s in specs)  # of the unsharded storage
+        self.flat: torch.Tensor | None = None  # the unsharded storage (kept; resized to 0)
+        self.views: list[torch.Tensor] = []
+        self.received = self.work = None
+
+    # ---- all-gather -------------------------------------------------------------------------
+    def start_gather(self, pieces: list[torch.Tensor], dtype: torch.dtype) -> None:
+        """Launch the all-gather of this rank's ``pieces`` (cast to ``dtype``), asynchronously."""
+        send = torch.empty(self.block, dtype=dtype, device=pieces[0].device if pieces else "cpu")
+        for spec, offset, piece in zip(self.specs, self.offsets, pieces):
+            n = piece.numel()
+            if n:
+                send[offset:offset + n].view(piece.shape).copy_(piece)
+        self.received = send.new_empty(self.n * self.block)
+        observe.storage_kind(send, "communication")
+        observe.storage_kind(self.received, "communication")
+        if self.received.numel():
+            self.work = all_gather_flat(self.received, send, group=self.group, async_op=True)
+        observe.unit_collective(f"fully_shard all_gather ({self.name})", "all_gather",
+                                (self.n - 1) * self.block * send.element_size(), dtype)
+
+    @property
+    def gathering(self) -> bool:
+        return self.received is not None
+
+    def finish_gather(self) -> list[torch.Tensor]:
+        """Wait for the gather and copy it out into the unsharded storage; the parameters'
+        gathered pieces (views of that storage)."""
+        if self.work is not None:
+            with guard(lambda: f"fully_shard's all-gather of {self.name}", ranks=self.members):
+                self.work.wait()
+        received, self.received, self.work = self.received, None, None
+        views = self._unsharded(received.dtype, received.device)
+        blocks = received.view(self.n, self.block)
+        for spec, offset, view in zip(self.specs, self.offsets, views):
+            chunks = [blocks[i, offset:offset + spec.rows[i] * spec.row_numel].view(spec.piece_shape(i))
+                      for i in range(self.n)]
+            torch.cat(chunks, dim=spec.dim, out=view)
+        del received, blocks  # the received buffer goes
+        return views
+
+    def _unsharded(self, dtype, device) -> list[torch.Tensor]:
+        """The unsharded storage's views, (re)allocated in ``dtype``."""
+        if self.flat is None or self.flat.dtype != dtype:
+            self.flat = torch.empty(self.numel, dtype=dtype, device=device)
+            self.views, offset = [], 0
+            for spec in self.specs:
+                self.views.append(self.flat[offset:offset + spec.numel].view(spec.shape))
+                offset += spec.numel
+        else:
+            storage = self.flat.untyped_storage()
+            if storage.nbytes() == 0:
+                storage.resize_(self.numel * self.flat.element_size())
+        observe.storage_kind(self.flat, "communication")
+        return self.views
+
+    def free(self) -> None:
+        """Give back the unsharded storage's memory (the views stay, holding nothing)."""
+        if self.flat is not None and self.flat.untyped_storage().nbytes():
+            self.flat.untyped_storage().resize_(0)
+            observe.storage_kind(self.flat, "communication")
+
+    @property
+    def unsharded(self) -> bool:
+        return self.flat is not None and self.flat.untyped_storage().nbytes() > 0
+
+    # ---- reduce-scatter ---------------------------------------------------------------------
+    def pack_gradients(self, grads: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
+        """The flat buffer a reduce-scatter takes: member i's block holds piece i of every
+        gradient (None: zeros), cast to ``dtype``."""
+        device = next((g.device for g in grads if g is not None), torch.device("cpu"))
+        flat = torch.zeros(self.n * self.block, dtype=dtype, device=device)
+        blocks = flat.view(self.n, self.block)
+        for spec, offset, grad in zip(self.specs, self.offsets, grads):
+            if grad is None:
+                continue
+            for i, chunk in enumerate(torch.split(grad, list(spec.rows), dim=spec.dim)):
+                if chunk.numel():
+                    blocks[i, offset:offset + chunk.numel()].view(chunk.shape).copy_(chunk)
+        return flat
+
+    def reduce_scatter(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Sum ``flat`` over the group; this rank's pieces of the gradients (views of one
+        buffer of ``block`` elements)."""
+        observe.storage_kind(flat, "communication")
+        out = flat.new_empty(self.block)
+        if out.numel():
+            with guard(lambda: f"fully_shard's reduce-scatter of {self.name}", ranks=self.members):
+                reduce_scatter_flat(out, flat, group=self.group)
+        observe.unit_collective(f"fully_shard reduce_scatter ({self.name})", "reduce_scatter",
+                                (self.n - 1) * self.block * flat.element_size(), flat.dtype)
+        pieces = []
+        for spec, offset in zip(self.specs, self.offsets):
+            rows = spec.rows[self.index]
+            pieces.append(out[offset:offset + rows * spec.row_numel].view(spec.piece_shape(self.index)))
+        return pieces
