@@ -7,7 +7,7 @@ the axis, put together along the dim, make this rank's piece of the *gathered* l
 broadcast). Pieces may be uneven: each takes a segment of ``ceil(rows / n)`` rows in the flat
 buffer (FSDP2's padding), so every member sends the same number of elements.
 
-Memory: the send buffer lives only while the gather runs; the received buffer until it is
+Memory: the received buffer (this rank's block of it is what it sends) lives until it is
 copied out into the unit's *unsharded storage* (one flat tensor, parameters are views of it),
 which :meth:`UnitComm.free` gives back (its storage resized to 0: views of it stay valid and
 are filled again by the next gather, FSDP2's storage resize).
@@ -77,15 +77,16 @@ class UnitComm:
 
     # ---- all-gather -------------------------------------------------------------------------
     def start_gather(self, pieces: list[torch.Tensor], dtype: torch.dtype) -> None:
-        """Launch the all-gather of this rank's ``pieces`` (cast to ``dtype``), asynchronously."""
-        send = torch.empty(self.block, dtype=dtype, device=pieces[0].device if pieces else "cpu")
-        for spec, offset, piece in zip(self.specs, self.offsets, pieces):
+        """Launch the all-gather of this rank's ``pieces`` (cast to ``dtype``), asynchronously.
+        In place, as FSDP2's: this rank's block of the received buffer is what it sends."""
+        device = pieces[0].device if pieces else "cpu"
+        self.received = torch.empty(self.n * self.block, dtype=dtype, device=device)
+        observe.storage_kind(self.received, "communication")
+        send = self.received[self.index * self.block:(self.index + 1) * self.block]
+        for offset, piece in zip(self.offsets, pieces):
             n = piece.numel()
             if n:
                 send[offset:offset + n].view(piece.shape).copy_(piece)
-        self.received = send.new_empty(self.n * self.block)
-        observe.storage_kind(send, "communication")
-        observe.storage_kind(self.received, "communication")
         if self.received.numel():
             self.work = all_gather_flat(self.received, send, group=self.group, async_op=True)
         observe.unit_collective(f"fully_shard all_gather ({self.name})", "all_gather",
