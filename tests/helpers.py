@@ -3,6 +3,7 @@
 ``from helpers import ...`` (tests/conftest.py puts tests/ on sys.path), never from another test
 module; a helper that only one module uses stays in that module.
 """
+import copy
 import datetime
 import itertools
 import math
@@ -11,7 +12,9 @@ import pickle
 import random
 
 import numpy as np
+import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 from hypothesis import strategies as st
 
 import globaltensor as gt
@@ -406,3 +409,80 @@ def train_mse(model, opt, x, y, steps: int) -> list:
         losses.append(loss.item())
     return losses
 
+
+# ----------------------------------------------------------------------------- sharded training
+# (gt.nn.fully_shard: tests/ranks/test_fully_shard.py, tests/processes/test_fully_shard_compile.py)
+
+
+class Block(torch.nn.Module):
+    def __init__(self, h, remat=False):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.up = torch.nn.Linear(h, 3 * h)
+        self.down = torch.nn.Linear(3 * h, h)
+        self.remat = remat
+
+    def _inner(self, x):
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+    def forward(self, x):
+        if self.remat:  # activation checkpointing inside the unit
+            return x + checkpoint(self._inner, x, use_reentrant=False)
+        return x + self._inner(x)
+
+
+class Net(torch.nn.Module):
+    """Hidden 10 and 7 inputs: every piece uneven on 4 ranks."""
+
+    def __init__(self, h=10, n=3, remat=False, generator_seed=None):
+        super().__init__()
+        if generator_seed is not None:
+            torch.manual_seed(generator_seed)
+        self.emb = torch.nn.Linear(7, h)
+        self.layers = torch.nn.ModuleList(Block(h, remat) for _ in range(n))
+        self.head = torch.nn.Linear(h, 5)
+
+    def forward(self, x):
+        x = self.emb(x)
+        for layer in self.layers:
+            x = layer(x)
+        return self.head(x)
+
+
+REF_NET = Net(generator_seed=0)
+X_NET = torch.randn(12, 7, generator=torch.Generator().manual_seed(3))
+
+
+def one_process(model, steps=3, micro=1):
+    """Losses and final state of AdamW on the mean square of ``model(X_NET)``."""
+    m = copy.deepcopy(model)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        for x in X_NET.chunk(micro):
+            loss = m(x).pow(2).mean() / micro
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses, {k: v.detach() for k, v in m.state_dict().items()}
+
+
+def shard(model, placement, axis=None, **kwargs):
+    """One gt.nn.fully_shard unit per block, then the root (as torchtitan spells it)."""
+    for layer in model.layers:
+        gt.nn.fully_shard(layer, placement, axis, **kwargs)
+    return gt.nn.fully_shard(model, placement, axis, **kwargs)
+
+
+def full_state(m):
+    """``m``'s state dict as full values (collective)."""
+    return {k: v.full_tensor() for k, v in m.state_dict().items()}
+
+
+def assert_matches(expected, got, loss_tol=1e-5, tol=1e-4):
+    (el, es), (gl, gs) = expected, got
+    assert gl == pytest.approx(el, abs=loss_tol)
+    assert es.keys() == gs.keys()
+    for k in es:
+        torch.testing.assert_close(gs[k], es[k], atol=tol, rtol=tol, msg=k)

@@ -14,6 +14,7 @@ are filled again by the next gather, FSDP2's storage resize).
 """
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -51,6 +52,17 @@ class ShardSpec:
         return self.shape[:self.dim] + (self.rows[i],) + self.shape[self.dim + 1:]
 
 
+def _plain(method):
+    """Runs with torch-function modes off: the buffers are this rank's own tensors even where
+    the caller runs in ``gt.global_mode`` (whose check of the calling frame cannot see through
+    torch.compile's frames)."""
+    @functools.wraps(method)
+    def plain(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return method(*args, **kwargs)
+    return plain
+
+
 def shard_spec(shape: tuple[int, ...], dim: int, n: int) -> ShardSpec:
     return ShardSpec(tuple(shape), dim, split_sizes(shape[dim], n))
 
@@ -76,6 +88,7 @@ class UnitComm:
         self.received = self.work = None
 
     # ---- all-gather -------------------------------------------------------------------------
+    @_plain
     def start_gather(self, pieces: list[torch.Tensor], dtype: torch.dtype) -> None:
         """Launch the all-gather of this rank's ``pieces`` (cast to ``dtype``), asynchronously.
         In place, as FSDP2's: this rank's block of the received buffer is what it sends."""
@@ -96,6 +109,7 @@ class UnitComm:
     def gathering(self) -> bool:
         return self.received is not None
 
+    @_plain
     def finish_gather(self) -> list[torch.Tensor]:
         """Wait for the gather and copy it out into the unsharded storage; the parameters'
         gathered pieces (views of that storage)."""
@@ -108,7 +122,10 @@ class UnitComm:
         for spec, offset, view in zip(self.specs, self.offsets, views):
             chunks = [blocks[i, offset:offset + spec.rows[i] * spec.row_numel].view(spec.piece_shape(i))
                       for i in range(self.n)]
-            torch.cat(chunks, dim=spec.dim, out=view)
+            # the same values as the gather before: autograd's saved copies stay valid (FSDP2
+            # writes its unsharded parameters the same way)
+            with torch.autograd._unsafe_preserve_version_counter(view):
+                torch.cat(chunks, dim=spec.dim, out=view)
         del received, blocks  # the received buffer goes
         return views
 
@@ -127,6 +144,7 @@ class UnitComm:
         observe.storage_kind(self.flat, "communication")
         return self.views
 
+    @_plain
     def free(self) -> None:
         """Give back the unsharded storage's memory (the views stay, holding nothing)."""
         if self.flat is not None and self.flat.untyped_storage().nbytes():
@@ -138,6 +156,7 @@ class UnitComm:
         return self.flat is not None and self.flat.untyped_storage().nbytes() > 0
 
     # ---- reduce-scatter ---------------------------------------------------------------------
+    @_plain
     def pack_gradients(self, grads: list[torch.Tensor | None], dtype: torch.dtype) -> torch.Tensor:
         """The flat buffer a reduce-scatter takes: member i's block holds piece i of every
         gradient (None: zeros), cast to ``dtype``."""
@@ -152,6 +171,7 @@ class UnitComm:
                     blocks[i, offset:offset + chunk.numel()].view(chunk.shape).copy_(chunk)
         return flat
 
+    @_plain
     def reduce_scatter(self, flat: torch.Tensor) -> list[torch.Tensor]:
         """Sum ``flat`` over the group; this rank's pieces of the gradients (views of one
         buffer of ``block`` elements)."""

@@ -39,9 +39,11 @@ KINDS = ("parameters", "gradients", "optimizer", "activations", "communication")
 
 
 def _storage(t: torch.Tensor):
-    local = getattr(t, "_local", None)  # a global tensor: its piece
-    if isinstance(local, torch.Tensor):
-        t = local
+    """The storage ``t``'s bytes live in: a global tensor's piece's (any wrapper subclass's
+    inner tensor: DTensor's local tensor too)."""
+    while hasattr(t, "__tensor_flatten__"):
+        names, _ = t.__tensor_flatten__()
+        t = getattr(t, names[0])
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional one)

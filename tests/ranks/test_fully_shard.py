@@ -7,78 +7,18 @@ import copy
 
 import pytest
 import torch
-from torch.utils.checkpoint import checkpoint
 
 import globaltensor as gt
 from globaltensor.errors import GlobalTensorError
 from globaltensor.testing import run_ranks
+
+from helpers import REF_NET as REF, X_NET as X, Net, assert_matches, full_state, one_process, shard
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 TIMEOUT = 90
 LINE2 = gt.placement("cpu", [0, 1])
 LINE4 = gt.placement("cpu", [0, 1, 2, 3])
 GRID = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "tp"))
-
-
-class Block(torch.nn.Module):
-    def __init__(self, h, remat=False):
-        super().__init__()
-        self.norm = torch.nn.LayerNorm(h)
-        self.up = torch.nn.Linear(h, 3 * h)
-        self.down = torch.nn.Linear(3 * h, h)
-        self.remat = remat
-
-    def _inner(self, x):
-        return self.down(torch.relu(self.up(self.norm(x))))
-
-    def forward(self, x):
-        if self.remat:  # activation checkpointing inside the unit
-            return x + checkpoint(self._inner, x, use_reentrant=False)
-        return x + self._inner(x)
-
-
-class Net(torch.nn.Module):
-    """Hidden 10 and 7 inputs: every piece uneven on 4 ranks."""
-
-    def __init__(self, h=10, n=3, remat=False):
-        super().__init__()
-        self.emb = torch.nn.Linear(7, h)
-        self.layers = torch.nn.ModuleList(Block(h, remat) for _ in range(n))
-        self.head = torch.nn.Linear(h, 5)
-
-    def forward(self, x):
-        x = self.emb(x)
-        for layer in self.layers:
-            x = layer(x)
-        return self.head(x)
-
-
-torch.manual_seed(0)
-REF = Net()
-REF_REMAT = copy.deepcopy(REF)
-for _b in REF_REMAT.layers:
-    _b.remat = True
-X = torch.randn(12, 7, generator=torch.Generator().manual_seed(3))
-
-
-def one_process(model, steps=3, micro=1):
-    m = copy.deepcopy(model)
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(steps):
-        for x in X.chunk(micro):
-            loss = m(x).pow(2).mean() / micro
-            loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, {k: v.detach() for k, v in m.state_dict().items()}
-
-
-def shard(model, placement, axis=None, **kwargs):
-    for layer in model.layers:
-        gt.nn.fully_shard(layer, placement, axis, **kwargs)
-    return gt.nn.fully_shard(model, placement, axis, **kwargs)
 
 
 def train(model, placement, steps=3, micro=1, batch_sbp=None, **kwargs):
@@ -97,18 +37,6 @@ def train(model, placement, steps=3, micro=1, batch_sbp=None, **kwargs):
         opt.zero_grad()
         losses.append(loss.item())
     return losses, m
-
-
-def full_state(m):
-    return {k: v.full_tensor() for k, v in m.state_dict().items()}
-
-
-def assert_matches(expected, got, loss_tol=1e-5, tol=1e-4):
-    (el, es), (gl, gs) = expected, got
-    assert gl == pytest.approx(el, abs=loss_tol)
-    assert es.keys() == gs.keys()
-    for k in es:
-        torch.testing.assert_close(gs[k], es[k], atol=tol, rtol=tol, msg=k)
 
 
 @pytest.mark.parametrize("world,reshard", [(2, True), (4, True), (4, False)])
@@ -188,9 +116,15 @@ def test_explicit_prefetch_lists_unshard_and_reshard():
 
 
 def test_activation_checkpointing_inside_a_unit():
-    expected = one_process(REF_REMAT)
-    for got in run_ranks(lambda r: (lambda lm: (lm[0], full_state(lm[1])))(train(REF_REMAT, LINE2)),
-                         2, timeout=TIMEOUT):
+    remat = copy.deepcopy(REF)
+    for block in remat.layers:
+        block.remat = True  # torch.utils.checkpoint around the block's inner part
+    expected = one_process(remat)
+
+    def body(rank):
+        losses, m = train(remat, LINE2)
+        return losses, full_state(m)
+    for got in run_ranks(body, 2, timeout=TIMEOUT):
         assert_matches(expected, got)
 
 
@@ -343,3 +277,4 @@ def test_bad_input_is_a_clear_error_on_every_rank(case):
                 "twice": "sharded already", "ranks": "does not hold", "shard_dim": "shard_dim",
                 "policy": "MixedPrecision"}[case]
     assert expected in messages[0]
+

@@ -1,0 +1,49 @@
+"""torch.compile of a model gt.nn.fully_shard sharded, as users spell it (``torch.compile(model)``),
+in real processes (a compiled graph is this rank's own: thread-ranks would share dynamo's cache):
+the same losses and parameters as one process, on a line of 2 and on a 2x2 grid with tensor
+parallelism on "tp" first. The units' gathers and reduce-scatters run between graphs, as
+FSDP2's hooks do (docs/fully_shard.md)."""
+import copy
+
+import pytest
+import torch
+
+import globaltensor as gt
+
+from helpers import REF_NET, X_NET, assert_matches, full_state, one_process, shard
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+
+
+def _train_compiled(local_rank, grid):
+    gt.init()
+    if grid == "line":
+        placement, axis, sbp = gt.placement("cpu", [0, 1]), None, S(0)
+        m = copy.deepcopy(REF_NET)
+    else:
+        placement = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "tp"))
+        axis, sbp = "dp", (S(0), B)
+        m = copy.deepcopy(REF_NET)
+        m.to_global(placement, gt.nn.sbp_plan({"layers.*.up": gt.nn.colwise("tp"),
+                                               "layers.*.down": gt.nn.rowwise("tp")}))
+    m = shard(m, placement, axis)
+    compiled = torch.compile(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = compiled(X_NET.to_global(placement, sbp)).pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    # numpy, not tensors: torch would share a tensor's memory with the parent through a file
+    # descriptor, gone when this process exits
+    return losses, {k: v.numpy() for k, v in full_state(m).items()}
+
+
+@pytest.mark.parametrize("grid", ["line", pytest.param("2x2", marks=pytest.mark.slow)])
+def test_torch_compile_of_a_sharded_model_equals_one_process(grid):
+    expected = one_process(REF_NET)
+    world = 2 if grid == "line" else 4
+    for losses, state in gt.spawn(_train_compiled, args=(grid,), nproc_per_node=world, timeout=600):
+        assert_matches(expected, (losses, {k: torch.from_numpy(v) for k, v in state.items()}))
