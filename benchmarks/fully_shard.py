@@ -193,7 +193,14 @@ def worker(local_rank, a):
         opts[name].step()
         return loss
 
-    first = {k: step(k, batches[0]).item() for k in contenders}  # warm-up (compiles), same data
+    def global_loss(k, loss):  # FSDP2's loss is this rank's mean: average it over the dp ranks
+        if isinstance(loss, gt.GlobalTensor):
+            return loss.item()
+        t = loss.detach().reshape(1).double()
+        torch.distributed.all_reduce(t)
+        return t.item() / world
+
+    first = {k: global_loss(k, step(k, batches[0])) for k in contenders}  # warm-up, same data
     times = {k: [] for k in contenders}
     names = list(contenders)
     for i in range(a.steps):

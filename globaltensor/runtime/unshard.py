@@ -51,6 +51,33 @@ class ShardSpec:
     def piece_shape(self, i: int) -> tuple[int, ...]:
         return self.shape[:self.dim] + (self.rows[i],) + self.shape[self.dim + 1:]
 
+    @property
+    def even(self) -> bool:
+        return len(set(self.rows)) == 1
+
+    def by_member(self, blocks: torch.Tensor, offset: int) -> torch.Tensor:
+        """Even pieces: the segments of every member's block, as (member, before, rows,
+        after) (``blocks`` is (members, block))."""
+        return blocks[:, offset:offset + self.segment].view(len(self.rows), *self._around())
+
+    def as_members(self, full: torch.Tensor) -> torch.Tensor:
+        """Even pieces: ``full`` (this shape) as (member, before, rows, after), a view."""
+        pre, rows, post = self._around()
+        return full.reshape(pre, len(self.rows), rows, post).transpose(0, 1)
+
+    def _around(self) -> tuple[int, int, int]:
+        """(elements before the dim, rows of a piece, elements after it)."""
+        return (math.prod(self.shape[:self.dim]), self.rows[0],
+                math.prod(self.shape[self.dim + 1:]))
+
+    def pieces_of(self, full: torch.Tensor) -> list[torch.Tensor]:
+        return list(torch.split(full, list(self.rows), dim=self.dim))
+
+    def segments(self, blocks: torch.Tensor, offset: int) -> list[torch.Tensor]:
+        """Uneven pieces: each member's piece in its block, shaped as the piece."""
+        return [blocks[i, offset:offset + self.rows[i] * self.row_numel].view(self.piece_shape(i))
+                for i in range(len(self.rows))]
+
 
 def _plain(method):
     """Runs with torch-function modes off: the buffers are this rank's own tensors even where
@@ -96,10 +123,13 @@ class UnitComm:
         self.received = torch.empty(self.n * self.block, dtype=dtype, device=device)
         observe.storage_kind(self.received, "communication")
         send = self.received[self.index * self.block:(self.index + 1) * self.block]
+        dsts, srcs = [], []
         for offset, piece in zip(self.offsets, pieces):
-            n = piece.numel()
-            if n:
-                send[offset:offset + n].view(piece.shape).copy_(piece)
+            if piece.numel():
+                dsts.append(send[offset:offset + piece.numel()].view(piece.shape))
+                srcs.append(piece)
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
         if self.received.numel():
             self.work = all_gather_flat(self.received, send, group=self.group, async_op=True)
         observe.unit_collective(f"fully_shard all_gather ({self.name})", "all_gather",
@@ -119,14 +149,19 @@ class UnitComm:
         received, self.received, self.work = self.received, None, None
         views = self._unsharded(received.dtype, received.device)
         blocks = received.view(self.n, self.block)
+        dsts, srcs = [], []
         for spec, offset, view in zip(self.specs, self.offsets, views):
-            chunks = [blocks[i, offset:offset + spec.rows[i] * spec.row_numel].view(spec.piece_shape(i))
-                      for i in range(self.n)]
-            # the same values as the gather before: autograd's saved copies stay valid (FSDP2
-            # writes its unsharded parameters the same way)
-            with torch.autograd._unsafe_preserve_version_counter(view):
-                torch.cat(chunks, dim=spec.dim, out=view)
-        del received, blocks  # the received buffer goes
+            if spec.even:
+                dsts.append(spec.as_members(view))
+                srcs.append(spec.by_member(blocks, offset))
+            else:
+                dsts += spec.pieces_of(view)
+                srcs += spec.segments(blocks, offset)
+        # the same values as the gather before: autograd's saved copies stay valid (FSDP2
+        # writes its unsharded parameters the same way)
+        with torch.autograd._unsafe_preserve_version_counter(self.flat):
+            torch._foreach_copy_(dsts, srcs)
+        del received, blocks, srcs  # the received buffer goes
         return views
 
     def _unsharded(self, dtype, device) -> list[torch.Tensor]:
@@ -161,14 +196,22 @@ class UnitComm:
         """The flat buffer a reduce-scatter takes: member i's block holds piece i of every
         gradient (None: zeros), cast to ``dtype``."""
         device = next((g.device for g in grads if g is not None), torch.device("cpu"))
-        flat = torch.zeros(self.n * self.block, dtype=dtype, device=device)
+        flat = torch.empty(self.n * self.block, dtype=dtype, device=device)
         blocks = flat.view(self.n, self.block)
+        dsts, srcs = [], []
         for spec, offset, grad in zip(self.specs, self.offsets, grads):
             if grad is None:
-                continue
-            for i, chunk in enumerate(torch.split(grad, list(spec.rows), dim=spec.dim)):
-                if chunk.numel():
-                    blocks[i, offset:offset + chunk.numel()].view(chunk.shape).copy_(chunk)
+                blocks[:, offset:offset + spec.segment].zero_()
+            elif spec.even:
+                dsts.append(spec.by_member(blocks, offset))
+                srcs.append(spec.as_members(grad))
+            else:
+                for i, (dst, src) in enumerate(zip(spec.segments(blocks, offset), spec.pieces_of(grad))):
+                    dsts.append(dst)
+                    srcs.append(src)
+                    blocks[i, offset + dst.numel():offset + spec.segment].zero_()  # the padding
+        if dsts:
+            torch._foreach_copy_(dsts, srcs)
         return flat
 
     @_plain
