@@ -20,8 +20,9 @@ gloo processes (the order reversed every other step):
 barrier), the ratio to fsdp2, the loss of the first step (same data and initial values: they
 must agree), and memory per rank on rank 0 over one step: the allocator's peak above the
 step's start from ``torch.profiler(profile_memory=True)``'s allocation events, and
-``gt.memory()``'s peak of live bytes (what was alive at the start included) with the
-``communication`` kind (gathered units, collectives' buffers).
+``gt.memory()``'s peak of live bytes above the start (every contender's model is alive in the
+process, so what was alive at the start is left out of both) with the highest of the
+``communication`` kind (gathered units, collectives' buffers; FSDP2's count as activations).
 """
 from __future__ import annotations
 
@@ -178,10 +179,10 @@ def worker(local_rank, a):
         contenders[name] = (m, lambda ids, m=m, p=placement: loss_of(m, global_ids(ids, p, a.grid)))
     if a.compile:
         m, _ = fsdp2(base, a.grid, bf16)
-        cm = torch.compile(m)
+        cm = torch.compile(m, dynamic=False)  # the contenders share Block.forward: static shapes each
         contenders["fsdp2+compile"] = (m, lambda ids, cm=cm: loss_of(cm, ids[dp_index * BATCH:(dp_index + 1) * BATCH]))
         m, placement = gt_sharded(base, a.grid, bf16)
-        cm = torch.compile(m)
+        cm = torch.compile(m, dynamic=False)  # the contenders share Block.forward: static shapes each
         contenders["gt+compile"] = (m, lambda ids, cm=cm, p=placement: loss_of(cm, global_ids(ids, p, a.grid)))
     opts = {k: torch.optim.AdamW(m.parameters(), lr=1e-4) for k, (m, _) in contenders.items()}
 
@@ -213,7 +214,8 @@ def worker(local_rank, a):
             step(k, batches[1])
         with gt.memory() as mem:
             step(k, batches[1])
-        memory[k] = (allocation_peak(prof), mem.peak_bytes(), mem.peak_bytes("communication"))
+        memory[k] = (allocation_peak(prof), mem.peak_bytes() - mem.start_bytes(),
+                     mem.peak_bytes("communication"))
     return {k: (statistics.median(v), first[k], memory[k]) for k, v in times.items()}
 
 

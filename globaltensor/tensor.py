@@ -214,7 +214,7 @@ def coerce_plain_tangent(self: torch.Tensor, layout, expected_type=None):
             or tuple(self.shape) != tuple(layout.shape)):
         return None
     with torch.no_grad():
-        return _as_global_grad(self, layout)
+        return as_global_grad(self, layout)
 
 
 def _full_layout(layout: Layout) -> Layout:
@@ -256,7 +256,7 @@ def _grad_layout(layout: Layout, grad_sbp) -> Layout:
     return Layout(layout.placement, grad_sbp, layout.shape)
 
 
-def _as_global_grad(grad, like: Layout) -> GlobalTensor:
+def as_global_grad(grad, like: Layout) -> GlobalTensor:
     """A gradient for a global output: a plain tensor is taken as the full logical value."""
     if isinstance(grad, GlobalTensor):
         return grad
@@ -293,7 +293,7 @@ class Redistribute(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _as_global_grad(grad, ctx.src)
+        grad = as_global_grad(grad, ctx.src)
         return redistribute(grad, _grad_layout(ctx.src, ctx.grad_sbp)), None, None, None
 
 
@@ -306,7 +306,7 @@ class FromLocal(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        grad = _as_global_grad(grad, ctx.layout)
+        grad = as_global_grad(grad, ctx.layout)
         return redistribute(grad, _grad_layout(ctx.layout, ctx.grad_sbp))._local, None, None
 
 

@@ -5,6 +5,7 @@
     styles.py      ready-made sbp_fns (column / row parallel, ...)
     pretrained.py  HF's save_pretrained on a converted model (full values, rank 0 writes)
     fully_shard.py gt.nn.fully_shard, MixedPrecision: FSDP2's surface (docs/fully_shard.md)
+    units.py       a sharded unit's state and schedule: hooks, prefetch, the Unshard node
     parallel/      DistributedDataParallel"""
 from . import parallel
 from .module import to_global, to_local

@@ -6,9 +6,8 @@ storage, and the module computes with global tensors laid out with that axis bro
 of the storage); the next unit's gather is issued before this one computes (prefetch). After
 the unit the storage is freed (``reshard_after_forward``) and gathered again before the unit's
 backward. The gradients of the gathered parameters come back as partial sums over the axis and
-are reduce-scattered, one flat buffer per unit in ``reduce_dtype``, into the pieces' ``.grad``:
-the autograd node that gathered them (:class:`_Unshard`) runs its backward once every gradient
-of the unit is ready, which is FSDP2's post-backward.
+are reduce-scattered, one flat buffer per unit in ``reduce_dtype``, into the pieces' ``.grad``.
+This module converts the parameters and makes the unit; ``units.py`` runs it.
 
 ::
 
@@ -20,287 +19,21 @@ of the unit is ready, which is FSDP2's post-backward.
 """
 from __future__ import annotations
 
-import contextvars
 import functools
-from dataclasses import dataclass
 
 import torch
-import torch.utils._pytree as pytree
 
-from .. import observe
 from ..errors import GlobalTensorError
-from ..layout import Layout
 from ..placement import Placement
-from ..redistribute import redistribute_local
 from ..runtime.groups import group_along, groups_along
 from ..runtime.unshard import UnitComm, shard_spec
 from ..sbp import Broadcast, PartialSum, Split, replicated
-from ..tensor import GlobalTensor, _as_global_grad
+from ..tensor import GlobalTensor
 from ..world import world
-from .module import (_PLACEMENT, _full_to_global, _join, _relaid, _run_forward_in_global_mode)
+from .module import PLACEMENT, full_to_global, join_name, relaid, run_forward_in_global_mode
+from .units import UNIT, MixedPrecision, ShardedParam, Unit
 
 __all__ = ["fully_shard", "MixedPrecision", "FSDPModule"]
-
-_UNIT = "_gt_fsdp_unit"  # a sharded module's attribute: its _Unit
-
-
-@dataclass(frozen=True)
-class MixedPrecision:
-    """FSDP2's ``MixedPrecisionPolicy``: parameters are gathered and computed in
-    ``param_dtype``, gradients reduced in ``reduce_dtype`` (default: ``param_dtype``), the
-    pieces and the optimizer stay in the parameters' own dtype. ``cast_forward_inputs``: a
-    unit's floating inputs are cast to ``param_dtype``; ``output_dtype``: its outputs to that."""
-
-    param_dtype: torch.dtype | None = None
-    reduce_dtype: torch.dtype | None = None
-    output_dtype: torch.dtype | None = None
-    cast_forward_inputs: bool = True
-
-
-# the units whose forward is running in this context (a thread-rank has its own)
-_RUNNING: contextvars.ContextVar[tuple] = contextvars.ContextVar("gt_fsdp_running", default=())
-
-
-def _in_backward() -> bool:
-    return torch._C._current_graph_task_id() != -1
-
-
-@dataclass
-class _Param:
-    """One parameter of a unit: the sharded leaf, where the module tree holds it, and the
-    layout its gathered value takes (the unit's axis broadcast)."""
-
-    sharded: torch.nn.Parameter
-    places: list  # [(module, name)]
-    gathered: Layout
-    spec_index: int | None  # its place in the unit's flat buffer; None: not split (kept as is)
-
-
-class _Schedule:
-    """What the units under one root share: the order their forwards ran in last step."""
-
-    def __init__(self):
-        self.order: list[_Unit] = []
-        self.recording: list[_Unit] = []
-
-    def next_after(self, unit: "_Unit", step: int) -> "_Unit | None":
-        if unit not in self.order:
-            return None
-        i = self.order.index(unit) + step
-        return self.order[i] if 0 <= i < len(self.order) else None
-
-
-class _Unit:
-    """One ``fully_shard`` call's state on this rank."""
-
-    def __init__(self, module, placement: Placement, axis: int, params: list[_Param],
-                 comm: UnitComm | None, reshard_after_forward: bool, mp: MixedPrecision):
-        self.module, self.placement, self.axis = module, placement, axis
-        self.params, self.comm = params, comm
-        self.reshard_after_forward = reshard_after_forward
-        self.mp = mp
-        self.schedule = _Schedule()
-        self.is_root: bool | None = None
-        self.forward_prefetch: list | None = None
-        self.backward_prefetch: list | None = None
-        self.sync = True
-        self.pending: torch.Tensor | None = None  # gradients held back (no sync), unreduced
-        self.gathered_versions = None
-        self.current: list | None = None  # the gathered parameters of the last forward
-
-    # ---- the parameters' values ----------------------------------------------------------
-    @property
-    def split_params(self) -> list[_Param]:
-        return [p for p in self.params if p.spec_index is not None]
-
-    def _versions(self):
-        return tuple((p.sharded._version, p.sharded._local._version) for p in self.split_params)
-
-    def start_unshard(self) -> None:
-        """Launch this unit's gather unless it is gathered (and current) or on its way."""
-        comm = self.comm
-        if comm is None or comm.gathering:
-            return
-        if comm.unsharded and self.gathered_versions == self._versions():
-            return
-        dtype = self.mp.param_dtype or self.split_params[0].sharded.dtype
-        with torch.no_grad():
-            comm.start_gather([p.sharded._local for p in self.split_params], dtype)
-        self.gathered_versions = self._versions()
-
-    def wait_unshard(self) -> None:
-        self.start_unshard()
-        if self.comm is not None and self.comm.gathering:
-            with torch.no_grad():
-                self.comm.finish_gather()
-
-    def reshard(self) -> None:
-        if self.comm is not None and not self.comm.gathering:
-            self.comm.free()
-
-    def gathered_values(self) -> list[torch.Tensor]:
-        """New global tensors over the unsharded storage's views (those of this forward)."""
-        views = self.comm.views if self.comm is not None else []
-        out = []
-        for p in self.params:
-            if p.spec_index is None:
-                continue
-            out.append(GlobalTensor._make(views[p.spec_index], p.gathered))
-        return out
-
-    # ---- forward -------------------------------------------------------------------------
-    def pre_forward(self, module, args, kwargs):
-        if _in_backward():  # activation checkpointing recomputes the unit: as it was
-            self.wait_unshard()
-            self._swap_in(self.current)
-            return None
-        if self.is_root is None:
-            self._lazy_init()
-        if self.is_root:
-            self.schedule.recording = []
-        self.schedule.recording.append(self)
-        _RUNNING.set(_RUNNING.get() + (self,))
-        self.wait_unshard()
-        for other in self._forward_prefetch():
-            other.start_unshard()
-        self.current = self._gathered_for_forward()
-        self._swap_in(self.current)
-        if self.mp.param_dtype is not None and self.mp.cast_forward_inputs:
-            args, kwargs = _cast_floating((args, kwargs), self.mp.param_dtype)
-            return args, kwargs
-        return None
-
-    def _gathered_for_forward(self) -> list:
-        """The values the module computes with: gathered ones through :class:`_Unshard` (its
-        backward is the reduce-scatter), the unsplit ones cast to ``param_dtype``."""
-        split = [p.sharded for p in self.split_params]
-        if split and torch.is_grad_enabled() and any(t.requires_grad for t in split):
-            gathered = list(_Unshard.apply(self, *split))
-        else:
-            gathered = self.gathered_values()
-        values, it = [], iter(gathered)
-        for p in self.params:
-            if p.spec_index is not None:
-                values.append(next(it))
-            elif self.mp.param_dtype is not None and p.sharded.is_floating_point():
-                values.append(p.sharded.to(self.mp.param_dtype))
-            else:
-                values.append(p.sharded)
-        return values
-
-    def post_forward(self, module, args, output):
-        if _in_backward():
-            self._swap_in(None)
-            return None
-        _RUNNING.set(tuple(u for u in _RUNNING.get() if u is not self))
-        self._swap_in(None)
-        if self.is_root:
-            self.schedule.order = self.schedule.recording
-        if self.reshard_after_forward and not self.is_root:
-            self.reshard()
-        if torch.is_grad_enabled():
-            outputs = [t for t in pytree.tree_leaves(output)
-                       if isinstance(t, torch.Tensor) and t.requires_grad]
-            if outputs:
-                torch.autograd.graph.register_multi_grad_hook(
-                    outputs, lambda grads: self.pre_backward(), mode="any")
-        if self.mp.output_dtype is not None:
-            return _cast_floating(output, self.mp.output_dtype)
-        return None
-
-    def _swap_in(self, values) -> None:
-        """The module tree holds ``values`` (the gathered ones) in place of the pieces; None:
-        the pieces again."""
-        for i, p in enumerate(self.params):
-            value = p.sharded if values is None else values[i]
-            for module, name in p.places:
-                module._parameters[name] = value
-
-    def _forward_prefetch(self) -> list:
-        if self.forward_prefetch is not None:
-            return self.forward_prefetch
-        nxt = self.schedule.next_after(self, +1)
-        return [nxt] if nxt is not None else []
-
-    # ---- backward ------------------------------------------------------------------------
-    def pre_backward(self) -> None:
-        self.wait_unshard()
-        if self.backward_prefetch is not None:
-            others = self.backward_prefetch
-        else:
-            prev = self.schedule.next_after(self, -1)
-            others = [prev] if prev is not None else []
-        for other in others:
-            other.start_unshard()
-
-    def post_backward(self, grads) -> tuple:
-        """The gathered parameters' gradients -> the pieces' (one reduce-scatter); the storage
-        is given back first, so the flat gradient buffer takes its place."""
-        with torch.no_grad():
-            partial = [self._partial_piece(p, g) for p, g in zip(self.split_params, grads)]
-            del grads
-            self.reshard()
-            reduce_dtype = self.mp.reduce_dtype or self.mp.param_dtype or self.split_params[0].sharded.dtype
-            flat = self.comm.pack_gradients(partial, reduce_dtype)
-            del partial
-            if self.pending is not None:
-                flat += self.pending
-                self.pending = None
-            if not self.sync:
-                self.pending = flat
-                observe.storage_kind(flat, "gradients")
-                return (None,) * len(self.split_params)
-            pieces = self.comm.reduce_scatter(flat)
-            return tuple(GlobalTensor._make(piece.to(p.sharded.dtype), p.sharded._layout)
-                         for p, piece in zip(self.split_params, pieces))
-
-    def _partial_piece(self, p: _Param, grad):
-        """This rank's piece of ``grad`` as a partial sum over the unit's axis (other axes as
-        the gathered parameter)."""
-        if grad is None:
-            return None
-        grad = _as_global_grad(grad, p.gathered)
-        target = p.gathered.with_axis(self.axis, PartialSum())
-        return redistribute_local(grad._local, grad._layout, target)
-
-    # ---- the root ------------------------------------------------------------------------
-    def _lazy_init(self) -> None:
-        """The first unit to run with no other unit running is a root: it and the units below
-        it share one schedule; a root keeps its parameters gathered after forward (backward
-        needs them next), as FSDP2's root."""
-        if _RUNNING.get():
-            self.is_root = False
-            return
-        schedule = _Schedule()
-        for sub in self.module.modules():
-            unit = sub.__dict__.get(_UNIT)
-            if unit is not None:
-                unit.schedule = schedule
-                if unit is not self:
-                    unit.is_root = False
-        self.is_root = True
-
-
-class _Unshard(torch.autograd.Function):
-    """The pieces -> the gathered parameters (forward: the gather the unit waited for); backward:
-    the reduce-scatter of their gradients into the pieces."""
-
-    @staticmethod
-    def forward(ctx, unit: _Unit, *pieces):
-        ctx.unit = unit
-        return tuple(unit.gathered_values())
-
-    @staticmethod
-    def backward(ctx, *grads):
-        return (None,) + ctx.unit.post_backward(grads)
-
-
-def _cast_floating(tree, dtype):
-    def cast(t):
-        if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
-            return t.to(dtype)
-        return t
-    return pytree.tree_map(cast, tree)
 
 
 # ------------------------------------------------------------------------------------ the API
@@ -352,8 +85,8 @@ class _UnshardHandle:
         self.unit.wait_unshard()
 
 
-def _unit_of(module) -> _Unit:
-    unit = module.__dict__.get(_UNIT) if isinstance(module, torch.nn.Module) else None
+def _unit_of(module) -> Unit:
+    unit = module.__dict__.get(UNIT) if isinstance(module, torch.nn.Module) else None
     if unit is None:
         raise GlobalTensorError(
             f"expected a module that gt.nn.fully_shard sharded, found {type(module).__name__}; "
@@ -361,10 +94,10 @@ def _unit_of(module) -> _Unit:
     return unit
 
 
-def _units(module, recurse: bool) -> list[_Unit]:
+def _units(module, recurse: bool) -> list[Unit]:
     if not recurse:
         return [_unit_of(module)]
-    return [m.__dict__[_UNIT] for m in module.modules() if _UNIT in m.__dict__]
+    return [m.__dict__[UNIT] for m in module.modules() if UNIT in m.__dict__]
 
 
 @functools.cache
@@ -386,16 +119,16 @@ def fully_shard(module: torch.nn.Module, placement: Placement, axis=None, *, sha
     if not isinstance(mp, MixedPrecision):
         raise GlobalTensorError(f"fully_shard: mp_policy expects gt.nn.MixedPrecision(...), "
                                 f"found {mp_policy!r}")
-    if _UNIT in module.__dict__:
+    if UNIT in module.__dict__:
         raise GlobalTensorError(f"fully_shard: {type(module).__name__} is sharded already; "
                                 f"call fully_shard once per module")
     params = _shard_parameters(module, placement, axis, shard_dim)
     _buffers_to_global(module, placement)
     comm = _unit_comm(module, placement, axis, params)
-    unit = _Unit(module, placement, axis, params, comm, reshard_after_forward, mp)
-    if _PLACEMENT not in module.__dict__:
-        _run_forward_in_global_mode(module, placement)
-    module.__dict__[_UNIT] = unit
+    unit = Unit(module, placement, axis, params, comm, reshard_after_forward, mp)
+    if PLACEMENT not in module.__dict__:
+        run_forward_in_global_mode(module, placement)
+    module.__dict__[UNIT] = unit
     hooks = (module.register_forward_pre_hook(_disabled(unit.pre_forward), with_kwargs=True),
              module.register_forward_hook(_disabled(unit.post_forward)))
     module.__dict__["_gt_fsdp_hooks"] = hooks
@@ -432,16 +165,16 @@ def _own_parameters(module):
     def visit(sub, prefix):
         for name, value in sub._parameters.items():
             if value is not None:
-                out.append((sub, name, _join(prefix, name), value))
+                out.append((sub, name, join_name(prefix, name), value))
         for child_name, child in sub._modules.items():
-            if child is not None and _UNIT not in child.__dict__:
-                visit(child, _join(prefix, child_name))
+            if child is not None and UNIT not in child.__dict__:
+                visit(child, join_name(prefix, child_name))
     visit(module, "")
     return out
 
 
-def _shard_parameters(module, placement: Placement, axis: int, shard_dim) -> list[_Param]:
-    by_id: dict[int, _Param] = {}
+def _shard_parameters(module, placement: Placement, axis: int, shard_dim) -> list[ShardedParam]:
+    by_id: dict[int, ShardedParam] = {}
     order = []
     for sub, name, qualified, value in _own_parameters(module):
         if id(value) in by_id:  # a shared parameter: one gather, every place it appears
@@ -450,12 +183,12 @@ def _shard_parameters(module, placement: Placement, axis: int, shard_dim) -> lis
         sbp = _sharded_sbp(value, placement, axis, shard_dim, qualified)
         if isinstance(value, GlobalTensor):
             _check_ranks(value, placement, qualified)
-            g = _relaid(value.detach(), placement, sbp, qualified)
+            g = relaid(value.detach(), placement, sbp, qualified)
         else:
-            g = _full_to_global(value.detach(), placement, sbp, qualified)
+            g = full_to_global(value.detach(), placement, sbp, qualified)
         sharded = torch.nn.Parameter(g, requires_grad=value.requires_grad)
         gathered = g._layout.with_axis(axis, Broadcast()) if isinstance(sbp[axis], Split) else None
-        param = _Param(sharded, [(sub, name)], gathered if gathered is not None else g._layout,
+        param = ShardedParam(sharded, [(sub, name)], gathered if gathered is not None else g._layout,
                        None if gathered is None else -1)
         by_id[id(value)] = param
         order.append(param)
@@ -515,11 +248,11 @@ def _buffers_to_global(module, placement: Placement) -> None:
     for prefix, sub in module.named_modules():
         for name, value in list(sub._buffers.items()):
             if value is not None and not isinstance(value, GlobalTensor):
-                sub._buffers[name] = _full_to_global(value, placement, replicated(placement.ndim),
-                                                     _join(prefix, name))
+                sub._buffers[name] = full_to_global(value, placement, replicated(placement.ndim),
+                                                     join_name(prefix, name))
 
 
-def _unit_comm(module, placement: Placement, axis: int, params: list[_Param]) -> UnitComm | None:
+def _unit_comm(module, placement: Placement, axis: int, params: list[ShardedParam]) -> UnitComm | None:
     rank = world.get_rank()
     coord = placement.coord_of(rank)
     split = [p for p in params if p.spec_index is not None]

@@ -45,7 +45,7 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp_fn=None) -> tor
     for sub in module.modules():
         sub.__dict__.pop(_PIECES, None)
     _refresh_flat_weights(module)
-    _run_forward_in_global_mode(module, placement)
+    run_forward_in_global_mode(module, placement)
     return module
 
 
@@ -87,7 +87,7 @@ def to_local(module: torch.nn.Module, *, full: bool = False) -> torch.nn.Module:
     handles = module.__dict__.pop("_gt_global_mode", None)
     for h in handles or ():
         h.remove()
-    module.__dict__.pop(_PLACEMENT, None)
+    module.__dict__.pop(PLACEMENT, None)
     module.__class__ = _plain_class(type(module))
     return module
 
@@ -98,12 +98,12 @@ def _slots(module):
     out = []
     for prefix, sub in module.named_modules(remove_duplicate=False):
         for store, parameter in ((sub._parameters, True), (sub._buffers, False)):
-            out += [(sub, store, name, _join(prefix, name), parameter)
+            out += [(sub, store, name, join_name(prefix, name), parameter)
                     for name, value in store.items() if value is not None]
     return out
 
 
-def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -> None:
+def run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -> None:
     """The module's forward runs in ``gt.global_mode(placement)`` (mode/global_mode.py): positions, masks and
     rotary tables it builds with torch's factories are global (broadcast) tensors."""
     from ..mode.global_mode import GlobalMode
@@ -125,7 +125,7 @@ def _run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) -
         module.register_forward_pre_hook(enter, prepend=True),
         module.register_forward_hook(leave, always_call=True),
     )
-    module.__dict__[_PLACEMENT] = placement
+    module.__dict__[PLACEMENT] = placement
     module.__class__ = _entry_points_in_global_mode(_plain_class(type(module)))
 
 
@@ -138,7 +138,7 @@ _SPECIAL = {"save_pretrained": pretrained.save_pretrained}
 _MODULE_ENTRY_POINTS = ("load_state_dict",)
 
 # a converted module's attribute: the placement its public methods run in global mode on
-_PLACEMENT = "_gt_placement"
+PLACEMENT = "_gt_placement"
 
 
 def _plain_class(cls: type) -> type:
@@ -173,7 +173,7 @@ def _in_global_mode(method):
 
     @functools.wraps(method)
     def entry_point(self, *args, **kwargs):
-        placement = self.__dict__.get(_PLACEMENT)
+        placement = self.__dict__.get(PLACEMENT)
         if placement is None:
             return method(self, *args, **kwargs)
         with GlobalMode(placement):
@@ -181,7 +181,7 @@ def _in_global_mode(method):
     return entry_point
 
 
-def _join(prefix: str, name: str) -> str:
+def join_name(prefix: str, name: str) -> str:
     return f"{prefix}.{name}" if prefix else name
 
 
@@ -214,11 +214,11 @@ def _converted(value, name, placement, choose, converted, parameter, piece_of=No
         return converted[key]
     sbp = choose(name, value)
     if isinstance(value, GlobalTensor):  # already global: lay it out anew (the value is kept)
-        g = _relaid(value.detach(), placement, sbp, name)
+        g = relaid(value.detach(), placement, sbp, name)
     elif piece_of is not None:  # a piece to_local left: global again as it was, then laid out
-        g = _relaid(_from_piece(value.detach(), piece_of, name), placement, sbp, name)
+        g = relaid(_from_piece(value.detach(), piece_of, name), placement, sbp, name)
     else:
-        g = _full_to_global(value.detach(), placement, sbp, name)
+        g = full_to_global(value.detach(), placement, sbp, name)
     if parameter:
         # a global leaf that requires grad keeps its .grad in its own layout (grads.py)
         g = torch.nn.Parameter(g, requires_grad=value.requires_grad)
@@ -226,7 +226,7 @@ def _converted(value, name, placement, choose, converted, parameter, piece_of=No
     return g
 
 
-def _full_to_global(full: torch.Tensor, placement: Placement, sbp, name) -> GlobalTensor:
+def full_to_global(full: torch.Tensor, placement: Placement, sbp, name) -> GlobalTensor:
     """The full value on each rank -> global with ``sbp``; the first rank's values win."""
     try:
         whole = full.to_global(placement=placement, sbp=replicated(placement.ndim))
@@ -250,7 +250,7 @@ def _from_piece(piece: torch.Tensor, layout: Layout, name) -> GlobalTensor:
     return g
 
 
-def _relaid(value: GlobalTensor, placement: Placement, sbp, name) -> GlobalTensor:
+def relaid(value: GlobalTensor, placement: Placement, sbp, name) -> GlobalTensor:
     try:
         return value.to_global(placement=placement, sbp=sbp)
     except GlobalTensorError as e:

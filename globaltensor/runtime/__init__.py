@@ -10,6 +10,7 @@
     exchange.py   an Exchange step, eager (isend/irecv, broadcasts) and traced (one all_to_all)
     pairwise.py   gathers and reductions as batches of isend/irecv (the CPU path)
     buckets.py    gradient buckets: pieces all-reduced as one flat buffer, asynchronously
+    unshard.py    a fully_shard unit's flat all-gather and reduce-scatter, and its storage
     failure.py    a failure on some ranks becomes the same error on every rank, at once
     layoutcheck.py  ranks that disagree on a redistributed tensor: one record on a plan's first use
 """

@@ -6,6 +6,7 @@
         loss = model(x).sum(); loss.backward(); opt.step()
     m.peak_bytes()                  # everything live at the peak
     m.peak_bytes("communication")   # the highest that kind reached
+    m.start_bytes()                 # what was live when the block began
     print(m.report())
 
 What it counts is storages (a view costs nothing more; a global tensor costs its piece on this
@@ -59,6 +60,7 @@ class MemoryTracker:
         self.kind_peaks = dict.fromkeys(KINDS, 0)
         self.peak = 0
         self.at_peak = dict.fromkeys(KINDS, 0)
+        self.at_start = dict.fromkeys(KINDS, 0)
         self.in_optimizer = 0
         self.open = False
         self._handles: list = []
@@ -115,12 +117,20 @@ class MemoryTracker:
                                     f"found {kind!r}")
         return self.kind_peaks[kind]
 
+    def start_bytes(self, kind: str | None = None) -> int:
+        """What was live when the block began (all kinds, or ``kind``)."""
+        if kind is None:
+            return sum(self.at_start.values())
+        self.peak_bytes(kind)  # checks the kind
+        return self.at_start[kind]
+
     def report(self) -> str:
-        """A table: each kind's bytes at the peak, and the highest it reached."""
-        lines = [f"{'kind':<15}{'at the peak':>14}{'its own peak':>14}"]
+        """A table: each kind's bytes at the start, at the peak, and the highest it reached."""
+        lines = [f"{'kind':<15}{'at the start':>14}{'at the peak':>14}{'its own peak':>14}"]
         for kind in KINDS:
-            lines.append(f"{kind:<15}{_mb(self.at_peak[kind]):>14}{_mb(self.kind_peaks[kind]):>14}")
-        lines.append(f"{'total':<15}{_mb(self.peak):>14}")
+            lines.append(f"{kind:<15}{_mb(self.at_start[kind]):>14}{_mb(self.at_peak[kind]):>14}"
+                         f"{_mb(self.kind_peaks[kind]):>14}")
+        lines.append(f"{'total':<15}{_mb(self.start_bytes()):>14}{_mb(self.peak):>14}")
         return "\n".join(lines)
 
     def __repr__(self):
@@ -130,6 +140,7 @@ class MemoryTracker:
     def __enter__(self) -> "MemoryTracker":
         self._scan(sys._getframe(1))
         self.open = True
+        self.at_start = dict(self.totals)
         for kind in KINDS:
             self.kind_peaks[kind] = self.totals[kind]
         self.peak, self.at_peak = sum(self.totals.values()), dict(self.totals)
