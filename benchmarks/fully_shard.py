@@ -18,7 +18,8 @@ gloo processes (the order reversed every other step):
 ``--dtype bf16``: ``MixedPrecision(param_dtype=bf16, reduce_dtype=fp32)`` for both (FSDP2's
 ``MixedPrecisionPolicy``). Printed per contender: the median step (the slowest rank's, after a
 barrier), the ratio to fsdp2, the loss of the first step (same data and initial values: they
-must agree), and memory per rank on rank 0 over one step: the allocator's peak above the
+must agree; after every contender's steps on the same batches, the largest difference of a
+parameter from FSDP2's is printed too), and memory per rank on rank 0 over one step: the allocator's peak above the
 step's start from ``torch.profiler(profile_memory=True)``'s allocation events, and
 ``gt.memory()``'s peak of live bytes above the start (every contender's model is alive in the
 process, so what was alive at the start is left out of both) with the highest of the
@@ -136,7 +137,7 @@ def gt_sharded(base, grid, bf16, prefetch=True):
 
 def global_ids(ids_full, placement, grid):
     sbp = (S(0), B) if grid == "2x2" else S(0)
-    return ids_full.to_global(placement, B).to_global(sbp=sbp)
+    return ids_full.to_global(placement, (B,) * placement.ndim).to_global(sbp=sbp)
 
 
 # ------------------------------------------------------------------------------- measuring
@@ -216,7 +217,15 @@ def worker(local_rank, a):
             step(k, batches[1])
         memory[k] = (allocation_peak(prof), mem.peak_bytes() - mem.start_bytes(),
                      mem.peak_bytes("communication"))
-    return {k: (statistics.median(v), first[k], memory[k]) for k, v in times.items()}
+    full = {k: {n: _full(p).float() for n, p in m.named_parameters()} for k, (m, _) in contenders.items()}
+    apart = {k: max((full[k][n] - full["fsdp2"][n]).abs().max().item() for n in full["fsdp2"])
+             for k in contenders}
+    return {k: (statistics.median(v), first[k], memory[k], apart[k]) for k, v in times.items()}
+
+
+def _full(p):
+    """A parameter's whole value (FSDP2's are DTensors, gt's global tensors)."""
+    return p.full_tensor().detach()
 
 
 def main():
@@ -234,10 +243,10 @@ def main():
     print(f"fully_shard: {a.blocks} blocks, hidden {a.hidden}, {a.grid} grid of {a.world} gloo "
           f"ranks, {a.dtype}, {a.steps} steps each (median of the slowest rank)")
     print(f"{'contender':<16}{'step ms':>9}{'/ fsdp2':>9}{'first loss':>12}"
-          f"{'alloc peak MiB':>16}{'gt.memory MiB':>15}{'comm MiB':>10}")
-    for k, (t, loss, (alloc, live, comm)) in out.items():
+          f"{'alloc peak MiB':>16}{'gt.memory MiB':>15}{'comm MiB':>10}{'params vs fsdp2':>17}")
+    for k, (t, loss, (alloc, live, comm), apart) in out.items():
         print(f"{k:<16}{t * 1e3:9.1f}{t / ref[0]:9.2f}{loss:12.5f}{alloc / 2**20:16.1f}"
-              f"{live / 2**20:15.1f}{comm / 2**20:10.1f}")
+              f"{live / 2**20:15.1f}{comm / 2**20:10.1f}{apart:17.2e}")
     sys.stdout.flush()
 
 
