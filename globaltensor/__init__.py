@@ -27,7 +27,8 @@ if _TYPE_CHECKING or not _startup.launcher_only():
     from .tools.policy import communication
     from .tools.verify import verify
     from .tools.visualize import visualize
-    from .tools.memory import memory
+    from .sim.memory import memory
+    from .sim import simulate
     from .convert import from_local, install_tensor_methods
     from .mode import pydata
     from .grads import install_grad_methods
@@ -52,7 +53,7 @@ __all__ = [
     "from_local",
     "global_mode",
     "arange", "empty", "empty_like", "eye", "full", "full_like", "hann_window", "linspace",
-    "logspace", "manual_seed", "memory", "normal", "ones", "ones_like", "rand", "rand_like", "randint",
+    "logspace", "manual_seed", "memory", "simulate", "normal", "ones", "ones_like", "rand", "rand_like", "randint",
     "randint_like", "randn", "randn_like", "randperm", "tensor", "visualize", "zeros",
     "zeros_like",
     "Layout",

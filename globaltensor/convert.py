@@ -12,6 +12,7 @@ import torch
 from . import debug as _debug
 from . import env
 from .world import world
+from .world.simulated import simulated
 from ._cache import ById, memo
 from .compile_support import nonstrict
 from .errors import GlobalTensorError, SbpError, ShapeMismatchError
@@ -103,7 +104,9 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
     rank = world.get_rank()
     coord = placement.coord_of(rank)
     device = device_for(placement)
-    if local.device != device:
+    if simulated():  # gt.simulate: pieces hold no data
+        local = local.to("meta")
+    elif local.device != device:
         local = local.to(device)
     if check_meta:  # a rank outside the placement passes an ignored tensor: take the members'
         metas = [per_rank[0] for per_rank in exchange_meta([local], sbp=sbp)]  # by rank

@@ -111,3 +111,10 @@ def sub_placement(placement, axis):
 __all__ = ["get_rank", "get_world_size", "init", "is_initialized", "LocalInfo", "get_local_rank",
            "get_local_world_size", "get_node_rank", "get_node_size", "set_local_info",
            "rank_zero_only", "print0", "sub_placement", "all_device_placement"]
+
+
+def simulated() -> bool:
+    """Whether this code runs inside ``gt.simulate`` (tensors hold no data there)."""
+    from .world.simulated import simulated as inside
+
+    return inside()

@@ -22,6 +22,7 @@ import contextvars
 import torch
 
 from . import debug as _debug
+from . import observe
 from .world import world
 from .compile_support import never_compiled
 from .errors import GlobalTensorError
@@ -68,6 +69,8 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
     then ``.grad`` is the partial gradient. Any other move (and any move under GT_DEBUG, whose
     checks name each redistribution) runs here and now."""
     grad = param.grad
+    if grad is not None:  # gt.memory / gt.simulate count it as a gradient
+        observe.storage_kind(grad, "gradients")
     if type(grad) is torch.Tensor and isinstance(param, GlobalTensor):
         param.grad = _adopted(param, grad)
         return
@@ -86,6 +89,7 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
             return
     with torch.no_grad():
         param.grad = redistribute(grad, param._layout)
+    observe.storage_kind(param.grad, "gradients")
 
 
 def _adopted(param: GlobalTensor, grad: torch.Tensor) -> GlobalTensor:
@@ -138,12 +142,15 @@ class _Bucket:
 
     def launch(self) -> None:
         self.flat.launch()
+        if self.flat.flat is not None:  # gt.memory: a collective's buffer, the params' pieces
+            observe.storage_kind(self.flat.flat, "communication", parts=self.params)
 
     def finish(self) -> None:
         for param, local in zip(self.params, self.flat.reduced()):
             if local is None:  # outside the placement: an empty piece, as the executor gives
                 local = param._local.new_zeros(param._layout.local_shape_of_rank(world.get_rank()))
             param.grad = GlobalTensor._make(local, param._layout)
+            observe.storage_kind(param.grad, "gradients")
 
 
 class _Reductions:

@@ -41,10 +41,15 @@ class Watchers:
     warned: set = field(default_factory=set, compare=False)  # warn: (op, layouts, line) seen
     verifier: object = None         # the active gt.verify() (verify.Verifier)
     memory: object = None           # the active gt.memory() (memory.MemoryTracker)
+    recorder: object = None         # the active gt.simulate()'s (sim/simulate.Recorder)
 
     def idle(self) -> bool:
         return (self.trace is None and self.policy == "implicit" and self.verifier is None
-                and self.memory is None)
+                and self.memory is None and self.recorder is None)
+
+    def traces(self):
+        """Who records collectives: the innermost gt.comm_trace() and a simulation's recorder."""
+        return [t for t in (self.trace, self.recorder) if t is not None]
 
 
 UNREAD = Watchers(policy="unread")  # GT_COMMUNICATION not read yet in this context
@@ -131,8 +136,9 @@ def redistribution(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         return run(plan, local, rank)  # GT_COMMUNICATION was just read: nothing watches
     call = debug.user_call(2) or "redistribute"
     _policy(watchers, call, plan, local)
-    if watchers is not None and watchers.trace is not None:
-        watchers.trace.moved(call, plan, local)
+    if watchers is not None:
+        for trace in watchers.traces():
+            trace.moved(call, plan, local)
     if not _profiler._is_profiler_enabled:
         result = run(plan, local, rank)
     else:
@@ -156,31 +162,32 @@ def served_from_memo(plan, piece: torch.Tensor) -> None:
 def bucket_reduced(count: int, nbytes: int) -> None:
     """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (grads.py)."""
     watchers = current()
-    if watchers is not None and watchers.trace is not None:
-        watchers.trace.bucket_reduced(count, nbytes)
+    for trace in watchers.traces() if watchers is not None else ():
+        trace.bucket_reduced(count, nbytes)
 
 
 def comm_called(name: str) -> None:
     """A ``gt.comm`` collective ran (counted in the active gt.comm_trace(), if any)."""
     watchers = current()
-    if watchers is not None and watchers.trace is not None:
-        watchers.trace.comm_called(name)
+    for trace in watchers.traces() if watchers is not None else ():
+        trace.comm_called(name)
 
 
 def unit_collective(op: str, collective: str, nbytes: int, dtype) -> None:
     """A sharded unit's gather or reduce-scatter ran (nn/fully_shard.py), this rank sending
     ``nbytes``."""
     watchers = current()
-    if watchers is not None and watchers.trace is not None:
-        watchers.trace.unit_collective(op, collective, nbytes, dtype)
+    for trace in watchers.traces() if watchers is not None else ():
+        trace.unit_collective(op, collective, nbytes, dtype)
 
 
-def storage_kind(t: torch.Tensor, kind: str) -> None:
+def storage_kind(t: torch.Tensor, kind: str, parts=None) -> None:
     """``t``'s storage holds ``kind`` (``"communication"``, ``"gradients"``...), at its size
-    now (a resized storage is announced again): what ``gt.memory()`` counts it as."""
+    now (a resized storage is announced again): what ``gt.memory()`` counts it as. ``parts``:
+    the global tensors whose pieces it concatenates (a simulation weighs it on each rank so)."""
     watchers = current()
     if watchers is not None and watchers.memory is not None:
-        watchers.memory.classify(t, kind)
+        watchers.memory.classify(t, kind, parts)
 
 
 __all__ = ["Watchers", "watching", "current", "watched", "set_watchers", "POLICIES", "plug",

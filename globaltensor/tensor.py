@@ -156,6 +156,8 @@ class GlobalTensor(torch.Tensor):
         gradient of the whole value (a loss computed on every rank gives the single-device
         gradient), not as a part of it. Never an alias: where the piece already is the whole
         value (broadcast on every rank of the world), a copy; ``to_local()`` is the alias."""
+        if self._local.is_meta:
+            _no_value_in_simulation(self)
         full = Redistribute.apply(self, _full_layout(self._layout), None, True)
         return _ToLocal.apply(full, True)
 
@@ -215,6 +217,20 @@ def coerce_plain_tangent(self: torch.Tensor, layout, expected_type=None):
         return None
     with torch.no_grad():
         return as_global_grad(self, layout)
+
+
+def _no_value_in_simulation(x: "GlobalTensor") -> None:
+    """Inside ``gt.simulate`` tensors hold no data: reading one's value is an error naming the
+    user's line."""
+    from . import debug
+    from .world.simulated import simulated
+
+    if simulated():
+        raise GlobalTensorError(
+            f"gt.simulate: {debug.user_call(2) or 'reading a value'} reads the value of a global "
+            f"tensor (shape {list(x.shape)}), and inside a simulation tensors hold no data "
+            f"({debug.user_line(2)}); keep value reads (item(), print, tolist) out of the "
+            f"simulated block, or guard them with `if not gt.env.simulated():`")
 
 
 def _full_layout(layout: Layout) -> Layout:

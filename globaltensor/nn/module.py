@@ -15,6 +15,7 @@ import types
 
 import torch
 
+from .. import observe
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..placement import Placement
@@ -222,6 +223,7 @@ def _converted(value, name, placement, choose, converted, parameter, piece_of=No
     if parameter:
         # a global leaf that requires grad keeps its .grad in its own layout (grads.py)
         g = torch.nn.Parameter(g, requires_grad=value.requires_grad)
+        observe.storage_kind(g, "parameters")  # gt.memory / gt.simulate count it so
     converted[key] = converted[id(g)] = g  # a shared submodule, met again, keeps it
     return g
 

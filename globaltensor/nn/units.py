@@ -241,8 +241,11 @@ class Unit:
                 observe.storage_kind(flat, "gradients")
                 return (None,) * len(self.split_params)
             pieces = self.comm.reduce_scatter(flat)
-            return tuple(GlobalTensor._make(piece.to(p.sharded.dtype), p.sharded._layout)
-                         for p, piece in zip(self.split_params, pieces))
+            grads = tuple(GlobalTensor._make(piece.to(p.sharded.dtype), p.sharded._layout)
+                          for p, piece in zip(self.split_params, pieces))
+            for g in grads[:1]:  # one buffer holds them all (a view each)
+                observe.storage_kind(g, "gradients")
+            return grads
 
     def _partial_piece(self, p: ShardedParam, grad):
         """This rank's piece of ``grad`` as a partial sum over the unit's axis (other axes as

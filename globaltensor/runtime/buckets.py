@@ -7,6 +7,7 @@ import torch
 import torch.distributed as dist
 
 from .. import observe
+from .groups import sends
 from .guard import guard
 
 
@@ -29,7 +30,8 @@ class Bucket:
         pieces = [p for p in self.pieces if p is not None]
         if pieces and self.group is not None:
             self.flat = torch.cat([p.reshape(-1) for p in pieces])
-            self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
+            if sends(self.group):  # not in gt.simulate's world
+                self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
             n = dist.get_world_size(self.group)
             observe.bucket_reduced(len(pieces), -(-2 * (n - 1) * self.nbytes // n))  # a ring's
 

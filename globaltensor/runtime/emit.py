@@ -1,4 +1,5 @@
-"""The executor's two emitters: how one collective of a plan's step is issued.
+"""The executor's emitters: how one collective of a plan's step is issued (and, for
+``gt.simulate``'s meta pieces, a third that issues nothing: :class:`Simulated`).
 
 ``EAGER`` calls torch.distributed's in-place collectives on real pieces (the executor's own
 point-to-point paths for CPU gathers and reductions stay in execute.py / pairwise.py).
@@ -160,9 +161,52 @@ class Traced:
         return c10d.wait_tensor(out)
 
 
-EAGER, TRACED = Eager(), Traced()
+class Simulated:
+    """``gt.simulate``: meta pieces, nothing sent; each collective's result is an empty (meta)
+    tensor of the shape it would have. What was sent is recorded from the plan by the
+    simulation's trace (observe.py), as ``gt.comm_trace`` records it in a real run."""
+
+    point_to_point = False
+
+    @staticmethod
+    def first_use_tag(plan, local: torch.Tensor, rank: int) -> int:
+        return 0
+
+    @staticmethod
+    def failure(plan, index: int, error: Exception) -> Exception:
+        return error
+
+    @staticmethod
+    def fresh(out: torch.Tensor, local: torch.Tensor, plan) -> torch.Tensor:
+        return out if out is not local else out.clone()
+
+    @staticmethod
+    def exchange(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
+        return local.new_empty(step.after.local_shape_of_rank(rank))
+
+    @staticmethod
+    def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:
+        return send.new_empty([n * send.shape[0]] + list(send.shape[1:]))
+
+    @staticmethod
+    def reduce_scatter(send: torch.Tensor, n: int, group) -> torch.Tensor:
+        return send.new_empty([send.shape[0] // n] + list(send.shape[1:]))
+
+    @staticmethod
+    def all_reduce(local: torch.Tensor, group) -> torch.Tensor:
+        return torch.empty_like(local, memory_format=torch.contiguous_format)
+
+    @staticmethod
+    def all_to_all(send, recv_splits, send_splits, group, communicate: bool) -> torch.Tensor:
+        return send.new_empty(sum(recv_splits))
+
+
+EAGER, TRACED, SIMULATED = Eager(), Traced(), Simulated()
 
 
 def emitter_for(piece: torch.Tensor):
-    """The emitter for a plan run on ``piece``: TRACED while tracing, else EAGER."""
+    """The emitter for a plan run on ``piece``: TRACED while tracing, SIMULATED on a meta piece
+    (``gt.simulate``), else EAGER."""
+    if type(piece) is torch.Tensor and piece.is_meta:
+        return SIMULATED
     return TRACED if is_traced(piece) else EAGER

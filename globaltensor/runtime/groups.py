@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from ..placement import Placement
+from ..world.simulated import simulated
 from ..world.world import world_timeout
 
 # torch 2.13 renames the flat collectives; older versions only have the old names
@@ -72,6 +73,9 @@ def _cached_group(members: tuple[int, ...]):
     cache = _world_cache()
     key = ("ranks", members)
     if key not in cache:
+        if simulated():  # gt.simulate: nothing is sent, so no group is made
+            cache[key] = SimulatedGroup(members)
+            return cache[key]
         if members == tuple(range(dist.get_world_size())):
             cache[key] = None
         else:
@@ -92,6 +96,23 @@ def _register_name(cache: dict, members: tuple[int, ...], pg) -> None:
     c10d._unregister_process_group(name)  # an earlier world's group of these ranks
     c10d._register_process_group(name, pg)
     cache[("name", members)] = name  # by ranks: the world's cache must never hold its own group
+
+
+class SimulatedGroup:
+    """A group of a simulated world (``gt.simulate``): its members, and nothing to send with."""
+
+    __slots__ = ("members",)
+
+    def __init__(self, members: tuple[int, ...]):
+        self.members = members
+
+    def size(self) -> int:  # what dist.get_world_size(group) asks
+        return len(self.members)
+
+
+def sends(group) -> bool:
+    """Whether a collective on ``group`` sends anything (not in ``gt.simulate``'s world)."""
+    return not isinstance(group, SimulatedGroup)
 
 
 def group_name(group) -> str:

@@ -9,10 +9,11 @@ import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from ..world import world
+from ..world.simulated import simulated
 from ..errors import GlobalTensorError
 from ..placement import Placement
 from ..sbp import Broadcast, PartialSum, Split
-from .groups import all_gather_flat, byte_view, group_along, groups_along
+from .groups import all_gather_flat, byte_view, group_along, groups_along, sends
 from .guard import guard
 
 MAX_NDIM = 64  # fixed-size records, so every rank's fit in one collective
@@ -81,6 +82,8 @@ def exchange_meta(tensors, group=None, what: str = "to_global: exchanging piece 
     rows = _records(tensors, sbp, what)
     if group is None and _world_of_one():
         return [[Meta(tuple(t.shape), t.dtype, sbp) for t in tensors]]
+    if simulated():  # gt.simulate: every rank runs this same code, with these same pieces
+        return [[Meta(tuple(t.shape), t.dtype, sbp) for t in tensors]] * dist.get_world_size(group)
     device = torch.device(c10d._get_object_coll_device(group))
     mine = torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), ROW)
     n = dist.get_world_size(group)
@@ -97,6 +100,8 @@ def all_objects(value, what: str) -> list:
     (``gt.verify``), not for the hot path."""
     if _world_of_one():
         return [value]
+    if simulated():
+        return [value] * dist.get_world_size()
     out = [None] * dist.get_world_size()
     with guard(what):
         dist.all_gather_object(out, value)
@@ -124,6 +129,8 @@ def broadcast_along(placement: Placement, axis: int, tensor: torch.Tensor, rank:
     if coord is None or placement.shape[axis] == 1:
         return
     group, ranks = group_along(placement, axis, coord)
+    if not sends(group):  # gt.simulate: no data to agree on
+        return
     with guard(lambda: f"to_global: broadcasting rank {ranks[0]}'s data along axis {axis} of "
                        f"{placement!r} (sync_data=True)", ranks=ranks):
         dist.broadcast(byte_view(tensor), src=ranks[0], group=group)  # any dtype: its bytes

@@ -22,7 +22,7 @@ import torch
 
 from .. import observe
 from ..layout import split_sizes
-from .groups import all_gather_flat, reduce_scatter_flat
+from .groups import all_gather_flat, reduce_scatter_flat, sends
 from .guard import guard
 
 
@@ -130,7 +130,7 @@ class UnitComm:
                 srcs.append(piece)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
-        if self.received.numel():
+        if self.received.numel() and sends(self.group):
             self.work = all_gather_flat(self.received, send, group=self.group, async_op=True)
         observe.unit_collective(f"fully_shard all_gather ({self.name})", "all_gather",
                                 (self.n - 1) * self.block * send.element_size(), dtype)
@@ -161,7 +161,11 @@ class UnitComm:
         # writes its unsharded parameters the same way)
         with torch.autograd._unsafe_preserve_version_counter(self.flat):
             torch._foreach_copy_(dsts, srcs)
-        del received, blocks, srcs  # the received buffer goes
+        # the received buffer goes now, even if the finished collective's record still holds
+        # a reference to it for a while (gloo's work)
+        del blocks, srcs
+        received.untyped_storage().resize_(0)
+        observe.storage_kind(received, "communication")
         return views
 
     def _unsharded(self, dtype, device) -> list[torch.Tensor]:
@@ -220,7 +224,7 @@ class UnitComm:
         buffer of ``block`` elements)."""
         observe.storage_kind(flat, "communication")
         out = flat.new_empty(self.block)
-        if out.numel():
+        if out.numel() and sends(self.group):
             with guard(lambda: f"fully_shard's reduce-scatter of {self.name}", ranks=self.members):
                 reduce_scatter_flat(out, flat, group=self.group)
         observe.unit_collective(f"fully_shard reduce_scatter ({self.name})", "reduce_scatter",

@@ -6,7 +6,6 @@
     verify.py         gt.verify(): every op also computed on the full tensors, and compared
     verify_values.py  the comparison: tolerances per dtype, the rounding floor
     visualize.py      gt.visualize(x): which ranks hold which block
-    memory.py         gt.memory(): the peak of live tensor bytes on this rank, by kind
 
 A leaf: the core never imports it. The core announces what it does through ``observe.py``
 (observers held in one ContextVar); the tools register as observers. Only ``globaltensor``'s

@@ -4,6 +4,7 @@
                of 1), this rank (cached), the world's size and collective timeout
     exits.py   gt.init's closing rendezvous; at exit every rank closes its groups and rank 0
                (the store host) waits for the others
+    simulated.py  gt.simulate's world: torch's fake process group, nothing sent
     stalls.py  what each rank waits in, published to the store by a daemon thread; the stall
                report (GT_STALL_REPORT) naming the ranks and lines that do not progress
 

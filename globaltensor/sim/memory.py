@@ -21,7 +21,8 @@ rank), each once, from the moment it exists until it is freed:
 
 Kinds: ``parameters`` (and buffers), ``gradients`` (a leaf's ``.grad``: a hook on the leaves
 found at the start; gradients held back by ``set_requires_gradient_sync(False)``),
-``optimizer`` (what ``optimizer.step()`` makes, and the state found at the start),
+``optimizer`` (the state an optimizer holds after its step, and the state found at the start;
+the step's temporaries are activations),
 ``communication`` (buffers of collectives and gathered units) and ``activations`` (anything
 else: what forward saves, temporaries). The same accounting serves simulations.
 """
@@ -30,6 +31,7 @@ from __future__ import annotations
 import sys
 import weakref
 
+import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.utils._pytree as pytree
@@ -52,17 +54,22 @@ def _storage(t: torch.Tensor):
 
 
 class MemoryTracker:
-    """The running sums of one ``gt.memory()`` block (see the module docstring)."""
+    """The running sums of one ``gt.memory()`` block (see the module docstring), for ``ranks``
+    ranks at once: a real run counts its own (1); a simulation every rank of the world, a
+    global tensor costing each rank its piece (``bytes_of``)."""
 
-    def __init__(self):
-        self.live: dict[int, list] = {}  # id(storage) -> [kind, nbytes]
-        self.totals = dict.fromkeys(KINDS, 0)
-        self.kind_peaks = dict.fromkeys(KINDS, 0)
-        self.peak = 0
-        self.at_peak = dict.fromkeys(KINDS, 0)
-        self.at_start = dict.fromkeys(KINDS, 0)
+    def __init__(self, ranks: int = 1, bytes_of=None):
+        self.ranks = ranks
+        self.bytes_of = bytes_of  # (tensor, storage) -> bytes per rank, or None: the storage's
+        self.live: dict[int, list] = {}  # id(storage) -> [kind, bytes per rank]
+        self.totals = {k: np.zeros(ranks, dtype=np.int64) for k in KINDS}
+        self.kind_peaks = {k: np.zeros(ranks, dtype=np.int64) for k in KINDS}
+        self.peak = np.zeros(ranks, dtype=np.int64)
+        self.at_peak = {k: np.zeros(ranks, dtype=np.int64) for k in KINDS}
+        self.at_start = {k: np.zeros(ranks, dtype=np.int64) for k in KINDS}
         self.in_optimizer = 0
         self.open = False
+        self.on_op = None  # called with (func, args, kwargs, out) after each operator
         self._handles: list = []
 
     # ---- the accounting --------------------------------------------------------------------
@@ -71,18 +78,26 @@ class MemoryTracker:
         storage = _storage(t)
         if storage is None or id(storage) in self.live:
             return
-        self._set(storage, kind)
+        self._set(t, storage, kind)
 
-    def classify(self, t: torch.Tensor, kind: str) -> None:
-        """``t``'s storage holds ``kind``, at its current size (counted anew if resized)."""
+    def classify(self, t: torch.Tensor, kind: str, parts=None) -> None:
+        """``t``'s storage holds ``kind``, at its current size (counted anew if resized);
+        ``parts``: the tensors whose pieces it concatenates (their bytes, rank by rank)."""
         storage = _storage(t)
-        if storage is not None:
-            self._set(storage, kind)
+        if storage is None:
+            return
+        nbytes = None
+        if parts is not None and self.bytes_of is not None:
+            nbytes = sum(self.bytes_of(p, None) for p in parts)
+        elif self.bytes_of is not None and id(storage) in self.live and _is_view_into(t, storage):
+            nbytes = self.live[id(storage)][1]  # a view of a buffer counted already: its weight
+        self._set(t, storage, kind, nbytes)
 
-    def _set(self, storage, kind: str) -> None:
+    def _set(self, t, storage, kind: str, nbytes=None) -> None:
         key = id(storage)
         entry = self.live.get(key)
-        nbytes = storage.nbytes()
+        if nbytes is None:
+            nbytes = self.bytes_of(t, storage) if self.bytes_of is not None else storage.nbytes()
         if entry is None:
             entry = self.live[key] = [kind, 0]
             weakref.finalize(storage, self._freed, key)
@@ -92,6 +107,8 @@ class MemoryTracker:
         self._update(kind)
 
     def _freed(self, key: int) -> None:
+        if not self.open:  # the block is over: its figures stay as they were at its end
+            return
         entry = self.live.pop(key, None)
         if entry is not None:
             self.totals[entry[0]] -= entry[1]
@@ -99,51 +116,68 @@ class MemoryTracker:
     def _update(self, kind: str) -> None:
         if not self.open:
             return
-        if self.totals[kind] > self.kind_peaks[kind]:
-            self.kind_peaks[kind] = self.totals[kind]
+        np.maximum(self.kind_peaks[kind], self.totals[kind], out=self.kind_peaks[kind])
         total = sum(self.totals.values())
-        if total > self.peak:
-            self.peak = total
-            self.at_peak = dict(self.totals)
+        higher = total > self.peak
+        if higher.any():
+            self.peak[higher] = total[higher]
+            for k in KINDS:
+                self.at_peak[k][higher] = self.totals[k][higher]
 
     # ---- the answers -----------------------------------------------------------------------
-    def peak_bytes(self, kind: str | None = None) -> int:
-        """The peak of all live bytes (``kind`` None), or the highest ``kind`` reached."""
+    def peak_bytes(self, kind: str | None = None, rank: int = 0) -> int:
+        """The peak of all live bytes (``kind`` None), or the highest ``kind`` reached (of
+        ``rank``: a simulation's; a real run has its own only)."""
+        return int(self._kind(self.peak, self.kind_peaks, kind)[rank])
+
+    def live_bytes(self, kind: str | None = None, rank: int = 0) -> int:
+        """What is live now (at the block's end, once it is over)."""
         if kind is None:
-            return self.peak
+            return int(sum(v[rank] for v in self.totals.values()))
+        return int(self._kind(None, self.totals, kind)[rank])
+
+    def start_bytes(self, kind: str | None = None, rank: int = 0) -> int:
+        """What was live when the block began (all kinds, or ``kind``)."""
+        if kind is None:
+            return int(sum(v[rank] for v in self.at_start.values()))
+        return int(self._kind(None, self.at_start, kind)[rank])
+
+    @staticmethod
+    def _kind(whole, by_kind: dict, kind):
+        if kind is None:
+            return whole
         if kind not in KINDS:
             from ..errors import GlobalTensorError
             raise GlobalTensorError(f"gt.memory: expected a kind, one of {', '.join(KINDS)}; "
                                     f"found {kind!r}")
-        return self.kind_peaks[kind]
+        return by_kind[kind]
 
-    def start_bytes(self, kind: str | None = None) -> int:
-        """What was live when the block began (all kinds, or ``kind``)."""
-        if kind is None:
-            return sum(self.at_start.values())
-        self.peak_bytes(kind)  # checks the kind
-        return self.at_start[kind]
-
-    def report(self) -> str:
+    def report(self, rank: int = 0) -> str:
         """A table: each kind's bytes at the start, at the peak, and the highest it reached."""
         lines = [f"{'kind':<15}{'at the start':>14}{'at the peak':>14}{'its own peak':>14}"]
         for kind in KINDS:
-            lines.append(f"{kind:<15}{_mb(self.at_start[kind]):>14}{_mb(self.at_peak[kind]):>14}"
-                         f"{_mb(self.kind_peaks[kind]):>14}")
-        lines.append(f"{'total':<15}{_mb(self.start_bytes()):>14}{_mb(self.peak):>14}")
+            lines.append(f"{kind:<15}{_mb(self.at_start[kind][rank]):>14}"
+                         f"{_mb(self.at_peak[kind][rank]):>14}{_mb(self.kind_peaks[kind][rank]):>14}")
+        lines.append(f"{'total':<15}{_mb(self.start_bytes(rank=rank)):>14}"
+                     f"{_mb(self.peak[rank]):>14}")
         return "\n".join(lines)
 
     def __repr__(self):
-        return f"<gt.memory: peak {_mb(self.peak)}>"
+        return f"<gt.memory: peak {_mb(int(self.peak.max()))}>"
 
     # ---- the block -------------------------------------------------------------------------
     def __enter__(self) -> "MemoryTracker":
-        self._scan(sys._getframe(1))
+        return self.start(sys._getframe(1))
+
+    def start(self, frame=None) -> "MemoryTracker":
+        """Begin counting; what ``frame`` and its callers reach is alive already (None: nothing)."""
+        if frame is not None:
+            self._scan(frame)
         self.open = True
-        self.at_start = dict(self.totals)
-        for kind in KINDS:
-            self.kind_peaks[kind] = self.totals[kind]
-        self.peak, self.at_peak = sum(self.totals.values()), dict(self.totals)
+        self.at_start = {k: v.copy() for k, v in self.totals.items()}
+        self.kind_peaks = {k: v.copy() for k, v in self.totals.items()}
+        self.at_peak = {k: v.copy() for k, v in self.totals.items()}
+        self.peak = sum(self.totals.values()).copy()
         self._token = set_watchers(memory=self)
         self._mode = _Mode(self)
         self._mode.__enter__()
@@ -168,6 +202,11 @@ class MemoryTracker:
     def _optimizer_enter(self, optimizer, args, kwargs):
         if self._mine():
             self.in_optimizer += 1
+            for group in optimizer.param_groups:  # what the step reads is known for sure now
+                for p in group["params"]:
+                    self.classify(p, "parameters")
+                    if p.grad is not None:
+                        self.classify(p.grad, "gradients")
 
     def _optimizer_leave(self, optimizer, args, kwargs):
         if self._mine():
@@ -236,6 +275,12 @@ class MemoryTracker:
                     self.add(unit.pending, "gradients")
 
 
+def _is_view_into(t: torch.Tensor, storage) -> bool:
+    """Whether ``t`` (a global tensor's piece) covers less than its storage."""
+    local = getattr(t, "_local", t)
+    return local.numel() * local.element_size() < storage.nbytes()
+
+
 class _Mode(TorchDispatchMode):
     """Sees every operator's outputs (global tensors' at the global level) and counts them."""
 
@@ -246,14 +291,17 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker
-        kind = "optimizer" if tracker.in_optimizer else "activations"
+        kind = "activations"  # the optimizer's state is classified when its step ends
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 tracker.add(t, kind)
+        if tracker.on_op is not None:
+            tracker.on_op(func, args, kwargs, out)
         return out
 
 
-def _mb(n: int) -> str:
+def _mb(n) -> str:
+    n = int(n)
     for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
         if abs(n) >= size:
             return f"{n / size:.2f} {unit}"

@@ -1,0 +1,201 @@
+"""``gt.simulate(world_size, rank=0)``: run a job's code for a world that does not exist and read
+what every rank would hold and send (SPEC "Simulation", docs/simulate.md)::
+
+    with gt.simulate(world_size=1024) as sim:
+        gt.init()
+        grid = gt.placement("cpu", torch.arange(1024).reshape(8, 16, 8), axes=("dp", "fsdp", "tp"))
+        model = Transformer(cfg); model.to_global(grid, tp_plan)
+        opt = torch.optim.AdamW(model.parameters())
+        loss = model(tokens).loss; loss.backward(); opt.step()
+    print(sim.report())
+"""
+from __future__ import annotations
+
+import collections
+
+import numpy as np
+import torch
+
+from ..errors import GlobalTensorError
+from ..observe import reset, set_watchers
+from ..world import simulated
+from .factories import MetaFactories
+from .memory import KINDS, MemoryTracker
+from .ranks import bytes_of, classes, members, ranges
+
+__all__ = ["simulate", "Simulation"]
+
+
+class Recorder:
+    """What ``gt.comm_trace`` would record on every rank: the observer of redistributions and
+    of the runtime's other collectives, spread over the ranks each involves."""
+
+    def __init__(self, world: int):
+        self.world = world
+        self.sent = collections.defaultdict(lambda: np.zeros(world, dtype=np.int64))  # (kind, axis)
+        self.counts = collections.defaultdict(lambda: np.zeros(world, dtype=np.int64))  # (kind, axis)
+        self.everyone = np.ones(world, dtype=np.int64)
+
+    def _add(self, kind: str, axis, who: np.ndarray, nbytes: int) -> None:
+        self.sent[kind, axis] += who * nbytes
+        self.counts[kind, axis] += who
+
+    def moved(self, call: str, plan, local: torch.Tensor) -> None:
+        itemsize = local.element_size()
+        for step in plan.steps:
+            if step.communicates():
+                axis = getattr(step, "axis", None)
+                placement = step.after.placement
+                name = None if axis is None else (placement.axes[axis] if placement.axes
+                                                  else f"axis {axis}")
+                self._add(step.kind, name, members(step.after, self.world) | members(step.before, self.world),
+                          step.bytes_sent(itemsize))
+
+    def bucket_reduced(self, count: int, nbytes: int) -> None:
+        self._add("all_reduce", "gradient buckets", self.everyone, nbytes)
+
+    def unit_collective(self, op: str, collective: str, nbytes: int, dtype) -> None:
+        self._add(collective, "fully_shard", self.everyone, nbytes)
+
+    def comm_called(self, name: str) -> None:
+        self._add("gt.comm." + name, None, self.everyone, 0)
+
+
+class Simulation:
+    """The block and its figures; ``gt.simulate(world_size, rank=0)`` makes one."""
+
+    def __init__(self, world_size: int, rank: int = 0):
+        for name, value in (("world_size", world_size), ("rank", rank)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise GlobalTensorError(f"gt.simulate: expected {name} to be an int, found {value!r}")
+        if world_size < 1 or not 0 <= rank < world_size:
+            raise GlobalTensorError(f"gt.simulate: expected world_size >= 1 and 0 <= rank < "
+                                    f"world_size, found world_size={world_size}, rank={rank}")
+        self.world_size, self.rank = world_size, rank
+        self.memory = MemoryTracker(ranks=world_size, bytes_of=bytes_of(world_size))
+        self.recorder = Recorder(world_size)
+        self._flops = 0
+
+    # ---- the block -------------------------------------------------------------------------
+    def __enter__(self) -> "Simulation":
+        self._world = simulated.enter(self.world_size, self.rank)
+        try:
+            self._factories = MetaFactories()
+            self._factories.__enter__()
+            self.memory.start(None)
+            self.memory.on_op = self._count_flops
+            self._watch = set_watchers(recorder=self.recorder)
+        except BaseException:
+            simulated.leave(self._world)
+            raise
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            reset(self._watch)
+            self.memory.__exit__(*exc)
+            self._factories.__exit__(*exc)
+        finally:
+            simulated.leave(self._world)
+        return False
+
+    def _count_flops(self, func, args, kwargs, out) -> None:
+        from torch.utils.flop_counter import flop_registry
+
+        formula = flop_registry.get(func._overloadpacket)
+        if formula is None:
+            return
+        local = [getattr(a, "_local", a) for a in args]
+        out = getattr(out, "_local", out) if isinstance(out, torch.Tensor) else out
+        try:
+            self._flops += formula(*local, **(kwargs or {}), out_val=out)
+        except Exception:  # noqa: BLE001 - a formula that does not take these arguments
+            pass
+
+    # ---- the figures -----------------------------------------------------------------------
+    def peak_bytes(self, rank: int, kind: str | None = None) -> int:
+        """The peak of live tensor bytes on ``rank`` (kind None), or the highest ``kind``
+        ("parameters", "gradients", "optimizer", "activations", "communication") reached."""
+        return self.memory.peak_bytes(kind, rank=self._rank(rank))
+
+    def live_bytes(self, rank: int, kind: str | None = None) -> int:
+        """What ``rank`` holds when the block ends (the parameters, their gradients, the
+        optimizer's state: what the next step starts from)."""
+        return self.memory.live_bytes(kind, rank=self._rank(rank))
+
+    def comm_bytes(self, rank: int) -> dict[str, int]:
+        """{collective: bytes ``rank`` sends}, as ``gt.comm_trace`` counts them."""
+        rank = self._rank(rank)
+        out = collections.Counter()
+        for (kind, _), sent in self.recorder.sent.items():
+            out[kind] += int(sent[rank])
+        return {k: v for k, v in out.items() if v or k.startswith("gt.comm")}
+
+    def collectives(self, rank: int) -> dict[str, int]:
+        """{collective: how many times ``rank`` runs it}."""
+        rank = self._rank(rank)
+        out = collections.Counter()
+        for (kind, _), count in self.recorder.counts.items():
+            out[kind] += int(count[rank])
+        return {k: v for k, v in out.items() if v}
+
+    def flops(self) -> int:
+        """The floating-point operations this simulation's rank computes (torch's flop
+        formulas on its pieces, for the ops that have one: matmuls, convolutions, attention)."""
+        return self._flops
+
+    def step_time(self, alpha: float = 1e-5, bandwidth: float = 25e9, flops: float = 1e14,
+                  axes: dict | None = None) -> float:
+        """Seconds of the slowest rank: each collective costs ``alpha`` plus its bytes over
+        ``bandwidth`` (or the ``(alpha, bandwidth)`` given for its placement axis in ``axes``),
+        and the computation this rank's flop count over ``flops``."""
+        axes = axes or {}
+        seconds = np.zeros(self.world_size)
+        for key, count in self.recorder.counts.items():
+            a, bw = axes.get(key[1], (alpha, bandwidth))
+            seconds += count * a + self.recorder.sent[key] / bw
+        return float(seconds.max() + self._flops / flops)
+
+    def report(self) -> str:
+        """Per rank class (ranks whose figures are equal): the peak of live bytes by kind,
+        bytes sent per collective and axis, collective counts; then the worst ranks."""
+        keys = sorted(self.recorder.sent, key=str)
+        rows = ([self.memory.peak] + [self.memory.kind_peaks[k] for k in KINDS]
+                + [self.recorder.sent[k] for k in keys] + [self.recorder.counts[k] for k in keys])
+        groups = classes(np.stack(rows)) if rows else [np.arange(self.world_size)]
+        lines = [f"gt.simulate: {self.world_size} ranks, {len(groups)} rank class"
+                 f"{'' if len(groups) == 1 else 'es'}"]
+        for ranks in groups:
+            r = int(ranks[0])
+            lines.append(f"ranks {ranges(ranks)}:")
+            lines.append(f"  peak {_fmt(self.memory.peak[r])}: " + ", ".join(
+                f"{k} {_fmt(self.memory.at_peak[k][r])}" for k in KINDS))
+            for key in keys:
+                if self.recorder.counts[key][r]:
+                    where = f" on {key[1]}" if key[1] else ""
+                    lines.append(f"  {key[0]}{where}: {int(self.recorder.counts[key][r])} x, "
+                                 f"{_fmt(self.recorder.sent[key][r])} sent")
+        worst = np.argsort(-self.memory.peak, kind="stable")[:3]
+        lines.append("highest peaks: " + ", ".join(
+            f"rank {int(r)} {_fmt(self.memory.peak[r])}" for r in worst))
+        return "\n".join(lines)
+
+    def _rank(self, rank) -> int:
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < self.world_size:
+            raise GlobalTensorError(f"gt.simulate: expected a rank in [0, {self.world_size}), "
+                                    f"found {rank!r}")
+        return rank
+
+
+def _fmt(n) -> str:
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def simulate(world_size: int, *, rank: int = 0) -> Simulation:
+    """``with gt.simulate(world_size) as sim:``: see the module docstring."""
+    return Simulation(world_size, rank)

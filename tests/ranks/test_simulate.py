@@ -1,0 +1,107 @@
+"""gt.simulate against real runs of the same code: per rank, the collectives and bytes that
+gt.comm_trace records, the parameter / gradient / optimizer bytes of the real pieces, and the
+peak of live bytes (gt.memory) within 10%; on a 2x2 grid (Megatron TP x DP) and an uneven 2x3
+grid; values refused inside the block; the process as before after it."""
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.errors import GlobalTensorError
+from globaltensor.testing import run_ranks
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+TIMEOUT = 90
+
+
+class Block(torch.nn.Module):
+    def __init__(self, h):
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(h)
+        self.up = torch.nn.Linear(h, 4 * h)
+        self.down = torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+def train_step(grid, hidden, rows):
+    """One AdamW step of a 2-block model, Megatron TP on "tp", the batch split on "dp"; the
+    same code real and simulated (values do not matter: only layouts do)."""
+    gt.init()
+    model = torch.nn.Sequential(torch.nn.Linear(8, hidden), Block(hidden), Block(hidden),
+                                torch.nn.Linear(hidden, 3))
+    model.to_global(grid, gt.nn.sbp_plan({"*.up": gt.nn.colwise("tp"),
+                                          "*.down": gt.nn.rowwise("tp")}))
+    opt = torch.optim.AdamW(model.parameters())
+    x = torch.randn(rows, 8).to_global(grid, (B, B)).to_global(sbp=(S(0), B))
+    loss = model(x).pow(2).mean()
+    loss.backward()
+    opt.step()
+    return model, opt
+
+
+def _real(grid, hidden, rows):
+    def body(rank):
+        with gt.comm_trace() as trace:
+            with gt.memory() as mem:
+                model, opt = train_step(grid, hidden, rows)
+        params = sum(p._local.nbytes for p in model.parameters())
+        grads = sum(p.grad._local.nbytes for p in model.parameters())
+        state = sum(v._local.nbytes if isinstance(v, gt.GlobalTensor) else v.nbytes
+                    for s in opt.state.values() for v in s.values() if isinstance(v, torch.Tensor))
+        kinds = {k: mem.peak_bytes(k) for k in ("parameters", "gradients", "optimizer")}
+        return (trace.counts(), sum(r.bytes_per_rank or 0 for r in trace.records), params, grads,
+                state, mem.peak_bytes(), kinds)
+    return run_ranks(body, grid.size, timeout=TIMEOUT)
+
+
+@pytest.mark.parametrize("shape,hidden,rows", [((2, 2), 16, 8), ((2, 3), 10, 7)],
+                         ids=["2x2", "2x3-uneven"])
+def test_a_simulated_step_has_the_real_runs_figures_on_every_rank(shape, hidden, rows):
+    n = shape[0] * shape[1]
+    grid = gt.placement("cpu", torch.arange(n).reshape(shape).tolist(), axes=("dp", "tp"))
+    real = _real(grid, hidden, rows)
+    with gt.simulate(n) as sim:
+        kept = train_step(grid, hidden, rows)  # what the next step starts from
+    del kept
+    for rank, (counts, sent, params, grads, state, peak, kinds) in enumerate(real):
+        assert sim.collectives(rank) == counts, rank
+        assert sum(sim.comm_bytes(rank).values()) == sent, rank
+        assert sim.live_bytes(rank, "parameters") == params, rank
+        assert sim.live_bytes(rank, "gradients") == grads, rank
+        assert sim.live_bytes(rank, "optimizer") == state, rank
+        assert {k: sim.peak_bytes(rank, k) for k in kinds} == kinds, rank
+        assert abs(sim.peak_bytes(rank) - peak) <= 0.1 * peak, (rank, sim.peak_bytes(rank), peak)
+    if shape == (2, 3):  # hidden 10 over 3: the tensor-parallel pieces differ by rank
+        assert len({sim.peak_bytes(r, "parameters") for r in range(n)}) > 1
+    report = sim.report()
+    assert "rank class" in report and "all_reduce" in report
+
+
+def test_values_are_refused_inside_and_the_process_is_as_before_after():
+    grid = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "tp"))
+    with pytest.raises(GlobalTensorError, match="holds? no data") as info:
+        with gt.simulate(4):
+            model, _ = train_step(grid, 16, 8)
+            next(model.parameters()).sum().item()
+    assert "test_simulate.py" in str(info.value)
+    assert not torch.distributed.is_initialized()
+    assert not gt.env.simulated()
+    assert torch.zeros(3).add(1).tolist() == [1.0, 1.0, 1.0]  # real tensors again
+
+
+def test_one_rank_of_a_large_world_costs_what_its_classes_cost():
+    """A 256-rank 3-D grid in one process: the ranks of a class agree, the report is short."""
+    with gt.simulate(256) as sim:
+        grid = gt.placement("cpu", torch.arange(256).reshape(4, 8, 8).tolist(),
+                            axes=("dp", "fsdp", "tp"))
+        gt.init()
+        model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+        model.to_global(grid, gt.nn.sbp_plan({"0": gt.nn.colwise("tp"), "2": gt.nn.rowwise("tp")}))
+        x = torch.randn(64, 64).to_global(grid, (B, B, B)).to_global(sbp=(S(0), S(0), B))
+        model(x).pow(2).mean().backward()
+    assert sim.peak_bytes(0) == sim.peak_bytes(255) > 0
+    assert sim.collectives(0) == sim.collectives(255)
+    assert sim.step_time(alpha=1e-5, bandwidth=1e9, flops=1e12) > 0
+    with pytest.raises(GlobalTensorError, match="rank in"):
+        sim.peak_bytes(256)
