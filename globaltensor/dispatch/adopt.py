@@ -67,12 +67,15 @@ def adopt_locals(func, args, kwargs, found):
         raise GlobalTensorError("internal: no global tensor among the arguments; please report this")
     placement = tensors[0]._layout.placement
     inside = my_coord(placement) is not None
+    meta = tensors[0]._local.is_meta  # gt.simulate: a real local value joins as a meta piece
 
     def adopt(v):
         if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor) and v.dim() != 0:
             if in_mode and _debug.is_debug():
                 agree_on_value(f"aten.{op_name(func)}: a local input", v)
             layout = Layout(placement, replicated(placement.ndim), tuple(v.shape))
+            if meta and not v.is_meta:
+                v = v.to("meta")
             return GlobalTensor._make(v if inside else v.new_empty((0,) * v.dim()), layout)
         return v
     return tree_map(adopt, (list(args), kwargs))

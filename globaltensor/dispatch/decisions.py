@@ -18,6 +18,7 @@ import torch
 from torch.utils._mode_utils import no_dispatch
 
 from ..world import world
+from ..world.simulated import simulated
 from .._cache import Bounded
 from ..debug import user_frame
 from ..errors import GlobalTensorError
@@ -135,6 +136,14 @@ class Plain:
             return zero_pieces(self.outs, coord, pieces[0].device)
         if world.get_world_size() == 1:
             raise error
+        if any(isinstance(p, torch.Tensor) and p.is_meta for p in pieces) and simulated():
+            from ..debug import user_line
+            raise GlobalTensorError(
+                f"gt.simulate: {self.call.op} cannot run without data ({user_line(3)}): inside "
+                f"a simulation tensors hold none, and this operator needs values (an output "
+                f"shape that depends on them, or a value read); torch said: "
+                f"{str(error).splitlines()[0][:200]}. Keep it out of the simulated block, or "
+                f"branch on gt.env.simulated()") from error
         raise local_failure(str(self.call.op), self.placement.flat_ranks, error) from error
 
     def _run_simple(self, args, kwargs, tensors):

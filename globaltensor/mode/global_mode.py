@@ -45,6 +45,7 @@ from ..dispatch.adopt import active, agree_on_value, modes
 from . import packed, rnn
 from ..runtime.emit import is_traced
 from ..tensor import GlobalTensor
+from ..world.simulated import simulated
 
 @contextlib.contextmanager
 def global_mode(placement, sbp=None):
@@ -124,6 +125,8 @@ class GlobalMode(TorchFunctionMode):
         return Layout(placement, sbp, tuple(full.shape))
 
     def _wrap(self, full: torch.Tensor, *, sync: bool, placement=None) -> GlobalTensor:
+        if simulated():  # gt.simulate: global tensors hold no data
+            full = full.to("meta")
         layout = self._layout(full, placement)
         if sync:  # the first rank's draw, sent to the others (to_global's broadcast)
             every = replicated(layout.placement.ndim)
@@ -139,6 +142,8 @@ class GlobalMode(TorchFunctionMode):
         layout = self._layout(full)
         coord = layout.placement.coord_of(env.get_rank())
         dtype, device = full.dtype, device_for(layout.placement)
+        if simulated():
+            device = torch.device("meta")
         if coord is None:
             local = full.new_empty((0,) * full.dim())
         elif kind == "uniform":
@@ -213,5 +218,5 @@ def _piece_of(full: torch.Tensor, layout: Layout) -> GlobalTensor:
             local = full
         else:
             local = local.contiguous()
-    out = GlobalTensor._make(local.to(device), layout)
+    out = GlobalTensor._make(local if local.is_meta else local.to(device), layout)
     return out.requires_grad_() if requires_grad else out

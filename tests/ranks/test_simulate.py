@@ -105,3 +105,13 @@ def test_one_rank_of_a_large_world_costs_what_its_classes_cost():
     assert sim.step_time(alpha=1e-5, bandwidth=1e9, flops=1e12) > 0
     with pytest.raises(GlobalTensorError, match="rank in"):
         sim.peak_bytes(256)
+
+
+def test_an_operator_that_needs_values_is_a_clear_error_naming_it():
+    grid = gt.placement("cpu", [0, 1])
+    with pytest.raises(GlobalTensorError, match="nonzero") as info:
+        with gt.simulate(2):
+            x = torch.randn(6, 4).to_global(grid, B)
+            torch.nonzero(x > 0)
+    assert "gt.simulate" in str(info.value)
+    assert not torch.distributed.is_initialized()
