@@ -136,15 +136,7 @@ class Plain:
             return zero_pieces(self.outs, coord, pieces[0].device)
         if world.get_world_size() == 1:
             raise error
-        if any(isinstance(p, torch.Tensor) and p.is_meta for p in pieces) and simulated():
-            from ..debug import user_line
-            raise GlobalTensorError(
-                f"gt.simulate: {self.call.op} cannot run without data ({user_line(3)}): inside "
-                f"a simulation tensors hold none, and this operator needs values (an output "
-                f"shape that depends on them, or a value read); torch said: "
-                f"{str(error).splitlines()[0][:200]}. Keep it out of the simulated block, or "
-                f"branch on gt.env.simulated()") from error
-        raise local_failure(str(self.call.op), self.placement.flat_ranks, error) from error
+        raise _local_error(str(self.call.op), self.placement, pieces, error) from error
 
     def _run_simple(self, args, kwargs, tensors):
         # the path of every op whose global tensors are plain positional args: each piece goes
@@ -359,7 +351,7 @@ class RunToLearn:
             except Exception as error:  # noqa: BLE001 - every member runs the same full values
                 if isinstance(error, GlobalTensorError) or world.get_world_size() == 1:
                     raise
-                raise local_failure(str(func), self.placement.flat_ranks, error) from error
+                raise _local_error(str(func), self.placement, pieces, error) from error
         if self.placement.size != world.get_world_size():  # asked per call: decisions outlive worlds
             result = _from_first_member(result, self.placement, inside)
         return _broadcast_wrapped(result, self.placement)
@@ -431,3 +423,16 @@ class AdoptIndexScalars:
             elif a.name in kwargs:
                 kwargs = dict(kwargs, **{a.name: adopt(kwargs[a.name])})
         return func(*args, **kwargs)
+
+
+def _local_error(op: str, placement, pieces, error: BaseException) -> GlobalTensorError:
+    """What a local computation that raised becomes: the same ``LocalOpFailed`` on every rank;
+    in ``gt.simulate`` (meta pieces), an error saying the operator needs values."""
+    if simulated() and any(isinstance(p, torch.Tensor) and p.is_meta for p in pieces):
+        from ..debug import user_line
+        return GlobalTensorError(
+            f"gt.simulate: {op} cannot run without data ({user_line(3)}): inside a simulation "
+            f"tensors hold none, and this operator needs values (an output shape that depends "
+            f"on them, or a value read); torch said: {str(error).splitlines()[0][:200]}. Keep "
+            f"it out of the simulated block, or branch on gt.env.simulated()")
+    return local_failure(op, placement.flat_ranks, error)
