@@ -2,21 +2,31 @@
 world, which ranks a plan's step involves, and rank classes (ranks whose figures are equal)."""
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import torch
 
 from .._cache import memo
-from ..layout import Layout, boxes
+from ..layout import Layout
+from ..sbp import Split
 
 
 @memo(8192)
 def piece_bytes(layout: Layout, itemsize: int, world: int) -> np.ndarray:
-    """Bytes of ``layout``'s piece on each rank of a world of ``world`` (0 outside it)."""
+    """Bytes of ``layout``'s piece on each rank of a world of ``world`` (0 outside it), for the
+    whole grid at once: along each dim, the axes that split it (outermost first) cut every
+    coordinate's length by the uneven rule (the first ``length % n`` pieces one longer)."""
+    placement = layout.placement
+    coords = np.indices(placement.shape, dtype=np.int64)
+    numel = np.ones(placement.shape, dtype=np.int64)
+    for dim, size in enumerate(layout.shape):
+        length = np.full(placement.shape, size, dtype=np.int64)
+        for axis, value in enumerate(layout.sbp):
+            n = placement.shape[axis]
+            if isinstance(value, Split) and value.dim == dim and n > 1:
+                length = length // n + (coords[axis] < length % n)
+        numel *= length
     out = np.zeros(world, dtype=np.int64)
-    for coord, box in boxes(layout).items():
-        out[layout.placement.rank_at(coord)] = math.prod(b - a for a, b in box) * itemsize
+    out[np.asarray(placement.flat_ranks)] = numel.reshape(-1) * itemsize
     return out
 
 

@@ -115,3 +115,20 @@ def test_an_operator_that_needs_values_is_a_clear_error_naming_it():
             torch.nonzero(x > 0)
     assert "gt.simulate" in str(info.value)
     assert not torch.distributed.is_initialized()
+
+
+@pytest.mark.parametrize("shape,sbp", [((7, 5), (S(0), S(0))), ((7, 5), (S(1), S(0))),
+                                       ((3,), (S(0), B)), ((9, 4, 2), (S(2), S(0)))])
+def test_piece_bytes_on_every_rank_are_the_layouts_pieces(shape, sbp):
+    from globaltensor.layout import Layout
+    from globaltensor.sim.ranks import piece_bytes
+
+    grid = gt.placement("cpu", [[4, 0, 5], [1, 3, 2]])
+    layout = Layout(grid, sbp, shape)
+    got = piece_bytes(layout, 4, 7)
+    for coord in grid.coords():
+        numel = 1
+        for n in layout.local_shape(coord):
+            numel *= n
+        assert got[grid.rank_at(coord)] == 4 * numel
+    assert got[6] == 0  # outside the placement
