@@ -122,9 +122,12 @@ def _child(payload: bytes, local_rank: int, env: dict, conn, backend=None) -> No
     finally:
         _leave_world(failed)
     try:
-        conn.send(message)
+        # plain pickle, by value: multiprocessing's own would share a tensor's memory through
+        # a file descriptor that dies with this process before the parent reads it
+        conn.send_bytes(pickle.dumps(message))
     except Exception as e:  # noqa: BLE001 - e.g. an unpicklable result
-        conn.send(("error", f"could not send the result back: {type(e).__name__}: {e}", ""))
+        conn.send_bytes(pickle.dumps(
+            ("error", f"could not send the result back: {type(e).__name__}: {e}", "")))
         failed = True
     conn.close()
     if failed:
@@ -198,7 +201,7 @@ def _wait_exits(config, procs) -> None:
 
 def _receive(conn):
     try:
-        return conn.recv()
+        return pickle.loads(conn.recv_bytes())
     except (EOFError, OSError):
         return None
 

@@ -21,7 +21,7 @@ def _world(local_rank, scale):
     return {"local_rank": local_rank, "rank": gt.env.get_rank(),
             "world_size": gt.env.get_world_size(), "node_rank": gt.env.get_node_rank(),
             "env": [os.environ[n] for n in names], "sum": t.item(), "pgid": os.getpgid(0),
-            "pid": os.getpid()}
+            "pid": os.getpid(), "tensor": t * torch.ones(3)}  # a tensor comes back by value
 
 
 def _fail_on_rank_1(local_rank, folder):
@@ -46,6 +46,7 @@ def test_spawn_runs_a_real_world_and_returns_results_by_rank():
         assert (r["world_size"], r["node_rank"], r["sum"]) == (2, 0, 6.0)  # 2*1 + 2*2
         assert r["env"] == [str(rank), str(rank), "2", "2", "0"]
         assert r["pgid"] == r["pid"]  # each rank leads its own process group
+        assert r["tensor"].tolist() == [6.0, 6.0, 6.0]
 
 
 def test_failing_process_raises_with_rank_and_traceback_and_stops_the_others(tmp_path):
