@@ -24,14 +24,21 @@ class Block(torch.nn.Module):
         return x + self.down(torch.relu(self.up(self.norm(x))))
 
 
-def train_step(grid, hidden, rows):
-    """One AdamW step of a 2-block model, Megatron TP on "tp", the batch split on "dp"; the
+def train_step(grid, hidden, rows, zero=False):
+    """One AdamW step of a 2-block model, Megatron TP on "tp" (and with ``zero`` every
+    parameter of two dims split over "dp" too, ZeRO's layout), the batch split on "dp"; the
     same code real and simulated (values do not matter: only layouts do)."""
     gt.init()
     model = torch.nn.Sequential(torch.nn.Linear(8, hidden), Block(hidden), Block(hidden),
                                 torch.nn.Linear(hidden, 3))
-    model.to_global(grid, gt.nn.sbp_plan({"*.up": gt.nn.colwise("tp"),
-                                          "*.down": gt.nn.rowwise("tp")}))
+    tp = gt.nn.sbp_plan({"*.up": gt.nn.colwise("tp"), "*.down": gt.nn.rowwise("tp")})
+
+    def layout(name, t):
+        sbp = dict(tp(name, t) or {})
+        if zero and t.dim() == 2:
+            sbp["dp"] = S(1) if sbp.get("tp") == S(0) else S(0)
+        return sbp or None
+    model.to_global(grid, layout)
     opt = torch.optim.AdamW(model.parameters())
     x = torch.randn(rows, 8).to_global(grid, (B, B)).to_global(sbp=(S(0), B))
     loss = model(x).pow(2).mean()
@@ -40,11 +47,11 @@ def train_step(grid, hidden, rows):
     return model, opt
 
 
-def _real(grid, hidden, rows):
+def _real(grid, hidden, rows, zero):
     def body(rank):
         with gt.comm_trace() as trace:
             with gt.memory() as mem:
-                model, opt = train_step(grid, hidden, rows)
+                model, opt = train_step(grid, hidden, rows, zero)
         params = sum(p._local.nbytes for p in model.parameters())
         grads = sum(p.grad._local.nbytes for p in model.parameters())
         state = sum(v._local.nbytes if isinstance(v, gt.GlobalTensor) else v.nbytes
@@ -55,14 +62,15 @@ def _real(grid, hidden, rows):
     return run_ranks(body, grid.size, timeout=TIMEOUT)
 
 
-@pytest.mark.parametrize("shape,hidden,rows", [((2, 2), 16, 8), ((2, 3), 10, 7)],
-                         ids=["2x2", "2x3-uneven"])
-def test_a_simulated_step_has_the_real_runs_figures_on_every_rank(shape, hidden, rows):
+@pytest.mark.parametrize("shape,hidden,rows,zero", [((2, 2), 16, 8, False), ((2, 3), 10, 7, False),
+                                                    ((2, 2), 16, 8, True)],
+                         ids=["2x2", "2x3-uneven", "2x2-zero"])
+def test_a_simulated_step_has_the_real_runs_figures_on_every_rank(shape, hidden, rows, zero):
     n = shape[0] * shape[1]
     grid = gt.placement("cpu", torch.arange(n).reshape(shape).tolist(), axes=("dp", "tp"))
-    real = _real(grid, hidden, rows)
+    real = _real(grid, hidden, rows, zero)
     with gt.simulate(n) as sim:
-        kept = train_step(grid, hidden, rows)  # what the next step starts from
+        kept = train_step(grid, hidden, rows, zero)  # what the next step starts from
     del kept
     for rank, (counts, sent, params, grads, state, peak, kinds) in enumerate(real):
         assert sim.collectives(rank) == counts, rank
@@ -72,6 +80,8 @@ def test_a_simulated_step_has_the_real_runs_figures_on_every_rank(shape, hidden,
         assert sim.live_bytes(rank, "optimizer") == state, rank
         assert {k: sim.peak_bytes(rank, k) for k in kinds} == kinds, rank
         assert abs(sim.peak_bytes(rank) - peak) <= 0.1 * peak, (rank, sim.peak_bytes(rank), peak)
+    if zero:  # the weights split over "dp" are gathered when an op needs them whole
+        assert sim.collectives(0).get("all_gather", 0) > 0
     if shape == (2, 3):  # hidden 10 over 3: the tensor-parallel pieces differ by rank
         assert len({sim.peak_bytes(r, "parameters") for r in range(n)}) > 1
     report = sim.report()
