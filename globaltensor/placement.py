@@ -170,13 +170,13 @@ class Placement:
     def rank_at(self, coord) -> int:
         """The rank at grid ``coord`` (row-major into ``flat_ranks``: no array is built, a
         grid of thousands of ranks is asked one coordinate at a time)."""
+        if len(coord) != len(self.shape):
+            return int(self.ranks[tuple(coord)])  # a partial coordinate: numpy's answer
         index = 0
         for i, n in zip(coord, self.shape):
             if not -n <= i < n:
                 raise IndexError(f"coordinate {tuple(coord)} is outside the grid {self.shape}")
             index = index * n + (i % n)
-        if len(coord) != len(self.shape):
-            return int(self.ranks[tuple(coord)])  # a partial coordinate: numpy's answer
         return self.flat_ranks[index]
 
     def group_along(self, axis: int, coord) -> tuple[int, ...]:
