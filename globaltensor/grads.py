@@ -17,6 +17,7 @@ as it fills, the last ones at the end of backward. Until then ``.grad`` is the p
 """
 from __future__ import annotations
 
+import contextlib
 import contextvars
 
 import torch
@@ -76,20 +77,73 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
         return
     if not isinstance(grad, GlobalTensor) or grad._layout == param._layout:
         return
+    if id(param) in _DEFERRED.get():  # summed over backwards, reduced by reduce_gradients
+        return
     if not _debug.is_debug() and torch._C._current_graph_task_id() >= 0:
-        steps = plan(grad._layout, param._layout).steps
-        k = len(steps)
-        while k > 0 and isinstance(steps[k - 1], AllReduce):
-            k -= 1
-        if k < len(steps):  # the plan ends in all-reduces: they go in a bucket
-            if k > 0:  # what comes before (a reduce-scatter on a tensor axis) runs now
-                with torch.no_grad():
-                    grad = redistribute(grad, steps[k].before)
-            _launch_all_reduce(param, grad, steps[k:])
+        if _bucketed(param, grad, _this_backwards):
             return
     with torch.no_grad():
         param.grad = redistribute(grad, param._layout)
     observe.storage_kind(param.grad, "gradients")
+
+
+def _this_backwards() -> "_Reductions":
+    """The reductions of the running backward (finished when it ends)."""
+    task = torch._C._current_graph_task_id()
+    pending = _PENDING.get(task)
+    if pending is None:
+        pending = _PENDING[task] = _Reductions()
+        torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(task, pending))
+    return pending
+
+
+def _bucketed(param, grad: GlobalTensor, pending_of) -> bool:
+    """If the move of ``grad`` to ``param``'s layout ends in all-reduces, run what comes before
+    them now and put the rest in a bucket of ``pending_of()``: True. Otherwise False (nothing
+    done)."""
+    steps = plan(grad._layout, param._layout).steps
+    k = len(steps)
+    while k > 0 and isinstance(steps[k - 1], AllReduce):
+        k -= 1
+    if k == len(steps):
+        return False
+    if k > 0:  # what comes before (a reduce-scatter on a tensor axis) runs now
+        with torch.no_grad():
+            grad = redistribute(grad, steps[k].before)
+    _launch_all_reduce(param, grad, steps[k:], pending_of())
+    return True
+
+
+# ids of the leaves whose gradients stay partial, summed over several backwards, until
+# reduce_gradients (a pipeline's micro-batches: one data-parallel reduction per step)
+_DEFERRED: contextvars.ContextVar[frozenset] = contextvars.ContextVar(
+    "globaltensor_deferred_grads", default=frozenset())
+
+
+@contextlib.contextmanager
+def deferred_reduction(params):
+    """Inside: the gradients of ``params`` are not brought to their layouts after each
+    backward; they accumulate as backward makes them (partial sums add locally)."""
+    token = _DEFERRED.set(_DEFERRED.get() | frozenset(id(p) for p in params))
+    try:
+        yield
+    finally:
+        _DEFERRED.reset(token)
+
+
+def reduce_gradients(params) -> None:
+    """Bring each parameter's accumulated gradient to its layout now: the all-reduces in
+    buckets (as backward would), the other moves one by one. Every rank of the parameters'
+    placements passes the same list, in the same order."""
+    pending = _Reductions()
+    for param in params:
+        grad = param.grad
+        if (isinstance(param, GlobalTensor) and isinstance(grad, GlobalTensor)
+                and grad._layout != param._layout and not _bucketed(param, grad, lambda: pending)):
+            with torch.no_grad():
+                param.grad = redistribute(grad, param._layout)
+            observe.storage_kind(param.grad, "gradients")
+    pending.finish()
 
 
 def _adopted(param: GlobalTensor, grad: torch.Tensor) -> GlobalTensor:
@@ -183,7 +237,7 @@ class _Reductions:
                 bucket.finish()
 
 
-def _launch_all_reduce(param, grad: GlobalTensor, steps) -> None:
+def _launch_all_reduce(param, grad: GlobalTensor, steps, pending: "_Reductions") -> None:
     """Add ``grad``'s piece to the bucket of its all-reduce group (the ranks that differ along
     the axes of ``steps``, all-reduces on distinct axes: one all-reduce over that group sums
     over all of them); a full bucket is all-reduced at once, asynchronously, the rest at the
@@ -198,11 +252,6 @@ def _launch_all_reduce(param, grad: GlobalTensor, steps) -> None:
     if placement.coord_of(rank) is not None:
         group = group_across(placement, axes, rank)
         piece = grad._local
-    task = torch._C._current_graph_task_id()
-    pending = _PENDING.get(task)
-    if pending is None:
-        pending = _PENDING[task] = _Reductions()
-        torch.autograd.Variable._execution_engine.queue_callback(lambda: _finish(task, pending))
     # a bucket's size counts each gradient's largest piece, the same on every rank: it fills,
     # and is all-reduced, at the same hook on every rank whatever this rank's piece (uneven
     # pieces), so the all-reduces keep one order with the other collectives of the backward

@@ -181,6 +181,14 @@ def unit_collective(op: str, collective: str, nbytes: int, dtype) -> None:
         trace.unit_collective(op, collective, nbytes, dtype)
 
 
+def pipeline_sent(what: str, nbytes: int) -> None:
+    """A pipeline stage posted its sends of one micro-batch's activations or gradients
+    (nn/pipeline.py), this rank sending ``nbytes``."""
+    watchers = current()
+    for trace in watchers.traces() if watchers is not None else ():
+        trace.unit_collective(what, "send", nbytes, None)
+
+
 def storage_kind(t: torch.Tensor, kind: str, parts=None) -> None:
     """``t``'s storage holds ``kind`` (``"communication"``, ``"gradients"``...), at its size
     now (a resized storage is announced again): what ``gt.memory()`` counts it as. ``parts``:
@@ -192,4 +200,4 @@ def storage_kind(t: torch.Tensor, kind: str, parts=None) -> None:
 
 __all__ = ["Watchers", "watching", "current", "watched", "set_watchers", "POLICIES", "plug",
            "redistribution", "served_from_memo", "bucket_reduced", "comm_called",
-           "unit_collective", "storage_kind"]
+           "unit_collective", "pipeline_sent", "storage_kind"]

@@ -6,12 +6,15 @@
     pretrained.py  HF's save_pretrained on a converted model (full values, rank 0 writes)
     fully_shard.py gt.nn.fully_shard, MixedPrecision: FSDP2's surface (docs/fully_shard.md)
     units.py       a sharded unit's state and schedule: hooks, prefetch, the Unshard node
+    pipeline.py    gt.nn.Pipeline: stages on disjoint placements, micro-batches (docs/pipeline.md)
+    schedules.py   the schedules as tables (gpipe, 1f1b, interleaved-1f1b): pure
     parallel/      DistributedDataParallel"""
 from . import parallel
 from .module import to_global, to_local
 from .fully_shard import FSDPModule, MixedPrecision, fully_shard
+from .pipeline import Pipeline
 from .styles import colwise, rowwise, sbp_plan, sequence
 from ..grads import set_bucket_cap_mb
 
-__all__ = ["FSDPModule", "MixedPrecision", "fully_shard", "parallel", "to_global", "to_local", "colwise", "rowwise", "sbp_plan", "sequence",
+__all__ = ["FSDPModule", "MixedPrecision", "Pipeline", "fully_shard", "parallel", "to_global", "to_local", "colwise", "rowwise", "sbp_plan", "sequence",
            "set_bucket_cap_mb"]

@@ -11,6 +11,7 @@
     pairwise.py   gathers and reductions as batches of isend/irecv (the CPU path)
     buckets.py    gradient buckets: pieces all-reduced as one flat buffer, asynchronously
     unshard.py    a fully_shard unit's flat all-gather and reduce-scatter, and its storage
+    stage_p2p.py  a pipeline stage's activations and gradients: isend/irecv without waiting
     failure.py    a failure on some ranks becomes the same error on every rank, at once
     layoutcheck.py  ranks that disagree on a redistributed tensor: one record on a plan's first use
 """

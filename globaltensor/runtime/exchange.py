@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import box_numel, box_shape, relative
-from .groups import byte_view, group_of_ranks
+from .groups import byte_view, group_of_ranks, groups_frozen
 from .pairwise import send_recv
 
 
@@ -64,7 +64,10 @@ def _any_traffic(step) -> bool:
 def exchange_eager(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
     """Sends/recvs as one batch, then broadcasts in plan order; pieces land in a new tensor."""
     before, after = step.before, step.after
-    for move in step.broadcasts:  # every rank creates every broadcast group, in order
+    broadcasts = step.broadcasts
+    if groups_frozen():  # only some ranks run this (a pipeline's stage): no new groups
+        broadcasts = ()
+    for move in broadcasts:  # every rank creates every broadcast group, in order
         group_of_ranks(move.group)
     have = before.box(before.placement.coord_of(rank)) if rank in before.placement else None
     mine = after.placement.coord_of(rank)
@@ -73,21 +76,21 @@ def exchange_eager(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tens
     want = after.box(mine) if mine is not None else None
     ops, landing = [], []
     for move in step.moves:
-        if move.is_broadcast:
+        if move.is_broadcast and broadcasts:
             continue
-        if move.src == rank and move.is_local:
+        if move.src == rank and rank in move.dsts:
             out[relative(move.region, want)] = local[relative(move.region, have)]
-        elif move.src == rank:
-            ops.append(dist.P2POp(dist.isend, local[relative(move.region, have)].contiguous(),
-                                  move.dsts[0], tag=tag))
-        elif move.dsts[0] == rank:
+        if move.src == rank:
+            region = local[relative(move.region, have)].contiguous()
+            ops += [dist.P2POp(dist.isend, region, dst, tag=tag) for dst in move.dsts if dst != rank]
+        elif rank in move.dsts:
             buf = local.new_empty(box_shape(move.region))
             ops.append(dist.P2POp(dist.irecv, buf, move.src, tag=tag))
             landing.append((move.region, buf))
     send_recv(ops)
     for region, buf in landing:
         out[relative(region, want)] = buf
-    for move in step.broadcasts:
+    for move in broadcasts:
         if rank == move.src:
             dist.broadcast(byte_view(local[relative(move.region, have)].contiguous()),
                            src=move.src, group=group_of_ranks(move.group))

@@ -13,6 +13,8 @@ graph cached by an earlier process would name another process's group, or none.
 """
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import itertools
 import math
 import weakref
@@ -20,6 +22,7 @@ import weakref
 import torch
 import torch.distributed as dist
 
+from ..errors import GlobalTensorError
 from ..placement import Placement
 from ..world.simulated import simulated
 from ..world.world import world_timeout
@@ -73,6 +76,12 @@ def _cached_group(members: tuple[int, ...]):
     cache = _world_cache()
     key = ("ranks", members)
     if key not in cache:
+        why = _FROZEN.get()
+        if why is not None:
+            raise GlobalTensorError(
+                f"{why} needs a process group over ranks {list(members)}, which was not made "
+                f"up front (making one needs every rank of the world, and the other ranks are "
+                f"busy elsewhere); keep each stage's tensors on its own placement")
         if simulated():  # gt.simulate: nothing is sent, so no group is made
             cache[key] = SimulatedGroup(members)
             return cache[key]
@@ -83,6 +92,27 @@ def _cached_group(members: tuple[int, ...]):
             cache[key] = dist.new_group(list(members), timeout=world_timeout())
         _register_name(cache, members, cache[key])
     return cache[key]
+
+
+# while set (to what is running), no new group may be made: gt.nn.Pipeline's ranks run different
+# stages, so a group only some ranks ask for would wait forever
+_FROZEN: contextvars.ContextVar[str | None] = contextvars.ContextVar(
+    "globaltensor_no_new_groups", default=None)
+
+
+@contextlib.contextmanager
+def no_new_groups(why: str):
+    """Inside: asking for a group that does not exist yet raises (naming ``why``), and an
+    exchange sends its broadcasts as point-to-point messages."""
+    token = _FROZEN.set(why)
+    try:
+        yield
+    finally:
+        _FROZEN.reset(token)
+
+
+def groups_frozen() -> bool:
+    return _FROZEN.get() is not None
 
 
 def _register_name(cache: dict, members: tuple[int, ...], pg) -> None:

@@ -257,6 +257,7 @@ def _assert_trained(results, rows, backend, name):
             assert any("wait_tensor" in c for c in r["collectives"]), r["collectives"]
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_data_parallel_mlp_with_an_uneven_batch_trains_compiled_as_eager_and_one_process():
     rows = 5  # S(0) over 2 ranks: pieces of 3 and 2 rows (the mean divides by the global 5)
     results = gt.spawn(_check_training, args=("dp", "aot_eager", rows), nproc_per_node=2,

@@ -27,6 +27,7 @@ def _cli(*args, timeout=60, env=ENV):
                           stdin=subprocess.DEVNULL, env=env)
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_item_under_rank_zero_gets_a_hint_and_gt_debug_names_it():
     trap = SCRIPTS / "item_trap.py"
     plain = run_script(trap, 2, timeout=60, env=dict(ENV, GT_TIMEOUT="10"))

@@ -98,6 +98,7 @@ def expected():
     return first, resumed, train(fresh, adamw(fresh), IDS, THEN)
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_every_write_path_then_grad_mode_training_equals_one_process(expected, tmp_path):
     first, resumed, fresh = expected
     base = qwen2(0)

@@ -1,6 +1,7 @@
 """Rules added for operator coverage (issue 17): every one against the full-tensor oracle on
 [2] and [2, 2], uneven shapes, forward and gradients (helpers.check), and the rows that keep a
 split without gathering (the op runs on the pieces)."""
+import pytest
 import torch
 
 import globaltensor as gt
@@ -36,6 +37,7 @@ def test_batched_svdvals_and_eigh():
     check(lambda a: torch.linalg.eigvalsh(a + a.mT), [gen(3, 2, 2, seed=2)])
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_triangular_solve_splits_the_right_hand_side():
     a = torch.triu(_wellposed(3, 3))
     check(lambda a, b: torch.linalg.solve_triangular(a, b, upper=True), [a, gen(3, 5)])

@@ -95,6 +95,7 @@ def test_embedding_bag_splits_bags_and_the_embedding_dim(mode):
           [gen(10, 3), _IDX, _OFF])
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_embedding_bag_per_sample_weights_and_last_offset():
     check(lambda w, i, o, s: F.embedding_bag(i, w, o, mode="sum", per_sample_weights=s),
           [gen(10, 3), _IDX, _OFF, gen(11, seed=1)])
@@ -121,6 +122,7 @@ def _mask(*shape, seed=0):
     return gen(*shape, seed=seed) > 0
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_masked_scatter_numbers_the_whole_mask():
     # source is consumed in order over the masked positions: a split of x, either dim, takes
     # the elements its positions' numbers name (mask and source whole)
@@ -182,6 +184,7 @@ def test_pixel_shuffle_rows_need_whole_blocks():
 
 # ----------------------------------------------------------------------------- max_unpool
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_max_unpool_keeps_batch_and_channel_splits():
     # uneven batch and channels: on [2, 2] some piece holds no channel (torch refuses it)
     _, idx = F.max_pool2d(gen(3, 3, 4, 4), 2, return_indices=True)

@@ -24,6 +24,7 @@ def _rows(op, shapes, args=(), kwargs=()):
 
 # ----------------------------------------------------------------------------- group norm
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_group_norm_keeps_a_batch_split():
     w, b = gen(4, seed=1), gen(4, seed=2)
     check(lambda x, w, b: F.group_norm(x, 2, w, b), [gen(3, 4, 5), w, b])
@@ -34,6 +35,7 @@ def test_group_norm_keeps_a_batch_split():
 
 # ----------------------------------------------------------------------------- losses
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_elementwise_losses_over_a_split_batch():
     # each reduction once: none -> S(d), sum -> P, mean -> P over the global element count
     x, t = torch.sigmoid(gen(3, 5)), torch.sigmoid(gen(3, 5, seed=1))
@@ -67,6 +69,7 @@ def test_loss_counts():
 
 # ----------------------------------------------------------------------------- convolution
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_transposed_convolution_splits_batch_and_output_channels():
     check(lambda x, w, b: F.conv_transpose1d(x, w, b, stride=2), [gen(3, 2, 4), gen(2, 3, 2, seed=1),
                                                                   gen(3, seed=2)])

@@ -1,0 +1,220 @@
+"""gt.nn.Pipeline on thread-ranks: every schedule, data and tensor parallel stages, interleaved
+stages and uneven micro-batches train as one process running the same micro-batches; one
+data-parallel reduction per step; comm_trace sees the sends; 1F1B keeps fewer activations than
+GPipe; bad input is refused on every rank before anything is sent."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import globaltensor as gt
+from globaltensor.errors import GlobalTensorError
+from globaltensor.testing import run_ranks
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+H = 8
+
+
+def _stages(n: int, seed: int = 0):
+    """``n`` stages of an MLP classifier (built once, in the test's thread: thread-ranks share
+    torch's random generator)."""
+    torch.manual_seed(seed)
+    body = [nn.Sequential(nn.Linear(H, H), nn.Tanh()) for _ in range(n - 1)]
+    return body + [nn.Sequential(nn.Linear(H, H), nn.Tanh(), nn.Linear(H, 3))]
+
+
+def _data(rows: int):
+    g = torch.Generator().manual_seed(1)
+    return torch.randn(rows, H, generator=g), torch.randint(0, 3, (rows,), generator=g)
+
+
+def _one_process(stages, mb: int, x, y, steps: int = 3):
+    """The same micro-batches in one process: mean of their losses, AdamW."""
+    model = nn.Sequential(*copy.deepcopy(stages))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    losses = []
+    for _ in range(steps):
+        opt.zero_grad()
+        total = 0.0
+        for xm, ym in zip(torch.tensor_split(x, mb), torch.tensor_split(y, mb)):
+            loss = F.cross_entropy(model(xm), ym) / mb
+            loss.backward()
+            total += loss.item()
+        opt.step()
+        losses.append(total)
+    return losses, [p.detach() for p in model.parameters()], model(x).detach()
+
+
+def _tensor_parallel(name, t):
+    """Megatron inside a stage: the first linear by columns, the last by rows."""
+    if name in ("0.weight", "0.bias"):
+        return S(0)
+    return S(1) if name == "2.weight" else B
+
+
+def _pipeline_run(stages, places, mb, schedule, x, y, sbp_fn=None, steps=3):
+    def body(rank):
+        gt.init()
+        mine = copy.deepcopy(stages)
+        for i, stage in enumerate(mine):
+            stage.to_global(places[i % len(places)], sbp_fn)
+        pipe = gt.nn.Pipeline(mine, microbatches=mb, schedule=schedule)
+        opt = torch.optim.AdamW([p for s in mine for p in s.parameters()], lr=0.01)
+        world = gt.placement("cpu", list(range(gt.env.get_world_size())))
+        gx, gy = gt.tensor(x, placement=world, sbp=S(0)), gt.tensor(y, placement=world, sbp=S(0))
+        losses = []
+        for _ in range(steps):
+            opt.zero_grad()
+            losses.append(pipe.step(gx, target=gy, loss_fn=F.cross_entropy))
+            opt.step()
+        out = pipe(gx)
+        return losses, [p.full_tensor() for s in mine for p in s.parameters()], out.full_tensor()
+
+    world = max(r for p in places for r in p.flat_ranks) + 1
+    return run_ranks(body, world, timeout=120)
+
+
+P = gt.placement
+LINE4 = [P("cpu", [i]) for i in range(4)]
+PAIRS = [P("cpu", [0, 1]), P("cpu", [2, 3])]
+
+
+@pytest.mark.parametrize("stages,places,mb,schedule,rows,sbp_fn", [
+    (4, LINE4, 8, "gpipe", 16, None),
+    (4, LINE4, 8, "1f1b", 16, None),
+    (2, PAIRS, 4, "1f1b", 16, None),               # 2 stages x 2 data-parallel ranks
+    (2, PAIRS, 4, "1f1b", 16, _tensor_parallel),   # 2 stages x 2 tensor-parallel ranks
+    (4, PAIRS, 4, "interleaved-1f1b", 16, None),   # 4 stages on 2 placements
+    (2, PAIRS, 4, "gpipe", 10, None),              # uneven micro-batches: 10 rows into 4
+], ids=["4x1-gpipe", "4x1-1f1b", "2x2dp", "2x2tp", "interleaved", "uneven"])
+def test_training_through_a_pipeline_equals_one_process(stages, places, mb, schedule, rows, sbp_fn):
+    built = _stages(stages)
+    x, y = _data(rows)
+    losses, params, out = _one_process(built, mb, x, y)
+    for rank, (got_losses, got_params, got_out) in enumerate(
+            _pipeline_run(built, places, mb, schedule, x, y, sbp_fn)):
+        assert got_losses == pytest.approx(losses, rel=1e-5), rank
+        for a, b in zip(got_params, params):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+        torch.testing.assert_close(got_out, out, atol=1e-5, rtol=1e-4)
+
+
+def test_the_data_parallel_reduction_runs_once_per_step_and_comm_trace_sees_the_sends():
+    built = _stages(2)
+    x, y = _data(16)
+
+    def body(rank):
+        gt.init()
+        mine = copy.deepcopy(built)
+        for stage, p in zip(mine, PAIRS):
+            stage.to_global(p)
+        pipe = gt.nn.Pipeline(mine, microbatches=4, schedule="1f1b")
+        gx = gt.tensor(x, placement=PAIRS[0], sbp=S(0))
+        gy = gt.tensor(y, placement=PAIRS[1], sbp=S(0))
+        pipe.step(gx, target=gy, loss_fn=F.cross_entropy)  # the first step learns the layouts
+        for p in pipe.parameters():
+            p.grad = None
+        with gt.comm_trace() as trace:
+            pipe.step(gx, target=gy, loss_fn=F.cross_entropy)
+        return [r.op for r in trace], trace.bytes_per_rank
+
+    for rank, (ops, sent) in enumerate(run_ranks(body, 4, timeout=120)):
+        buckets = [op for op in ops if op.startswith("gradient bucket")]
+        assert len(buckets) == 1, (rank, ops)  # one bucket of the stage's 2 (or 4) gradients
+        way = "1 -> 0 gradients" if rank >= 2 else "0 -> 1 activations"
+        assert sum(way in op for op in ops) == 4, (rank, ops)  # one per micro-batch
+        # each micro-batch is 4 rows over 2 ranks: 2 rows x 8 floats out, the same back
+        assert sent >= 4 * 2 * H * 4, (rank, sent)
+
+
+def test_one_f_one_b_keeps_fewer_activations_on_the_first_stage_than_gpipe():
+    built = _stages(4)
+    x, y = _data(512)  # 8 micro-batches of 64 rows
+
+    def body(rank, schedule):
+        gt.init()
+        mine = copy.deepcopy(built)
+        for stage, p in zip(mine, LINE4):
+            stage.to_global(p)
+        pipe = gt.nn.Pipeline(mine, microbatches=8, schedule=schedule)
+        gx = gt.tensor(x, placement=LINE4[0], sbp=B)
+        gy = gt.tensor(y, placement=LINE4[-1], sbp=B)
+        pipe.step(gx, target=gy, loss_fn=F.cross_entropy)
+        with gt.memory() as mem:
+            pipe.step(gx, target=gy, loss_fn=F.cross_entropy)
+        # what the step adds to what was live (the batch itself, the parameters)
+        return mem.peak_bytes("activations") - mem.start_bytes("activations")
+
+    gpipe = run_ranks(body, 4, "gpipe", timeout=120)
+    one_f = run_ranks(body, 4, "1f1b", timeout=120)
+    saved = 64 * H * 4  # one micro-batch's saved activation (tanh's output) on stage 0
+    assert gpipe[0] >= 8 * saved, gpipe  # GPipe keeps all 8 micro-batches
+    assert one_f[0] <= 0.75 * gpipe[0], (one_f, gpipe)  # 1F1B: 4 in flight on stage 0 of 4
+    assert one_f[3] <= 0.5 * gpipe[3], (one_f, gpipe)   # and 1 on the last stage
+
+
+def test_table_shows_the_schedule():
+    built = _stages(2)
+
+    def body(rank):
+        gt.init()
+        mine = copy.deepcopy(built)
+        for stage, p in zip(mine, [P("cpu", [0]), P("cpu", [1])]):
+            stage.to_global(p)
+        return gt.nn.Pipeline(mine, microbatches=2, schedule="1f1b").table()
+
+    text = run_ranks(body, 2, timeout=60)[0]
+    assert text.splitlines()[1] == "stage 1 (placement 1):  . F0 B0 F1 B1  ."
+
+
+def _refused(make, world=4):
+    """``make()`` on every rank; each rank's GlobalTensorError message (None if it passed)."""
+    def body(rank):
+        gt.init()
+        try:
+            make()
+        except GlobalTensorError as e:
+            return str(e)
+        return None
+    return run_ranks(body, world, timeout=60)
+
+
+def test_bad_input_is_refused_on_every_rank_before_anything_is_sent():
+    built = _stages(2)
+
+    def laid(places):
+        mine = copy.deepcopy(built)
+        for stage, p in zip(mine, places):
+            stage.to_global(p)
+        return mine
+
+    def two_placements():
+        mine = laid(PAIRS)
+        mine[0][0].weight = nn.Parameter(gt.zeros(H, H, placement=PAIRS[1], sbp=B))
+        gt.nn.Pipeline(mine, microbatches=2)
+
+    def overlapping():
+        gt.nn.Pipeline(laid([P("cpu", [0, 1]), P("cpu", [1, 2])]), microbatches=2)
+
+    def too_many_micro_batches():
+        pipe = gt.nn.Pipeline(laid(PAIRS), microbatches=8)
+        x = gt.zeros(4, H, placement=PAIRS[0], sbp=S(0))
+        y = gt.zeros(4, dtype=torch.long, placement=PAIRS[1], sbp=S(0))
+        pipe.step(x, target=y, loss_fn=F.cross_entropy)
+
+    def local_input():
+        pipe = gt.nn.Pipeline(laid(PAIRS), microbatches=2)
+        pipe.step(torch.zeros(4, H), target=torch.zeros(4), loss_fn=F.cross_entropy)
+
+    def local_stage():
+        gt.nn.Pipeline([copy.deepcopy(built[0]), laid(PAIRS)[1]], microbatches=2)
+
+    for make, words in [(two_placements, "parameters on one placement"),
+                        (overlapping, "sharing ranks [1]"),
+                        (too_many_micro_batches, "at most 4 micro-batches"),
+                        (local_input, "expected input 0 to be a global tensor"),
+                        (local_stage, "expected every parameter and buffer to be global")]:
+        messages = _refused(make)
+        assert all(m is not None and words in m for m in messages), (make.__name__, messages)
