@@ -21,6 +21,7 @@ from .placement import Placement
 from .plan import plan as _plan
 from .runtime.agreement import check
 from .runtime.execute import run as _execute
+from . import observe
 from .observe import watching
 from .runtime.meta import broadcast_along, exchange_meta
 from .sbp import (Broadcast, SbpSpec, Split, format_sbp, from_codes, normalize, resolve,
@@ -30,6 +31,10 @@ from .tensor import (GlobalTensor, FromLocal, Redistribute, coerce_plain_tangent
 
 
 def device_for(placement: Placement) -> torch.device:
+    """Where this rank's pieces of tensors on ``placement`` live (meta in gt.simulate: no data,
+    and no device needed, so a "cuda" job simulates on a machine without one)."""
+    if simulated():
+        return torch.device("meta")
     if placement.type == "cuda":
         if not torch.cuda.is_available():
             raise GlobalTensorError(
@@ -130,7 +135,10 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
             piece = _sync_broadcast(piece, layout, rank, already_copied=copy)
     if coord is None and sync_data:
         _sync_broadcast(piece, layout, rank, already_copied=True)  # take part in group creation
-    return FromLocal.apply(piece, layout, grad_sbp)
+    out = FromLocal.apply(piece, layout, grad_sbp)
+    if simulated():  # counted on every rank by its piece (the meta piece was this rank's only)
+        observe.storage_kind(out, "activations")
+    return out
 
 
 def _sync_broadcast(piece, layout: Layout, rank: int, already_copied: bool):

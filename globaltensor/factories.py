@@ -12,12 +12,13 @@ import numbers
 import torch
 
 from . import debug as _debug
-from . import env, random
+from . import env, observe, random
 from .errors import GlobalTensorError
 from .layout import Layout
 from .convert import check_placement, device_for
 from .runtime.agreement import check
 from .tensor import GlobalTensor
+from .world.simulated import simulated
 
 
 def _size(size) -> tuple[int, ...]:
@@ -106,6 +107,8 @@ def _finish(local: torch.Tensor, layout: Layout, coord, requires_grad: bool) -> 
     if coord is not None and not _holds_value(layout, coord):
         local = torch.zeros_like(local)
     out = GlobalTensor._make(local, layout)
+    if simulated():  # counted on every rank by its piece (the meta piece was this rank's only)
+        observe.storage_kind(out, "activations")
     return out.requires_grad_(requires_grad) if requires_grad else out
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import math
 
 import torch
 
@@ -183,8 +184,8 @@ class _Bucket:
 
     __slots__ = ("params", "flat")
 
-    def __init__(self, group):
-        self.params, self.flat = [], Bucket(group)
+    def __init__(self, group, size: int, ranks):
+        self.params, self.flat = [], Bucket(group, size, ranks)
 
     @property
     def nbytes(self) -> int:
@@ -220,7 +221,9 @@ class _Reductions:
     def add(self, key, group, param, piece, nbytes: int) -> None:
         bucket = self.open.get(key)
         if bucket is None:
-            bucket = self.open[key] = _Bucket(group)
+            placement, axes = key[0], key[1]
+            size = math.prod(placement.shape[a] for a in axes)
+            bucket = self.open[key] = _Bucket(group, size, placement.flat_ranks)
         bucket.add(param, piece, nbytes)
         if bucket.nbytes >= BUCKET_CAP_MB.get() * 2**20:
             del self.open[key]

@@ -138,13 +138,15 @@ def redistribution(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     _policy(watchers, call, plan, local)
     if watchers is not None:
         for trace in watchers.traces():
-            trace.moved(call, plan, local)
+            trace.moved(call, plan, local, rank)
     if not _profiler._is_profiler_enabled:
         result = run(plan, local, rank)
     else:
         with torch.profiler.record_function(
                 f"gt.redistribute: {call}", f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
             result = run(plan, local, rank)
+    if watchers is not None and watchers.memory is not None:
+        watchers.memory.weigh(result, plan.dst, local)
     if watchers is not None and watchers.verifier is not None:
         watchers.verifier.redistributed(call, plan, local, result)
     return result
@@ -159,11 +161,12 @@ def served_from_memo(plan, piece: torch.Tensor) -> None:
         _policy(watchers, debug.user_call(2) or "redistribute", plan, piece, memo=True)
 
 
-def bucket_reduced(count: int, nbytes: int) -> None:
-    """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (grads.py)."""
+def bucket_reduced(count: int, nbytes: int, ranks=None, member: bool = True) -> None:
+    """A bucket of ``count`` gradients was all-reduced, each of ``ranks`` sending ``nbytes``
+    (grads.py); ``member``: this rank is one of them (a trace records only its own)."""
     watchers = current()
     for trace in watchers.traces() if watchers is not None else ():
-        trace.bucket_reduced(count, nbytes)
+        trace.bucket_reduced(count, nbytes, ranks, member)
 
 
 def comm_called(name: str) -> None:
@@ -181,12 +184,12 @@ def unit_collective(op: str, collective: str, nbytes: int, dtype) -> None:
         trace.unit_collective(op, collective, nbytes, dtype)
 
 
-def pipeline_sent(what: str, nbytes: int) -> None:
+def pipeline_sent(what: str, nbytes: int, by_rank: dict) -> None:
     """A pipeline stage posted its sends of one micro-batch's activations or gradients
-    (nn/pipeline.py), this rank sending ``nbytes``."""
+    (nn/pipeline.py): this rank sends ``nbytes``, each rank of the stage ``by_rank[rank]``."""
     watchers = current()
     for trace in watchers.traces() if watchers is not None else ():
-        trace.unit_collective(what, "send", nbytes, None)
+        trace.pipeline_sent(what, nbytes, by_rank)
 
 
 def storage_kind(t: torch.Tensor, kind: str, parts=None) -> None:

@@ -8,6 +8,7 @@
     units.py       a sharded unit's state and schedule: hooks, prefetch, the Unshard node
     pipeline.py    gt.nn.Pipeline: stages on disjoint placements, micro-batches (docs/pipeline.md)
     schedules.py   the schedules as tables (gpipe, 1f1b, interleaved-1f1b): pure
+    stages.py      a pipeline's stages, its micro-batches, what crosses between stages
     parallel/      DistributedDataParallel"""
 from . import parallel
 from .module import to_global, to_local

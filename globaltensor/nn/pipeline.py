@@ -23,16 +23,19 @@ import torch
 from .. import observe
 from ..errors import GlobalTensorError
 from ..grads import deferred_reduction, reduce_gradients
-from ..layout import Layout, split_sizes
+from ..layout import Layout, box_numel, split_sizes
 from ..placement import Placement
 from ..plan import exchange
 from ..runtime.groups import create_placement_groups, no_new_groups
 from ..runtime.meta import object_from
 from ..runtime.stage_p2p import Incoming, Outgoing, recv_object, send_object, send_piece
-from ..sbp import PartialSum, Split, broadcast, replicated
+from ..sbp import replicated
 from ..tensor import GlobalTensor, redistribute
 from ..world import world
+from ..world.simulated import simulated
 from . import schedules
+from .stages import (arrived, blank, check_disjoint, checked_inputs, empty_piece, placement_of,
+                     sbp_on, sent_sbp, split_batch, tensors_of)
 from .schedules import Task
 
 __all__ = ["Pipeline"]
@@ -60,12 +63,12 @@ class Pipeline:
                 "stage.to_global(placement, sbp_fn), e.g. gt.nn.Pipeline([stage0, stage1], "
                 "microbatches=8)")
         self.stages = stages
-        self.placements = [_placement_of(s, i) for i, s in enumerate(stages)]
+        self.placements = [placement_of(s, i) for i, s in enumerate(stages)]
         distinct: list[Placement] = []
         for p in self.placements:
             if p not in distinct:
                 distinct.append(p)
-        _check_disjoint(distinct)
+        check_disjoint(distinct)
         if any(self.placements[i] != distinct[i % len(distinct)] for i in range(len(stages))):
             raise GlobalTensorError(
                 f"expected stage i on placement i % {len(distinct)} (stages in order, the "
@@ -122,46 +125,6 @@ class Pipeline:
                 f"{self.microbatches} micro-batches, {self.schedule!r})")
 
 
-def _placement_of(stage: torch.nn.Module, index: int) -> Placement:
-    found: dict[Placement, str] = {}
-    for name, t in list(stage.named_parameters()) + list(stage.named_buffers()):
-        if not isinstance(t, GlobalTensor):
-            raise GlobalTensorError(
-                f"stage {index}: expected every parameter and buffer to be global, found "
-                f"{name!r} local; lay the stage out first: stage.to_global(placement, sbp_fn)")
-        found.setdefault(t.placement, name)
-    if len(found) != 1:
-        what = ("no parameters or buffers" if not found else
-                "tensors on several placements: " + ", ".join(f"{n!r} on {p!r}" for p, n in found.items()))
-        raise GlobalTensorError(
-            f"stage {index}: expected its parameters on one placement (the stage's), found "
-            f"{what}; lay each stage out on its own placement with stage.to_global(placement, ...)")
-    return next(iter(found))
-
-
-def _check_disjoint(places: list[Placement]) -> None:
-    for i, a in enumerate(places):
-        for b in places[i + 1:]:
-            shared = sorted(set(a.flat_ranks) & set(b.flat_ranks))
-            if shared:
-                raise GlobalTensorError(
-                    f"expected the stages' placements to be disjoint, found {a!r} and {b!r} "
-                    f"sharing ranks {shared}; a rank runs one placement's stages")
-
-
-def _sent_sbp(sbp) -> tuple:
-    """What crosses a stage boundary: partial sums reduced first (a point-to-point move needs
-    whole values)."""
-    return tuple(broadcast if isinstance(v, PartialSum) else v for v in sbp)
-
-
-def _sbp_on(sbp, placement: Placement) -> tuple:
-    """The sbp a tensor takes on the next placement: the same where the grids have as many
-    axes, broadcast otherwise."""
-    sbp = _sent_sbp(sbp)
-    return sbp if len(sbp) == placement.ndim else replicated(placement.ndim)
-
-
 def _tag(kind: int, boundary: int, microbatch: int, stages: int) -> int:
     """Odd tags, one per message kind, boundary and micro-batch (a plan's own tags are even)."""
     return 1 + 2 * ((microbatch * stages + boundary) * 3 + kind)
@@ -174,7 +137,7 @@ class _Run:
         self.pipe, self.loss_fn, self.backward = pipe, loss_fn, backward
         self.rank = world.get_rank()
         self.last = len(pipe.stages) - 1
-        inputs = _checked_inputs(inputs, target)
+        inputs = checked_inputs(inputs, target)
         rows = inputs[0].shape[0]
         if pipe.microbatches > rows:
             raise GlobalTensorError(
@@ -189,29 +152,35 @@ class _Run:
                      for lo, hi in bounds]
         first, last = pipe.placements[0], pipe.placements[-1]
         with torch.no_grad():  # every rank moves the micro-batches to the first and last stage
-            per_input = [_microbatches(x, first, bounds) for x in inputs]
+            per_input = [split_batch(x, first, bounds) for x in inputs]
             self.inputs = [list(mb) for mb in zip(*per_input)]
-            self.targets = _microbatches(target, last, bounds) if target is not None else None
+            self.targets = split_batch(target, last, bounds) if target is not None else None
         self.saved: dict = {}       # (stage, micro-batch) -> what its backward needs
         self.outputs: dict = {}     # micro-batch -> the last stage's output (forward only)
         self.losses: dict = {}      # micro-batch -> its loss value (last stage)
         self.posted: dict = {}      # (kind, stage, micro-batch) -> Incoming list
         self.sending: list[Outgoing] = []       # sends waited for at the end
         self.grads_out: dict = {}               # stage -> [(micro-batch, Outgoing)] of gradients
-        self.mine = [i for i, p in enumerate(pipe.placements) if self.rank in p]
+        # gt.simulate plays every rank: every stage's tasks, in clock order, messages kept here
+        self.sim = simulated()
+        self.mailbox: dict = {}
+        self.mine = [i for i, p in enumerate(pipe.placements) if self.rank in p or self.sim]
 
     # ------------------------------------------------------------------ running the tasks
     def go(self, orders) -> None:
         place = next((i for i, p in enumerate(self.pipe._places) if self.rank in p), None)
         tasks = orders[place] if place is not None else []
+        following = {a: b for ts in orders for a, b in zip(ts, ts[1:])}
+        if self.sim:
+            tasks = [t for row in schedules.clock(orders, len(self.pipe.stages)) for t in row if t]
         # where each task sits in its placement's list: what a message from a stage proves
         # the sending placement has finished
         self.index = {t: i for ts in orders for i, t in enumerate(ts)}
         params = [p for s in self.mine for p in self.pipe.stages[s].parameters() if p.requires_grad]
         with no_new_groups("a pipeline stage"), deferred_reduction(params):
             for i, task in enumerate(tasks):
-                if i + 1 < len(tasks):
-                    self._prefetch(tasks[i + 1])
+                if task in following:  # the receives of this placement's next task
+                    self._prefetch(following[task])
                 if task.kind == "F":
                     self._forward(task.stage, task.microbatch)
                 else:
@@ -227,7 +196,7 @@ class _Run:
         stage = self.pipe.stages[s]
         args = self.inputs[m] if s == 0 else self._received(_ACTIVATION, s, m)
         out = stage(*args)
-        outs = _tensors_of(out, s)
+        outs = tensors_of(out, s)
         if s == self.last:
             if self.loss_fn is None:
                 self.outputs[m] = out
@@ -242,7 +211,7 @@ class _Run:
             if self.backward:
                 self.saved[(s, m)] = ([scaled], None, args)
             return
-        sent = [t.to_global(sbp=_sent_sbp(t.sbp)) if t._layout.is_partial else t for t in outs]
+        sent = [t.to_global(sbp=sent_sbp(t.sbp)) if t._layout.is_partial else t for t in outs]
         out = self._send_activations(s, m, sent)
         if self.backward:  # the sends are waited for once the next stage's gradient is back
             self.saved[(s, m)] = (sent, out, args)
@@ -266,39 +235,63 @@ class _Run:
     def _send_activations(self, s: int, m: int, outs) -> Outgoing:
         pipe, nxt = self.pipe, self.pipe.placements[s + 1]
         key = (s, self.keys[m])
-        layouts = [(t._layout, Layout(nxt, _sbp_on(t.sbp, nxt), t._layout.shape), t.dtype,
+        layouts = [(t._layout, Layout(nxt, sbp_on(t.sbp, nxt), t._layout.shape), t.dtype,
                     t.requires_grad) for t in outs]
         out = Outgoing()
+        what = f"pipeline: stage {s} -> {s + 1} activations (micro-batch {m})"
+        moves = [(exchange(src, dst), t.element_size()) for t, (src, dst, _, _) in zip(outs, layouts)]
+        if self.sim:
+            pipe._layouts[key] = layouts
+            self.mailbox[(_ACTIVATION, s + 1, m)] = [(t, dst) for t, (_, dst, _, _) in zip(outs, layouts)]
+            self._announce(what, moves, s)
+            return out
         head = self.rank == pipe.placements[s].flat_ranks[0]
         if key not in pipe._sent_meta:
             pipe._sent_meta.add(key)
             pipe._layouts[key] = layouts
             if head:
                 send_object(out, layouts, nxt.flat_ranks, _tag(_META, s, m, len(pipe.stages)))
+        control = out.nbytes  # the layouts: not the model's traffic (as a plan's first-use check)
         tag = _tag(_ACTIVATION, s, m, len(pipe.stages))
-        for t, (src, dst, _, _) in zip(outs, layouts):
-            send_piece(out, exchange(src, dst), t._local, self.rank, tag)
-        observe.pipeline_sent(f"pipeline: stage {s} -> {s + 1} activations (micro-batch {m})",
-                              out.nbytes)
+        for t, (ex, _) in zip(outs, moves):
+            send_piece(out, ex, t._local, self.rank, tag)
+        self._announce(what, moves, s, out.nbytes - control)
         return out
+
+    def _announce(self, what: str, moves, s: int, nbytes: int = 0) -> None:
+        """gt.comm_trace and gt.simulate hear of one micro-batch's sends from stage ``s``."""
+        by_rank = dict.fromkeys(self.pipe.placements[s].flat_ranks, 0)
+        for ex, itemsize in moves:
+            for move in ex.moves:
+                others = sum(1 for d in move.dsts if d != move.src)
+                by_rank[move.src] += others * itemsize * box_numel(move.region)
+        observe.pipeline_sent(what, nbytes, by_rank)
 
     def _send_gradients(self, s: int, m: int, args) -> None:
         layouts = self.pipe._layouts[(s - 1, self.keys[m])]
         out = Outgoing()
         tag = _tag(_GRADIENT, s - 1, m, len(self.pipe.stages))
+        moves, arrived = [], []
         for a, (src, dst, dtype, requires_grad) in zip(args, layouts):
             if not requires_grad:
+                arrived.append(None)
                 continue
             grad = a.grad
             if grad is None:  # the stage did not use this input
-                piece = torch.zeros(dst.local_shape_of_rank(self.rank), dtype=dtype,
-                                    device=a._local.device)
+                grad = GlobalTensor._make(a._local.new_zeros(dst.local_shape_of_rank(self.rank)), dst)
             else:
-                piece = redistribute(grad, dst)._local
-            send_piece(out, exchange(dst, src), piece, self.rank, tag)
+                grad = redistribute(grad, dst)
+            moves.append((exchange(dst, src), grad.element_size()))
+            if self.sim:  # held until it is known to have arrived, as a real send's buffer
+                arrived.append((grad, src))
+                out.buffers.append(grad)
+            else:
+                send_piece(out, moves[-1][0], grad._local, self.rank, tag)
+        what = f"pipeline: stage {s} -> {s - 1} gradients (micro-batch {m})"
+        self._announce(what, moves, s, out.nbytes)
+        if self.sim:
+            self.mailbox[(_GRADIENT, s - 1, m)] = arrived
         self.grads_out.setdefault(s, []).append((m, out))
-        observe.pipeline_sent(f"pipeline: stage {s} -> {s - 1} gradients (micro-batch {m})",
-                              out.nbytes)
 
     def _received_from(self, s: int, m: int) -> None:
         """The activations of micro-batch ``m`` came from stage ``s - 1``: the gradients this
@@ -325,6 +318,9 @@ class _Run:
         layouts = self._layouts_for(boundary, m)
         tag = _tag(kind, boundary, m, len(self.pipe.stages))
         device = next(self.pipe.stages[s].parameters())._local.device
+        if self.sim:  # what a real rank allocates when it posts its receives
+            return [blank(dst if kind == _ACTIVATION else src, dtype)
+                    if kind == _ACTIVATION or rg else None for src, dst, dtype, rg in layouts]
         if kind == _ACTIVATION:
             return [Incoming(exchange(src, dst), self.rank, dtype, device, tag)
                     for src, dst, dtype, _ in layouts]
@@ -340,6 +336,17 @@ class _Run:
                 self.posted[(which, s, m)] = self._post(which, s, m)
 
     def _received(self, kind: int, s: int, m: int) -> list:
+        if self.sim:  # what arrives is counted from when the receiving rank takes it
+            sent = self.mailbox.pop((kind, s, m))
+            out = self.posted.pop((kind, s, m), None) or [
+                arrived(*one) if one is not None else None for one in sent]
+            if kind == _ACTIVATION:
+                self._received_from(s, m)
+                layouts = self.pipe._layouts[(s - 1, self.keys[m])]
+                for t, (_, _, _, requires_grad) in zip(out, layouts):
+                    if requires_grad and self.backward:
+                        t.requires_grad_(True)
+            return out
         incoming = self.posted.pop((kind, s, m), None)
         if incoming is None:
             incoming = self._post(kind, s, m)
@@ -361,16 +368,21 @@ class _Run:
     def loss(self) -> float:
         last = self.pipe.placements[-1]
         value = None
-        if self.rank in last:
-            total = sum(self.losses.values())  # partial sums add locally: one reduction
-            whole = Layout(last, replicated(last.ndim), ())
-            value = float(redistribute(total, whole)._local) / self.pipe.microbatches
+        if self.rank in last or self.sim:
+            losses = list(self.losses.values())
+            total = losses[0]
+            for loss in losses[1:]:  # partial sums add locally: one reduction, at the end
+                total = total + loss
+            total = redistribute(total, Layout(last, replicated(last.ndim), ()))
+            if self.sim:  # a simulated step has no values
+                return float("nan")
+            value = float(total._local) / self.pipe.microbatches
         return float(object_from(last.flat_ranks[0], value))
 
     def joined(self):
         last = self.pipe.placements[-1]
         out, layout = None, None
-        if self.rank in last:
+        if self.rank in last or self.sim:
             outs = [self.outputs[m] for m in range(self.pipe.microbatches)]
             if isinstance(outs[0], (tuple, list)):
                 out = type(outs[0])(torch.cat(parts) for parts in zip(*outs))
@@ -378,58 +390,13 @@ class _Run:
             else:
                 out = torch.cat(outs)
                 layout = out._layout
+        if self.sim:
+            return out
         layout = object_from(last.flat_ranks[0], layout)
         if out is not None:
             return out
         if isinstance(layout, list):
-            return tuple(_empty_piece(lay, self.pipe) for lay in layout)
-        return _empty_piece(layout, self.pipe)
+            return tuple(empty_piece(lay, self.pipe) for lay in layout)
+        return empty_piece(layout, self.pipe)
 
-
-def _empty_piece(layout: Layout, pipe: Pipeline) -> GlobalTensor:
-    """A global tensor of ``layout`` on a rank outside its placement (no piece)."""
-    ref = next(pipe.stages[-1].parameters())._local
-    local = torch.empty(layout.local_shape_of_rank(world.get_rank()), dtype=ref.dtype,
-                        device=ref.device)
-    return GlobalTensor._make(local, layout)
-
-
-def _checked_inputs(inputs, target) -> list:
-    if not inputs:
-        raise GlobalTensorError("expected at least one input: pipe.step(x, target=y, loss_fn=...)")
-    for name, x in [(f"input {i}", x) for i, x in enumerate(inputs)] + (
-            [("target", target)] if target is not None else []):
-        if not isinstance(x, GlobalTensor) or x.dim() == 0:
-            raise GlobalTensorError(
-                f"expected {name} to be a global tensor with a batch dim (dim 0), found "
-                f"{type(x).__name__}{'' if not isinstance(x, torch.Tensor) else ' of shape ' + str(list(x.shape))}; "
-                f"make it with gt.tensor(..., placement=, sbp=) or x.to_global(placement, sbp)")
-    rows = {x.shape[0] for x in inputs} | ({target.shape[0]} if target is not None else set())
-    if len(rows) > 1:
-        raise GlobalTensorError(
-            f"expected the inputs and the target to have the same number of rows (dim 0), found "
-            f"{sorted(rows)}")
-    return list(inputs)
-
-
-def _microbatches(x: GlobalTensor, placement: Placement, bounds) -> list[GlobalTensor]:
-    """``x``'s rows ``lo:hi`` for each of ``bounds``, on the stage's ``placement``: x's sbp kept
-    where the grids have as many axes (a data-parallel batch stays split over the same axes),
-    broadcast otherwise. The batch moves once with dim 0 whole (a gather of the rows, where x
-    splits them), so each micro-batch is a local slice, then split again (no communication)."""
-    sbp = _sbp_on(x.sbp, placement)
-    whole = tuple(broadcast if isinstance(v, Split) and v.dim == 0 else v for v in sbp)
-    if x.placement != placement or tuple(x.sbp) != whole:
-        x = x.to_global(placement=placement, sbp=whole)
-    return [x[lo:hi] if whole == sbp else x[lo:hi].to_global(sbp=sbp) for lo, hi in bounds]
-
-
-def _tensors_of(out, s: int) -> list:
-    outs = list(out) if isinstance(out, (tuple, list)) else [out]
-    for t in outs:
-        if not isinstance(t, GlobalTensor):
-            raise GlobalTensorError(
-                f"stage {s}: expected its forward to return global tensors (one, or a tuple), "
-                f"found {type(t).__name__}; the next stage takes them as its arguments")
-    return outs
 

@@ -15,11 +15,14 @@ class Bucket:
     """Pieces (None on a rank outside the placement) summed over ``group`` as one buffer;
     ``nbytes`` counts what the caller says each piece weighs (the same on every rank)."""
 
-    __slots__ = ("group", "pieces", "nbytes", "flat", "work")
+    __slots__ = ("group", "pieces", "nbytes", "flat", "work", "size", "ranks")
 
-    def __init__(self, group):
+    def __init__(self, group, size: int, ranks: tuple[int, ...]):
+        """``size``: the all-reduce group's size; ``ranks``: every rank that takes part in one
+        of the bucket's all-reduces (the placement's), what a simulation counts."""
         self.group, self.pieces, self.nbytes = group, [], 0
         self.flat = self.work = None
+        self.size, self.ranks = size, ranks
 
     def add(self, piece, nbytes: int) -> None:
         self.pieces.append(piece)
@@ -28,12 +31,14 @@ class Bucket:
     def launch(self) -> None:
         """Start the all-reduce of the flat buffer (nothing where this rank holds no piece)."""
         pieces = [p for p in self.pieces if p is not None]
-        if pieces and self.group is not None:
+        member = bool(pieces) and self.group is not None
+        if member:
             self.flat = torch.cat([p.reshape(-1) for p in pieces])
             if sends(self.group):  # not in gt.simulate's world
                 self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
-            n = dist.get_world_size(self.group)
-            observe.bucket_reduced(len(pieces), -(-2 * (n - 1) * self.nbytes // n))  # a ring's
+        n = self.size  # what a ring all-reduce sends from each member
+        observe.bucket_reduced(len(self.pieces), -(-2 * (n - 1) * self.nbytes // n), self.ranks,
+                               member)
 
     def reduced(self) -> list:
         """Wait for the all-reduce; each piece's sum, a view of the flat buffer (None where the

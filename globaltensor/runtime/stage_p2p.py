@@ -64,12 +64,16 @@ class Incoming:
         self.want = after.box(coord)
         self.piece = torch.empty(after.local_shape(coord), dtype=dtype, device=device)
         self.works, self.landing = [], []
-        for move in exchange.moves:
-            if rank in move.dsts and move.src != rank:
-                buf = torch.empty(box_shape(move.region), dtype=dtype, device=device)
-                if buf.numel():
-                    self.works.append(dist.irecv(buf, move.src, tag=tag))
-                self.landing.append((move.region, buf))
+        mine = [m for m in exchange.moves if rank in m.dsts and m.src != rank]
+        if len(mine) == 1 and mine[0].region == self.want:  # the whole piece from one rank
+            if self.piece.numel():
+                self.works.append(dist.irecv(self.piece, mine[0].src, tag=tag))
+            return
+        for move in mine:
+            buf = torch.empty(box_shape(move.region), dtype=dtype, device=device)
+            if buf.numel():
+                self.works.append(dist.irecv(buf, move.src, tag=tag))
+            self.landing.append((move.region, buf))
 
     def wait(self) -> torch.Tensor:
         timeout = world_timeout()

@@ -106,6 +106,23 @@ class MemoryTracker:
         self.totals[kind] += nbytes
         self._update(kind)
 
+    def weigh(self, piece: torch.Tensor, layout, source: torch.Tensor) -> None:
+        """A redistribution made ``piece``, this rank's of ``layout``: in a simulation, its
+        storage (counted when an operator made it, at this rank's size on every rank) weighs
+        each rank's piece. A view of ``source`` (a local slice) or of a larger buffer is left
+        as it is counted."""
+        if self.ranks == 1:
+            return
+        storage = _storage(piece)
+        if storage is None or id(storage) not in self.live or storage is _storage(source):
+            return
+        if piece.numel() * piece.element_size() != storage.nbytes():
+            return
+        from .ranks import piece_bytes
+
+        self._set(piece, storage, self.live[id(storage)][0],
+                  piece_bytes(layout, piece.element_size(), self.ranks))
+
     def _freed(self, key: int) -> None:
         if not self.open:  # the block is over: its figures stay as they were at its end
             return

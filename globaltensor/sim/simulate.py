@@ -40,7 +40,7 @@ class Recorder:
         self.sent[kind, axis] += who * nbytes
         self.counts[kind, axis] += who
 
-    def moved(self, call: str, plan, local: torch.Tensor) -> None:
+    def moved(self, call: str, plan, local: torch.Tensor, rank: int = 0) -> None:
         itemsize = local.element_size()
         for step in plan.steps:
             if step.communicates():
@@ -51,8 +51,17 @@ class Recorder:
                 self._add(step.kind, name, members(step.after, self.world) | members(step.before, self.world),
                           step.bytes_sent(itemsize))
 
-    def bucket_reduced(self, count: int, nbytes: int) -> None:
-        self._add("all_reduce", "gradient buckets", self.everyone, nbytes)
+    def bucket_reduced(self, count: int, nbytes: int, ranks=None, member: bool = True) -> None:
+        who = self.everyone
+        if ranks is not None:
+            who = np.zeros(self.world, dtype=np.int64)
+            who[list(ranks)] = 1
+        self._add("all_reduce", "gradient buckets", who, nbytes)
+
+    def pipeline_sent(self, what: str, nbytes: int, by_rank: dict) -> None:
+        ranks = list(by_rank)
+        self.sent["send", "pipeline"][ranks] += np.array([by_rank[r] for r in ranks], dtype=np.int64)
+        self.counts["send", "pipeline"][ranks] += 1
 
     def unit_collective(self, op: str, collective: str, nbytes: int, dtype) -> None:
         self._add(collective, "fully_shard", self.everyone, nbytes)

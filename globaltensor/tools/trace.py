@@ -105,16 +105,22 @@ class CommTrace:
     __str__ = table
 
     # --- the observer side (observe.py announces; these record) ------------------------------
-    def moved(self, call: str, plan, local: torch.Tensor) -> None:
-        """A redistribution ``plan`` of ``local`` run for ``call``."""
+    def moved(self, call: str, plan, local: torch.Tensor, rank: int) -> None:
+        """A redistribution ``plan`` of ``local`` run for ``call`` on ``rank`` (not recorded
+        where the rank is in neither placement: it sends and receives nothing)."""
+        if rank not in plan.src.placement and rank not in plan.dst.placement:
+            return
         self.add(Record(
             op=call, source=plan.src, target=plan.dst,
             steps=tuple(" ".join(f"{s.kind} {s.where()}".split()) for s in plan.steps),
             collectives=tuple(s.kind for s in plan.steps if s.communicates()),
             bytes_per_rank=plan.bytes_per_rank(local.element_size()), dtype=local.dtype))
 
-    def bucket_reduced(self, count: int, nbytes: int) -> None:
-        """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes``."""
+    def bucket_reduced(self, count: int, nbytes: int, ranks=None, member: bool = True) -> None:
+        """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (if
+        it is a ``member``: a rank outside the placement sends nothing)."""
+        if not member:
+            return
         self.add(Record(op=f"gradient bucket ({count} gradient{'' if count == 1 else 's'})",
                         source=None, target=None, steps=("all_reduce",),
                         collectives=("all_reduce",), bytes_per_rank=nbytes, dtype=None))
@@ -123,6 +129,11 @@ class CommTrace:
         """A sharded unit's flat gather or reduce-scatter (gt.nn.fully_shard)."""
         self.add(Record(op=op, source=None, target=None, steps=(collective,),
                         collectives=(collective,), bytes_per_rank=nbytes, dtype=dtype))
+
+    def pipeline_sent(self, what: str, nbytes: int, by_rank: dict) -> None:
+        """A pipeline stage's point-to-point sends of one micro-batch (gt.nn.Pipeline)."""
+        self.add(Record(op=what, source=None, target=None, steps=("send",), collectives=("send",),
+                        bytes_per_rank=nbytes, dtype=None))
 
     def comm_called(self, name: str) -> None:
         """A ``gt.comm`` collective ran."""

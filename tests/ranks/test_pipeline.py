@@ -218,3 +218,43 @@ def test_bad_input_is_refused_on_every_rank_before_anything_is_sent():
                         (local_stage, "expected every parameter and buffer to be global")]:
         messages = _refused(make)
         assert all(m is not None and words in m for m in messages), (make.__name__, messages)
+
+
+def _pipeline_step(stages, places, schedule, rows):
+    """Lay the stages out and run one step on data made here (real or simulated: the same code;
+    values do not matter, only layouts do)."""
+    gt.init()
+    mine = copy.deepcopy(stages)
+    for i, stage in enumerate(mine):
+        stage.to_global(places[i % len(places)])
+    pipe = gt.nn.Pipeline(mine, microbatches=4, schedule=schedule)
+    gx = gt.randn(rows, H, placement=places[0], sbp=S(0))
+    gy = gt.randint(0, 3, (rows,), placement=places[-1], sbp=S(0))
+    return pipe, pipe.step(gx, target=gy, loss_fn=F.cross_entropy)
+
+
+@pytest.mark.parametrize("schedule,n", [("1f1b", 2), ("interleaved-1f1b", 4)])
+def test_a_simulated_pipeline_step_has_the_real_runs_sends_and_memory_on_every_rank(schedule, n):
+    built = _stages(n)
+    rows = 256  # activations, not the set-up, make the peak
+    places = [P("cpu", [0, 1]), P("cpu", [2, 3])]
+
+    def body(rank):
+        with gt.comm_trace() as trace, gt.memory() as mem:
+            pipe, _ = _pipeline_step(built, places, schedule, rows)
+        grads = sum(p.grad._local.nbytes for p in pipe.parameters() if p.grad is not None)
+        return trace.counts(), trace.bytes_per_rank, grads, mem.peak_bytes("gradients"), mem.peak_bytes()
+
+    real = run_ranks(body, 4, timeout=120)
+    for played in (0, 2):  # the process plays one rank: its stage's ranks are exact
+        with gt.simulate(4, rank=played) as sim:
+            _, loss = _pipeline_step(built, places, schedule, rows)
+        assert loss != loss  # a simulated step has no values: nan
+        for rank, (counts, sent, grads, grad_peak, peak) in enumerate(real):
+            assert sim.collectives(rank) == counts, (rank, sim.collectives(rank), counts)
+            assert sum(sim.comm_bytes(rank).values()) == sent, rank
+            assert sim.live_bytes(rank, "gradients") == grads, rank
+            if (rank < 2) == (played < 2):
+                assert sim.peak_bytes(rank, "gradients") == grad_peak, rank
+                assert abs(sim.peak_bytes(rank) - peak) <= 0.1 * peak, (rank, sim.peak_bytes(rank), peak)
+    assert sim.comm_bytes(0)["send"] > 0 and sim.comm_bytes(3)["send"] > 0
