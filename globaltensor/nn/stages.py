@@ -50,9 +50,18 @@ def sent_sbp(sbp) -> tuple:
 
 def sbp_on(sbp, placement: Placement) -> tuple:
     """The sbp a tensor takes on the next placement: the same where the grids have as many
-    axes, broadcast otherwise."""
+    axes; otherwise its splits, in axis order (each dim once), on the first axes of the next
+    grid and broadcast on the rest (a batch split over "dp" stays split over the next
+    stage's first axis)."""
     sbp = sent_sbp(sbp)
-    return sbp if len(sbp) == placement.ndim else replicated(placement.ndim)
+    if len(sbp) == placement.ndim:
+        return sbp
+    splits = []
+    for v in sbp:
+        if isinstance(v, Split) and all(v.dim != w.dim for w in splits):
+            splits.append(v)
+    splits = splits[:placement.ndim]
+    return tuple(splits) + replicated(placement.ndim - len(splits))
 
 
 def arrived(t: GlobalTensor, layout: Layout) -> GlobalTensor:

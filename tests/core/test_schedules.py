@@ -67,3 +67,15 @@ def test_bad_schedules_are_refused_with_what_to_do(args, words):
     with pytest.raises(GlobalTensorError, match=words):
         check(*args)
     assert set(SCHEDULES) == {"gpipe", "1f1b", "interleaved-1f1b"}
+
+
+def test_what_crosses_a_stage_boundary_keeps_its_splits_and_sends_whole_values():
+    import globaltensor as gt
+    from globaltensor.nn.stages import sbp_on
+    S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+    grid, line = gt.placement("cpu", [[0, 1], [2, 3]]), gt.placement("cpu", [4, 5])
+    assert sbp_on((S(0), P), grid) == (S(0), B)        # as many axes: kept, partial sums reduced
+    assert sbp_on((S(0),), grid) == (S(0), B)          # the batch split onto the first axis
+    assert sbp_on((B, S(1)), line) == (S(1),)
+    assert sbp_on((S(0), S(0)), line) == (S(0),)       # a dim split on two axes: once
+    assert sbp_on((P,), grid) == (B, B)

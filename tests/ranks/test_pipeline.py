@@ -101,6 +101,36 @@ def test_training_through_a_pipeline_equals_one_process(stages, places, mb, sche
         torch.testing.assert_close(got_out, out, atol=1e-5, rtol=1e-4)
 
 
+def test_stages_sharded_with_fully_shard_and_on_a_2x2_grid_train_as_one_process():
+    """Any layout inside a stage: a fully_shard stage (FSDP2's API, one unit per stage) on
+    [0, 1] feeding a data x tensor parallel stage on a 2x2 grid [2..5]."""
+    built = _stages(2)
+    x, y = _data(16)
+    losses, params, _ = _one_process(built, 4, x, y)
+    grid = gt.placement("cpu", [[2, 3], [4, 5]], axes=("dp", "tp"))
+
+    def body(rank):
+        gt.init()
+        first, second = copy.deepcopy(built)
+        gt.nn.fully_shard(first, PAIRS[0])
+        second.to_global(grid, lambda name, t: {"tp": _tensor_parallel(name, t)})
+        pipe = gt.nn.Pipeline([first, second], microbatches=4, schedule="1f1b")
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.01)
+        gx = gt.tensor(x, placement=PAIRS[0], sbp=S(0))
+        gy = gt.tensor(y, placement=grid, sbp=(S(0), B))
+        got = []
+        for _ in range(3):
+            opt.zero_grad()
+            got.append(pipe.step(gx, target=gy, loss_fn=F.cross_entropy))
+            opt.step()
+        return got, [p.full_tensor() for p in pipe.parameters()]
+
+    for rank, (got, got_params) in enumerate(run_ranks(body, 6, timeout=120)):
+        assert got == pytest.approx(losses, rel=1e-5), rank
+        for a, b in zip(got_params, params):
+            torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
 def test_the_data_parallel_reduction_runs_once_per_step_and_comm_trace_sees_the_sends():
     built = _stages(2)
     x, y = _data(16)
