@@ -27,25 +27,66 @@ def nll_loss(call: Call):
     elif batched and reduction == 2:
         rows.append(sig("S(0) S(0) B -> P P"))
     elif batched:
-        rows.append(sig("S(0) S(0) B -> P B", "nll_mean"))
+        rows.append(sig("S(0) S(0) B -> P B", "nll"))
+    if not call.is_global("weight") and call.get("ignore_index", -100) < 0:
+        # classes split (vocab-parallel logits): the rank that holds a row's target class picks
+        # its value, the others add nothing (kernel "nll": other ranks' targets become ignored)
+        classes = 1 if batched else 0
+        rows.append(Row((S(classes), B, B), (P, B), "nll"))
     return fit(rows, present)
 
 
-def _k_nll_mean(ctx, largs, lkwargs):
-    """nll_loss with a batch split and reduction='mean': the local sum over the global total
-    weight (an all-reduce of one number, on every rank)."""
+def _local_targets(ctx, x_layout, target, ignore_index):
+    """``target`` as indices into this rank's piece of the classes (of ``x_layout``, the
+    scores'): those it does not hold become ``ignore_index`` (they add nothing here)."""
+    dim = 1 if len(x_layout.shape) >= 2 else 0
+    if not any(isinstance(v, S) and v.dim == dim for v in x_layout.sbp):
+        return target
+    lo, hi = x_layout.box(ctx.coord)[dim]
+    held = (target >= lo) & (target < hi)
+    return torch.where(held, target - lo, torch.full_like(target, ignore_index))
+
+
+def _k_nll(ctx, largs, lkwargs):
+    """nll_loss over a split batch and/or split classes: the local sum (each row's value by the
+    rank holding its target class) and, for a mean, the global total weight (the count of rows
+    not ignored: an all-reduce of one number over the batch's axes)."""
     largs = list(largs)
-    lkwargs = with_arg(ctx.call.op, largs, lkwargs, "reduction", 2)  # sum
+    reduction = ctx.arg(largs, lkwargs, "reduction", 1)
+    ignore = ctx.arg(largs, lkwargs, "ignore_index", -100)
     if ctx.coord is None:
-        total, weight = largs[0].new_zeros(()), largs[0].new_zeros(())
+        total, count = largs[0].new_zeros(()), largs[0].new_zeros(())
     else:
-        total, weight = ctx.func(*largs, **lkwargs)
+        target = largs[1]
+        local = _local_targets(ctx, ctx.targets[0], target, ignore)
+        largs[1] = local
+        kwargs = with_arg(ctx.call.op, largs, lkwargs, "reduction", 2 if reduction else 0)
+        total, _ = ctx.func(*largs, **kwargs)
+        count = (target != ignore).sum().to(total.dtype if total.is_floating_point() else torch.float32)
     dst = ctx.outs[1].layout
-    partial = tuple(P if isinstance(v, S) else d for v, d in zip(ctx.targets[0].sbp, dst.sbp))
-    weight = ctx.redistribute(weight, dst.with_sbp(partial), dst)
+    if reduction == 1:  # the count over the batch's split axes (target S there, B elsewhere)
+        partial = tuple(P if isinstance(v, S) else d for v, d in zip(ctx.targets[1].sbp, dst.sbp))
+        count = ctx.redistribute(count.to(dst_dtype(ctx)), dst.with_sbp(partial), dst)
     if ctx.coord is None:
         return ctx.empties()
-    return total / weight, weight
+    if reduction == 1:
+        return total / count, count
+    return total, count.to(dst_dtype(ctx)) if reduction == 2 else largs[0].new_zeros(())
+
+
+def dst_dtype(ctx):
+    return ctx.outs[1].dtype
+
+
+def _k_nll_backward(ctx, largs, lkwargs):
+    """nll_loss_backward with split classes: only the rank holding a row's target class writes
+    its gradient."""
+    if ctx.coord is None:
+        return ctx.empties()
+    largs = list(largs)
+    ignore = ctx.arg(largs, lkwargs, "ignore_index", -100)
+    largs[2] = _local_targets(ctx, ctx.targets[1], largs[2], ignore)
+    return ctx.func(*largs, **lkwargs)
 
 
 def nll_loss_backward(call: Call):
@@ -58,6 +99,10 @@ def nll_loss_backward(call: Call):
             rows.append(sig("S(0) S(0) S(0) B B -> S(0)"))
         else:
             rows.append(sig(f"B S(0) S(0) B {'P' if reduction == 2 else 'B'} -> S(0)"))
+    if not call.is_global("weight") and call.get("ignore_index", -100) < 0:
+        # split classes: the target's holder writes (kernel)
+        classes = 1 if len(call.shapes[1]) >= 2 else 0
+        rows.append(Row((B, S(classes), B, B, B), (S(classes),), "nll_back"))
     return fit(rows, present)
 
 
@@ -212,5 +257,5 @@ register("multi_margin_loss", rule=sample_loss(1), kernels={"sample_loss": _k_sa
 register("multilabel_margin_loss_forward", rule=sample_loss(2))
 register("multi_margin_loss_backward", "multilabel_margin_loss_backward",
          rule=sample_loss_backward)
-register("nll_loss_forward", rule=nll_loss, kernels={"nll_mean": _k_nll_mean})
-register("nll_loss_backward", rule=nll_loss_backward)
+register("nll_loss_forward", rule=nll_loss, kernels={"nll": _k_nll})
+register("nll_loss_backward", rule=nll_loss_backward, kernels={"nll_back": _k_nll_backward})

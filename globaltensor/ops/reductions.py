@@ -22,8 +22,11 @@ from __future__ import annotations
 
 import math
 
+import torch
+
 from .rules import B, P, S, Call, Ref, Row, dim_of, dims_of, linear_in, repeat, sig
 from .registry import register
+from ..layout import Layout
 
 
 def reduced_rows(call: Call, nouts: int, partial: str | None) -> tuple[Row, ...]:
@@ -92,13 +95,88 @@ def along_dim(linear: tuple[str, ...] = (), nouts: int = 1, default=None):
     return rule
 
 
+def softmax_rule(call: Call):
+    """``_softmax`` / ``_log_softmax(x, dim, half_to_float)``: other splits pass through; a split
+    of ``dim`` itself stays split (kernel "softmax_split": each rank's row maximum and sum of
+    exponentials, gathered, make the log-sum-exp: two numbers per row and rank are sent, not the
+    logits: cross-entropy over vocabulary-split logits without gathering them)."""
+    nd = len(call.shapes[0])
+    dim = dim_of(call.get("dim"), nd)
+    return along_dim()(call) + (Row((S(dim),), (S(dim),), "softmax_split"),)
+
+
 def softmax_backward(call: Call):
-    """``_softmax_backward_data(grad, out, dim, dtype)``: linear in grad."""
+    """``_softmax_backward_data(grad, out, dim, dtype)``: linear in grad; a split ``dim`` stays
+    split (kernel "softmax_back_split": the row sums are all-reduced, one number per row)."""
     nd = len(call.shapes[0])
     dim = dim_of(call.get("dim"), nd)
     rows = [sig("B B -> B"), sig("P B -> P")]
     rows += [Row((S(d), S(d)), (S(d),)) for d in range(nd) if d != dim]
+    rows.append(Row((S(dim), S(dim)), (S(dim),), "softmax_back_split"))
     return tuple(rows)
+
+
+def _split_axes(layout, dim: int) -> tuple[int, ...]:
+    return tuple(a for a, v in enumerate(layout.sbp) if isinstance(v, S) and v.dim == dim)
+
+
+def _row_stats(ctx, piece, layout, dim: int, partial: bool):
+    """Per-row statistics of ``dim`` (``piece``: this rank's, ``k`` values along ``dim``) from
+    every rank that splits ``dim``: gathered side by side (``partial`` False: each rank's
+    ``k`` values, in axis order) or summed (``partial`` True)."""
+    axes = _split_axes(layout, dim)
+    k = piece.shape[dim]
+    n = math.prod(layout.placement.shape[a] for a in axes)
+    shape = list(layout.shape)
+    shape[dim] = k if partial else k * n
+    sbp = list(layout.sbp)
+    for a in axes:
+        sbp[a] = P if partial else S(dim)
+    src = Layout(layout.placement, tuple(sbp), tuple(shape))
+    dst = src.with_sbp(tuple(B if a in axes else v for a, v in enumerate(sbp)))
+    return ctx.redistribute(piece, src, dst)
+
+
+def _k_softmax_split(ctx, largs, lkwargs):
+    """softmax / log_softmax along a split dim: the log-sum-exp of each row from every rank's
+    (max, sum of exp(x - max)) pair, one all-gather of two numbers per row."""
+    x = largs[0]
+    layout = ctx.targets[0]
+    dim = dim_of(ctx.arg(largs, lkwargs, "dim"), len(layout.shape))
+    work = x.float() if bool(ctx.arg(largs, lkwargs, "half_to_float", False)) else x
+    if x.shape[dim]:
+        top = work.amax(dim, keepdim=True)
+        top = torch.where(torch.isfinite(top), top, torch.zeros_like(top))
+        total = (work - top).exp().sum(dim, keepdim=True)
+    else:  # an empty piece of the dim (fewer classes than ranks): contributes nothing
+        shape = list(work.shape)
+        shape[dim] = 1
+        top, total = work.new_zeros(shape), work.new_zeros(shape)
+    pairs = _row_stats(ctx, torch.cat([top, total], dim), layout, dim, partial=False)
+    if ctx.coord is None:
+        return ctx.empties()
+    pairs = pairs.unflatten(dim, (-1, 2))
+    tops, totals = pairs.select(dim + 1, 0), pairs.select(dim + 1, 1)
+    best = tops.amax(dim, keepdim=True)
+    lse = best + (totals * (tops - best).exp()).sum(dim, keepdim=True).log()
+    out = work - lse
+    return out if ctx.call.op.startswith("_log_softmax") else out.exp()
+
+
+def _k_softmax_back_split(ctx, largs, lkwargs):
+    """The backward of softmax / log_softmax along a split dim: each row's sum over the dim is
+    a partial sum on the splitting axes, all-reduced (one number per row)."""
+    grad, out = largs[0], largs[1]
+    layout = ctx.targets[0]
+    dim = dim_of(ctx.arg(largs, lkwargs, "dim"), len(layout.shape))
+    log = ctx.call.op.startswith("_log_softmax")
+    inner = grad if log else grad * out
+    row = _row_stats(ctx, inner.sum(dim, keepdim=True), layout, dim, partial=True)
+    if ctx.coord is None:
+        return ctx.empties()
+    result = grad - out.exp() * row if log else out * (grad - row)
+    dtype = ctx.arg(largs, lkwargs, "input_dtype", None)
+    return result.to(dtype) if dtype is not None else result
 
 
 def _k_mean_partial(ctx, largs, lkwargs):
@@ -204,8 +282,10 @@ register("amax", "amin", "argmax", "argmin", "prod", "any", "all", "logsumexp",
          rule=reduction_gather(1))
 register("max.dim", "min.dim", "var_mean.correction", "std_mean.correction",
          rule=reduction_gather(2))
-register("_softmax", "_log_softmax", "_safe_softmax", rule=along_dim())
-register("_softmax_backward_data", "_log_softmax_backward_data", rule=softmax_backward)
+register("_softmax", "_log_softmax", rule=softmax_rule, kernels={"softmax_split": _k_softmax_split})
+register("_safe_softmax", rule=along_dim())
+register("_softmax_backward_data", "_log_softmax_backward_data", rule=softmax_backward,
+         kernels={"softmax_back_split": _k_softmax_back_split})
 register("cumsum", rule=along_dim(linear=("self",)))
 register("cumprod", rule=along_dim())
 register("sort", "topk", rule=along_dim(nouts=2, default=-1))
