@@ -76,7 +76,10 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
     if type(grad) is torch.Tensor and isinstance(param, GlobalTensor):
         param.grad = _adopted(param, grad)
         return
-    if not isinstance(grad, GlobalTensor) or grad._layout == param._layout:
+    if not isinstance(grad, GlobalTensor):
+        return
+    if grad._layout == param._layout:
+        _obey_strides(param, grad)
         return
     if id(param) in _DEFERRED.get():  # summed over backwards, reduced by reduce_gradients
         return
@@ -86,6 +89,18 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
     with torch.no_grad():
         param.grad = redistribute(grad, param._layout)
     observe.storage_kind(param.grad, "gradients")
+
+
+def _obey_strides(param: GlobalTensor, grad: GlobalTensor) -> None:
+    """torch's layout contract: a gradient's strides follow its parameter's. A global
+    tensor's wrapper shows the strides of its global shape whatever its piece's, so autograd
+    keeps a piece backward left transposed (a Linear weight's); the optimizer's element-wise
+    ops on it then run several times slower. Such a piece becomes contiguous here, once
+    (later accumulations write into it)."""
+    piece = grad._local
+    if not piece.is_contiguous() and param._local.is_contiguous():
+        param.grad = GlobalTensor._make(piece.contiguous(), grad._layout)
+        observe.storage_kind(param.grad, "gradients")
 
 
 def _this_backwards() -> "_Reductions":

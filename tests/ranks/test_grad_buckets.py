@@ -153,3 +153,25 @@ def test_partial_sums_over_both_axes_of_a_grid_go_in_buckets():
 def test_bucket_cap_must_be_a_size():
     with pytest.raises(gt.GlobalTensorError, match="megabytes"):
         gt.nn.set_bucket_cap_mb(-1)
+
+
+@pytest.mark.parametrize("world", [1, 2])
+@pytest.mark.parametrize("sbp", [None, S(0), S(1)], ids=["broadcast", "rows", "columns"])
+def test_weight_gradients_keep_the_parameters_strides(sbp, world):
+    """torch's layout contract (a gradient's strides follow its parameter's): a Linear weight's
+    gradient piece comes out of backward transposed; left so, AdamW's element-wise updates run
+    several times slower (benchmarks/pipeline.py found it)."""
+    def body(rank):
+        p = gt.placement("cpu", list(range(world)))
+        lin = torch.nn.Linear(16, 32)
+        lin.to_global(p, (lambda name, t: sbp if name == "weight" else None) if sbp else None)
+        x = gt.tensor(torch.randn(8, 16, generator=torch.Generator().manual_seed(0)), placement=p,
+                      sbp=S(0))
+        strides = []
+        for _ in range(2):  # the first gradient, then one accumulated into it
+            lin(x).sum().backward()
+            strides.append((lin.weight.grad._local.stride(), lin.weight._local.stride()))
+        return strides
+    for strides in run_ranks(body, world, timeout=60):
+        for grad, param in strides:
+            assert grad == param, strides
