@@ -20,11 +20,6 @@ forward and backward of every micro-batch and the optimizer's step:
   laid out with ``stage.to_global(gt.placement("cpu", [i % world]))`` on every rank, the batch
   a global tensor broadcast on the first stage's placement and the target on the last's, one
   AdamW over every stage's parameters;
-- ``gt-1f1b+contig``: a diagnosis, not a contender: ``gt-1f1b`` with each gradient's piece made
-  contiguous before the optimizer's step (the copy counted). gt's ``.grad`` of a Linear weight
-  keeps the transposed strides backward made it with (the wrapper's strides are the global
-  shape's, so torch's gradient layout contract sees nothing to fix), and AdamW's elementwise
-  ops on a transposed gradient against contiguous state run 5-8x slower on CPU.
 
 Printed per contender: the median step (the slowest rank's, after a barrier) and its ratio to
 ``torch-1f1b``; the step against the ideal and the floor: ``ideal = microbatches x t_fb``, where
@@ -171,12 +166,9 @@ def worker(local_rank, a):
     batches = [(torch.randn(a.rows, a.hidden, generator=gen),
                 torch.randn(a.rows, a.hidden, generator=gen)) for _ in range(4)]
 
-    contenders, contiguous = {}, set()
+    contenders = {}
     for name in a.contenders.split(","):
         lib, schedule = name.split("-")
-        if schedule.endswith("+contig"):
-            schedule = schedule[:-len("+contig")]
-            contiguous.add(name)
         make = torch_pipe if lib == "torch" else gt_pipe
         contenders[name] = make(blocks, schedule, a.microbatches, rank, world)
     opts = {k: torch.optim.AdamW(c[1], lr=1e-4) for k, c in contenders.items()}
@@ -185,10 +177,6 @@ def worker(local_rank, a):
         opts[name].zero_grad()
         with around_pipeline():
             loss = contenders[name][0](*batch)
-        if name in contiguous:  # the diagnosis: gradients' pieces in the parameters' strides
-            for p in contenders[name][1]:
-                if p.grad is not None and not p.grad._local.is_contiguous():
-                    p.grad._local = p.grad._local.contiguous()
         opts[name].step()
         return loss
 
@@ -244,8 +232,7 @@ def worker(local_rank, a):
                      for k, v in times.items()}}
 
 
-CONTENDERS = ("torch-1f1b,torch-gpipe,torch-interleaved,gt-1f1b,gt-gpipe,gt-interleaved,"
-              "gt-1f1b+contig")
+CONTENDERS = "torch-1f1b,torch-gpipe,torch-interleaved,gt-1f1b,gt-gpipe,gt-interleaved"
 
 
 def main():

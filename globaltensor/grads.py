@@ -57,9 +57,13 @@ def _set_requires_grad(self, value: bool) -> None:
 
 
 def install_grad_methods() -> None:
-    """``GlobalTensor.requires_grad_`` and the ``requires_grad`` setter register the hook."""
+    """``GlobalTensor.requires_grad_`` and the ``requires_grad`` setter register the hook; every
+    optimizer's step first puts global gradients in their parameters' strides."""
     GlobalTensor.requires_grad_ = _requires_grad_
     GlobalTensor.requires_grad = property(_REQUIRES_GRAD.__get__, _set_requires_grad)
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    register_optimizer_step_pre_hook(gradients_in_parameter_strides)
 
 
 def grad_to_own_layout(param: torch.Tensor) -> None:
@@ -79,7 +83,6 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
     if not isinstance(grad, GlobalTensor):
         return
     if grad._layout == param._layout:
-        _obey_strides(param, grad)
         return
     if id(param) in _DEFERRED.get():  # summed over backwards, reduced by reduce_gradients
         return
@@ -89,18 +92,6 @@ def grad_to_own_layout(param: torch.Tensor) -> None:
     with torch.no_grad():
         param.grad = redistribute(grad, param._layout)
     observe.storage_kind(param.grad, "gradients")
-
-
-def _obey_strides(param: GlobalTensor, grad: GlobalTensor) -> None:
-    """torch's layout contract: a gradient's strides follow its parameter's. A global
-    tensor's wrapper shows the strides of its global shape whatever its piece's, so autograd
-    keeps a piece backward left transposed (a Linear weight's); the optimizer's element-wise
-    ops on it then run several times slower. Such a piece becomes contiguous here, once
-    (later accumulations write into it)."""
-    piece = grad._local
-    if not piece.is_contiguous() and param._local.is_contiguous():
-        param.grad = GlobalTensor._make(piece.contiguous(), grad._layout)
-        observe.storage_kind(param.grad, "gradients")
 
 
 def _this_backwards() -> "_Reductions":
@@ -283,6 +274,25 @@ def _finish(task: int, pending: _Reductions) -> None:
     and install the gradients."""
     _PENDING.pop(task, None)
     pending.finish()
+
+
+def gradients_in_parameter_strides(optimizer, args, kwargs) -> None:
+    """Before an optimizer's step (a global hook on every optimizer): a global gradient whose
+    piece backward left transposed (a Linear weight's) is made contiguous like its parameter's.
+
+    torch's layout contract has the gradient's strides follow the parameter's, and autograd
+    enforces it from the tensors' strides; a global tensor's wrapper shows the strides of its
+    global shape whatever its piece's (every rank must see the same metadata, and pieces differ:
+    a piece with a dim of one is contiguous on one rank and not on another), so a transposed
+    piece is kept, and the optimizer's element-wise updates against contiguous state run
+    several times slower (benchmarks/pipeline.py). Accumulating micro-batches into it stays
+    fast (their gradients are transposed alike); here, once per step, one copy per weight."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            grad = p.grad
+            if (type(grad) is GlobalTensor and not grad._local.is_contiguous()
+                    and p._local.is_contiguous()):
+                p.grad = GlobalTensor._make(grad._local.contiguous(), grad._layout)
 
 
 def _frames_torch_calls_into():
