@@ -105,7 +105,8 @@ except gt.GlobalTensorError as e:
 """
 
 
-@pytest.mark.parametrize("warm", [False, True], ids=["first use", "one rank warm"])
+@pytest.mark.parametrize("warm", [False, pytest.param(True, marks=pytest.mark.slow)],
+                         ids=["first use", "one rank warm"])
 def test_disagreeing_ranks_in_processes_never_abort_nor_return_garbage(warm):
     runs = _run_ranks(_DISAGREE.format(warm=warm), 3)
     for rank, run in enumerate(runs):

@@ -74,6 +74,7 @@ def grouped(a, w, offs):
     return torch._grouped_mm(a, w, offs=offs)
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_grouped_mm_every_layout_forward_and_backward_matches_torch():
     # offs ends at the token count (no uninitialised tail rows); its own layouts are S(0) or B
     check(grouped, [A, W, torch.tensor([3, 3, 7, 12], dtype=torch.int32)], grids=[G2, G22],

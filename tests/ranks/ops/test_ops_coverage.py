@@ -46,6 +46,7 @@ def test_triangular_solve_splits_the_right_hand_side():
     assert (S(0), S(0)) in _splits("linalg_solve_triangular.default", [(3, 2, 2), (3, 2, 5)])
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_solve_over_batch_dims_only_when_not_broadcast():
     check(torch.linalg.solve, [_wellposed(3, 2, 2), gen(3, 2, 1)])
     # B is broadcast over A's batch: its dim 0 is not a batch dim, no split row pairs them
@@ -86,6 +87,7 @@ def test_unfold_and_copies():
 
 # ----------------------------------------------------------------------------- element-wise
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_activations_without_the_pointwise_tag():
     check(torch.nn.functional.hardswish, [gen(3, 5)])
     check(torch.nn.functional.logsigmoid, [gen(3, 5)])

@@ -130,6 +130,7 @@ def test_masked_scatter_numbers_the_whole_mask():
     check(lambda x, m, s: x.masked_scatter(m, s), [gen(3, 5), _mask(5, seed=2), gen(16, seed=3)])
 
 
+@pytest.mark.slow  # a long case: run with pytest -m slow (suite time)
 def test_masked_scatter_broadcasts_x_against_the_mask():
     check(lambda x, m, s: torch.masked_scatter(x, m, s), [gen(4), _mask(3, 4, seed=4), gen(3, 4, seed=5)])
     check(lambda x, m, s: (x * 1).masked_scatter_(m, s), [gen(5, 3), _mask(5, 3), gen(15, seed=6)])

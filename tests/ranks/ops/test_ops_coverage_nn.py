@@ -46,7 +46,8 @@ def test_elementwise_losses_over_a_split_batch():
           [gen(5, 3), torch.sign(gen(5, 3, seed=4))])
 
 
-@pytest.mark.parametrize("reduction", ["none", "sum", "mean"])
+@pytest.mark.parametrize("reduction", [pytest.param("none", marks=pytest.mark.slow),
+                                       pytest.param("sum", marks=pytest.mark.slow), "mean"])
 def test_margin_losses_divide_a_mean_by_the_samples(reduction):
     # uneven batches of 3 and 5: on [2, 2] a piece can hold no sample (torch's kernels give
     # uninitialised memory for its sum: the rows' kernels give zeros)
