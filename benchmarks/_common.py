@@ -54,3 +54,21 @@ def bucketed_all_reduce(params, group):
         for x, part in zip(pieces, flat.split([x.numel() for x in pieces])):
             x.copy_(part.view_as(x))
     return reduce
+
+
+def allocation_peak(prof) -> int:
+    """The highest running sum of the allocator's events (allocations +, frees -) over the
+    profiled block: the peak above what was alive when it began."""
+    from torch._C._profiler import _EventType
+
+    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            events.append((e.start_time_ns, e.typed[1].alloc_size))
+        stack.extend(e.children)
+    running = peak = 0
+    for _, size in sorted(events):
+        running += size
+        peak = max(peak, running)
+    return peak

@@ -31,13 +31,12 @@ import argparse
 import copy
 import statistics
 import sys
-import time
 
 import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
-from _common import timed  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import allocation_peak, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 VOCAB, SEQ, BATCH = 1024, 64, 2
@@ -141,24 +140,6 @@ def global_ids(ids_full, placement, grid):
 
 
 # ------------------------------------------------------------------------------- measuring
-
-def allocation_peak(prof) -> int:
-    """The highest running sum of the allocator's events (allocations +, frees -) over the
-    profiled block: the peak above what was alive when it began."""
-    from torch._C._profiler import _EventType
-
-    events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == _EventType.Allocation:
-            events.append((e.start_time_ns, e.typed[1].alloc_size))
-        stack.extend(e.children)
-    running = peak = 0
-    for _, size in sorted(events):
-        running += size
-        peak = max(peak, running)
-    return peak
-
 
 def worker(local_rank, a):
     torch.set_num_threads(1)

@@ -55,8 +55,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import globaltensor as gt
-from _common import timed  # benchmarks/ is on sys.path when a benchmark runs as a script
-from fully_shard import allocation_peak
+from _common import allocation_peak, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 B = gt.sbp.broadcast
 
