@@ -290,14 +290,14 @@ def gradients_in_parameter_strides(optimizer, args, kwargs) -> None:
     for group in optimizer.param_groups:
         for p in group["params"]:
             grad = p.grad
-            if (type(grad) is GlobalTensor and not grad._local.is_contiguous()
-                    and p._local.is_contiguous()):
+            if (type(grad) is GlobalTensor and isinstance(p, GlobalTensor)
+                    and not grad._local.is_contiguous() and p._local.is_contiguous()):
                 p.grad = GlobalTensor._make(grad._local.contiguous(), grad._layout)
 
 
 def _frames_torch_calls_into():
     """The hooks autograd's engine calls (docs/compile.md: never compiled as frames)."""
-    return grad_to_own_layout, _finish
+    return grad_to_own_layout, _finish, gradients_in_parameter_strides
 
 
 never_compiled(*_frames_torch_calls_into())
