@@ -34,7 +34,7 @@ from ..tensor import GlobalTensor, redistribute
 from ..world import world
 from ..world.simulated import simulated
 from . import schedules
-from .stages import (arrived, blank, check_disjoint, checked_inputs, empty_piece, placement_of,
+from .stages import (blank, check_disjoint, checked_inputs, empty_piece, placement_of,
                      sbp_on, sent_sbp, split_batch, tensors_of)
 from .schedules import Task
 
@@ -178,7 +178,7 @@ class _Run:
         self.index = {t: i for ts in orders for i, t in enumerate(ts)}
         params = [p for s in self.mine for p in self.pipe.stages[s].parameters() if p.requires_grad]
         with no_new_groups("a pipeline stage"), deferred_reduction(params):
-            for i, task in enumerate(tasks):
+            for task in tasks:
                 if task in following:  # the receives of this placement's next task
                     self._prefetch(following[task])
                 if task.kind == "F":
@@ -271,10 +271,10 @@ class _Run:
         layouts = self.pipe._layouts[(s - 1, self.keys[m])]
         out = Outgoing()
         tag = _tag(_GRADIENT, s - 1, m, len(self.pipe.stages))
-        moves, arrived = [], []
+        moves, mailed = [], []
         for a, (src, dst, dtype, requires_grad) in zip(args, layouts):
             if not requires_grad:
-                arrived.append(None)
+                mailed.append(None)
                 continue
             grad = a.grad
             if grad is None:  # the stage did not use this input
@@ -283,14 +283,14 @@ class _Run:
                 grad = redistribute(grad, dst)
             moves.append((exchange(dst, src), grad.element_size()))
             if self.sim:  # held until it is known to have arrived, as a real send's buffer
-                arrived.append((grad, src))
+                mailed.append((grad, src))
                 out.buffers.append(grad)
             else:
                 send_piece(out, moves[-1][0], grad._local, self.rank, tag)
         what = f"pipeline: stage {s} -> {s - 1} gradients (micro-batch {m})"
         self._announce(what, moves, s, out.nbytes)
         if self.sim:
-            self.mailbox[(_GRADIENT, s - 1, m)] = arrived
+            self.mailbox[(_GRADIENT, s - 1, m)] = mailed
         self.grads_out.setdefault(s, []).append((m, out))
 
     def _received_from(self, s: int, m: int) -> None:
@@ -339,7 +339,7 @@ class _Run:
         if self.sim:  # what arrives is counted from when the receiving rank takes it
             sent = self.mailbox.pop((kind, s, m))
             out = self.posted.pop((kind, s, m), None) or [
-                arrived(*one) if one is not None else None for one in sent]
+                None if one is None else blank(one[1], one[0].dtype) for one in sent]
             if kind == _ACTIVATION:
                 self._received_from(s, m)
                 layouts = self.pipe._layouts[(s - 1, self.keys[m])]

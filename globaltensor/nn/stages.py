@@ -64,12 +64,6 @@ def sbp_on(sbp, placement: Placement) -> tuple:
     return tuple(splits) + replicated(placement.ndim - len(splits))
 
 
-def arrived(t: GlobalTensor, layout: Layout) -> GlobalTensor:
-    """In a simulation: what a stage receives, ``t`` moved to ``layout`` (a piece of the right
-    shape, no data), counted on the receiving ranks."""
-    return blank(layout, t.dtype)
-
-
 def blank(layout: Layout, dtype) -> GlobalTensor:
     """In a simulation: a received tensor of ``layout`` (no data), counted on its ranks."""
     piece = torch.empty(layout.local_shape_of_rank(world.get_rank()), dtype=dtype, device="meta")

@@ -66,16 +66,12 @@ def _k_nll(ctx, largs, lkwargs):
     dst = ctx.outs[1].layout
     if reduction == 1:  # the count over the batch's split axes (target S there, B elsewhere)
         partial = tuple(P if isinstance(v, S) else d for v, d in zip(ctx.targets[1].sbp, dst.sbp))
-        count = ctx.redistribute(count.to(dst_dtype(ctx)), dst.with_sbp(partial), dst)
+        count = ctx.redistribute(count.to(ctx.outs[1].dtype), dst.with_sbp(partial), dst)
     if ctx.coord is None:
         return ctx.empties()
     if reduction == 1:
         return total / count, count
-    return total, count.to(dst_dtype(ctx)) if reduction == 2 else largs[0].new_zeros(())
-
-
-def dst_dtype(ctx):
-    return ctx.outs[1].dtype
+    return total, count.to(ctx.outs[1].dtype) if reduction == 2 else largs[0].new_zeros(())
 
 
 def _k_nll_backward(ctx, largs, lkwargs):
