@@ -1,9 +1,15 @@
 """A fingerprint of the planner's answers: every plan between every pair of layouts on grids [2],
 [4], [2,2], [2,2,2] for a few shapes (and a few placement changes), every signature choice on a
 seeded sample of calls. Run at two commits and compare the hashes: a move of code that changes
-no plan and no choice prints the same lines.
+no plan and no choice prints the same lines. The planner prices with the default cost figures
+(gt.costs(): alpha 10 us, beta 0.1 ns per byte) unless ``--costs`` gives others.
 
-    PYTHONPATH=. python benchmarks/fingerprint.py [--out answers.txt]
+``--against FIGURES`` documents which answers the figures change: it prints, per section, how
+many plans and choices take other steps or signatures (costs aside) under FIGURES than under
+the ones in use, and the first few of them.
+
+    PYTHONPATH=. python benchmarks/fingerprint.py [--out answers.txt] [--costs alpha=1e-4,beta=1e-9]
+    PYTHONPATH=. python benchmarks/fingerprint.py --against alpha=2e-4,beta=3e-9
 """
 from __future__ import annotations
 
@@ -51,7 +57,7 @@ def layouts(placement, shape):
     return [Layout(placement, sbp, shape) for sbp in itertools.product(values, repeat=placement.ndim)]
 
 
-def describe_plan(p) -> str:
+def describe_plan(p, priced: bool = True) -> str:
     parts = []
     for s in p.steps:
         facts = [type(s).__name__, str(s.after.sbp)]
@@ -61,21 +67,22 @@ def describe_plan(p) -> str:
         if hasattr(s, "moves"):
             facts.append(repr(s.moves))
         parts.append(" ".join(facts))
-    return f"{p.src.sbp}->{p.dst.sbp} {p.src.shape} {p.cost()!r} | " + " ; ".join(parts)
+    cost = f" {p.cost()!r}" if priced else ""
+    return f"{p.src.sbp}->{p.dst.sbp} {p.src.shape}{cost} | " + " ; ".join(parts)
 
 
-def plans():
+def plans(priced: bool = True):
     for name, ranks in GRIDS.items():
         placement = gt.placement("cpu", ranks)
         for shape in SHAPES[name]:
-            lines = [describe_plan(plan(a, b)) for a in layouts(placement, shape)
+            lines = [describe_plan(plan(a, b), priced) for a in layouts(placement, shape)
                      for b in layouts(placement, shape)]
             yield f"plans {name} {shape}", lines
     for src, dst in MOVES:
         ps, pd = gt.placement("cpu", src), gt.placement("cpu", dst)
         for shape in [(4, 4), (5, 7)]:
-            lines = [describe_plan(plan(a, b)) for a in layouts(ps, shape) for b in layouts(pd, shape)
-                     if not b.is_partial or True]
+            lines = [describe_plan(plan(a, b), priced) for a in layouts(ps, shape)
+                     for b in layouts(pd, shape)]
             yield f"plans {src}->{dst} {shape}", lines
 
 
@@ -84,7 +91,7 @@ def random_layout(rng, placement, shape):
     return Layout(placement, tuple(rng.choice(values) for _ in range(placement.ndim)), shape)
 
 
-def choices():
+def choices(priced: bool = True):
     for name, ranks in GRIDS.items():
         rng = random.Random(name)
         placement = gt.placement("cpu", ranks)
@@ -102,15 +109,51 @@ def choices():
                     kw = {} if tolerance is None else {"tolerance": tolerance}
                     c = choose(call, ins, itemsizes, grads=grads, free=free, **kw)
                     what = None if c is None else (tuple(x.sbp for x in c.ins), c.outs, c.kernel,
-                                                   repr(c.cost))
+                                                   repr(c.cost) if priced else "")
                     lines.append(f"{call.op} {[x.sbp for x in ins]} {itemsizes} {grads} -> {what}")
         yield f"choices {name}", lines
 
 
+def answers(priced: bool) -> dict:
+    return dict(itertools.chain(plans(priced), choices(priced)))
+
+
+def against(figures, shown: int = 3) -> None:
+    """Print how many answers ``figures`` change, per section, with the first ``shown``."""
+    now = answers(priced=False)
+    before = gt.set_costs(costs=figures)
+    try:
+        then = answers(priced=False)
+    finally:
+        gt.set_costs(costs=before)
+    print(f"answers under {before} -> under {figures}")
+    total = changed = 0
+    for label, lines in now.items():
+        differ = [(a, b) for a, b in zip(lines, then[label]) if a != b]
+        total, changed = total + len(lines), changed + len(differ)
+        print(f"{label:<45} {len(differ):>6} of {len(lines):>6} change")
+        for a, b in differ[:shown]:
+            print(f"    {a}\n    -> {b.split(' | ')[-1] if label.startswith('plans') else b.split(' -> ')[-1]}")
+    print(f"all: {changed} of {total} answers change")
+
+
 def main(argv=None):
+    from globaltensor.plan import DEFAULT
+    from globaltensor.runtime.costs import parse
+
+    def figures(text):
+        found = parse(text)
+        return found if isinstance(found, type(DEFAULT)) else DEFAULT
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", default=None)
+    parser.add_argument("--costs", type=figures, default=None, help="alpha=SECONDS,beta=SECONDS")
+    parser.add_argument("--against", type=figures, default=None, help="alpha=SECONDS,beta=SECONDS")
     args = parser.parse_args(argv)
+    if args.costs is not None:
+        gt.set_costs(costs=args.costs)
+    if args.against is not None:
+        return against(args.against)
     everything = []
     for label, lines in itertools.chain(plans(), choices()):
         digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]

@@ -14,6 +14,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
     from .debug import set_debug
     from .errors import GlobalTensorError
     from .tools.explain import explain
+    from .runtime.costs import costs, measure as measure_costs, set_costs
     from .layout import Layout
     from .placement import Placement, placement
     from .tensor import GlobalTensor
@@ -49,6 +50,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
 __all__ = [
     "GlobalTensor",
     "GlobalTensorError",
+    "costs",
     "explain",
     "from_local",
     "global_mode",
@@ -68,7 +70,9 @@ __all__ = [
     "init",
     "placement",
     "print0",
+    "measure_costs",
     "sbp",
+    "set_costs",
     "set_debug",
     "spawn",
     "verify",

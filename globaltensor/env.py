@@ -7,10 +7,35 @@ harness (``gt.testing``) each thread sees its own rank through a context variabl
 from __future__ import annotations
 
 import contextvars
+import datetime
 import functools
 from dataclasses import dataclass
 
-from .world.world import get_rank, get_world_size, init, int_env as _int_env, is_initialized  # noqa: F401
+from .world import world as _world
+from .world.world import get_rank, get_world_size, int_env as _int_env, is_initialized  # noqa: F401
+
+
+def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
+    """Join the job started by launch.py / torchrun / gt.spawn / SLURM's srun; a no-op if
+    already joined.
+
+    ``backend``: None picks gloo for cpu, plus NCCL for cuda when a GPU is present.
+    ``timeout``: seconds (or a timedelta) after which a stuck collective raises; None reads
+    GT_TIMEOUT, else 300 s on CPU (torch's own default with NCCL).
+
+    Then the planner's cost figures are set for the job, on every rank alike: from GT_COSTS
+    ("default", or "alpha=SECONDS,beta=SECONDS"), else measured by a short probe on the world's
+    group (well under a second), kept in GT_COSTS_CACHE's file if one is named
+    (docs/planner.md, "Cost model").
+    """
+    if is_initialized():
+        return
+    from .runtime import costs  # read first: a bad GT_COSTS stops every rank before it joins
+
+    wanted = costs.wanted()
+    _world.init(backend=backend, timeout=timeout)
+    if get_world_size() > 1:
+        costs.at_start(wanted, costs.probe_device(_world.backend()))
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,9 +112,9 @@ def _child(payload: bytes, local_rank: int, env: dict, conn, backend=None) -> No
     try:
         fn, args = pickle.loads(payload)
         if backend is not None:
-            from ..world import world  # the world first, with the backend asked for (Ignite's way)
+            from .. import env  # the world first, with the backend asked for (Ignite's way)
 
-            world.init(backend=backend)
+            env.init(backend=backend)
         message = ("ok", fn(local_rank, *args))
     except BaseException as e:  # noqa: BLE001 - reported to the parent
         message = ("error", f"{type(e).__name__}: {e}", traceback.format_exc())

@@ -9,7 +9,9 @@ the layout before and after it, so an executor runs a plan with no search of its
       1. all_gather      axis 0  dim 0          sends 40 B per rank
     total: 40 B per rank, 1 collective
 
-Pure: no torch.distributed, no rank. Plans depend only on (src, dst) and are cached. This
+Pure: no torch.distributed, no rank. Plans depend only on (src, dst) and the cost figures in use
+(``cost.current()``: the defaults, or those ``gt.set_costs`` / the start-up probe set, which
+clear every cache) and are cached. This
 module only re-exports; one file per part (docs/architecture.md, docs/planner.md):
 steps · cost · codes · ranges · space · messages · exchange · bound · search · reference ·
 oracle (a plan run over every rank's full set of pieces in one process: the tests' and
@@ -17,7 +19,8 @@ oracle (a plan run over every rank's full set of pieces in one process: the test
 """
 from .bound import candidate_terms, fewest_collectives, lower_bound, move_bounds
 from .codes import code
-from .cost import ALPHA, BETA, COPY, MEMORY, SEARCH_ITEMSIZE
+from . import cost
+from .cost import DEFAULT, SEARCH_ITEMSIZE, Costs
 from .exchange import exchange
 from .ranges import most_overlaps
 from .reference import reference_plan
@@ -25,8 +28,8 @@ from .search import cost_above, plan
 from .steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Move, Plan,
                     ReduceScatter, Step, ZeroFill, holds_full)
 
-__all__ = ["ALPHA", "BETA", "COPY", "MEMORY", "SEARCH_ITEMSIZE", "AllGather", "AllGatherV",
+__all__ = ["DEFAULT", "SEARCH_ITEMSIZE", "AllGather", "AllGatherV", "Costs",
            "AllReduce", "AllToAll", "Exchange", "LocalSlice", "Move", "Plan", "ReduceScatter",
-           "Step", "ZeroFill", "candidate_terms", "code", "cost_above", "exchange",
+           "Step", "ZeroFill", "candidate_terms", "code", "cost", "cost_above", "exchange",
            "fewest_collectives", "holds_full", "lower_bound", "most_overlaps", "move_bounds",
            "plan", "reference_plan"]

@@ -16,7 +16,8 @@ from .._cache import kept, memo
 from ..layout import Layout
 from ..sbp import Split
 from .codes import B, P, code
-from .cost import ALPHA, BETA, COPY, MEMORY, SEARCH_ITEMSIZE
+from . import cost
+from .cost import SEARCH_ITEMSIZE
 from .exchange import lacking, missing
 from .messages import messages_of
 from .ranges import most_overlaps
@@ -69,7 +70,7 @@ class Bound:
         self.union = len(set(src.placement.flat_ranks) | set(dst.placement.flat_ranks))
         # every step writes at least the smallest piece any layout of the tensor can have
         smallest = dst.numel() / max(src.placement.size, dst.placement.size)
-        self.memory = MEMORY * itemsize * smallest
+        self.memory = cost.MEMORY * itemsize * smallest
         here = messages_of(src.placement, src.shape)
         there = here if dst.placement == src.placement else messages_of(dst.placement, dst.shape)
         self.counts = (here, there)
@@ -80,7 +81,7 @@ class Bound:
             n for n, v in zip(there.grid, self.target) if v == B)
         # where sending the whole tensor costs less than 20 α, α decides: the full bound counts
         # an exchange route's third collective (elsewhere the count costs more than it saves)
-        self.small = BETA * itemsize * dst.numel() < 20 * ALPHA
+        self.small = cost.BETA * itemsize * dst.numel() < 20 * cost.ALPHA
 
     def key(self, layout: Layout) -> tuple:
         """The search's key of a layout on src's or dst's placement."""
@@ -93,15 +94,15 @@ class Bound:
         counts = self.counts_of(key)
         _, steps, partial, keep, _ = counts
         at, codes = key
-        return (ALPHA * self._latency(codes, counts)
-                + BETA * self.itemsize * self._elements(at, codes, partial, keep)
+        return (cost.ALPHA * self._latency(codes, counts)
+                + cost.BETA * self.itemsize * self._elements(at, codes, partial, keep)
                 + self.memory * steps) * (1 - 1e-9)  # never above, rounding aside
 
     def quick(self, key) -> float:
         """The α and memory terms of :meth:`full` alone (a few microseconds; the elements'
         term counts pieces rank by rank): a bound too, the search's first look at a layout."""
         counts = self.counts_of(key)
-        return (ALPHA * counts[0] + self.memory * counts[1]) * (1 - 1e-9)
+        return (cost.ALPHA * counts[0] + self.memory * counts[1]) * (1 - 1e-9)
 
     def deeper(self, key) -> float | None:
         """The α and memory terms of :meth:`full` with the exchange route's deeper count,
@@ -109,7 +110,7 @@ class Bound:
         counts = self.counts_of(key)
         if not (counts[4] and self.small):
             return None
-        return (ALPHA * self._latency(key[1], counts) + self.memory * counts[1]) * (1 - 1e-9)
+        return (cost.ALPHA * self._latency(key[1], counts) + self.memory * counts[1]) * (1 - 1e-9)
 
     @kept
     def counts_of(self, key) -> tuple:
@@ -171,7 +172,7 @@ class Bound:
     def exchange(self, target: Layout) -> float:
         """A bound on any exchange into ``target``: one message, and writing its pieces."""
         piece = target.max_local_numel() * self.itemsize
-        return ALPHA + (MEMORY + COPY) * piece
+        return cost.ALPHA + (cost.MEMORY + cost.COPY) * piece
 
     def exchange_to(self, codes: tuple, target: Layout, key) -> float:
         """:meth:`exchange`, and where it is cheap to know (one placement, a non-partial
@@ -179,7 +180,7 @@ class Bound:
         bound = self.exchange(target)
         if self.on_dst == 0 and not target.is_partial:
             lacks = self.counts[0].lacking(codes, key[1]) / self.spaces[0].placement.size
-            bound += (BETA + COPY) * self.itemsize * lacks * (1 - 1e-9)
+            bound += (cost.BETA + cost.COPY) * self.itemsize * lacks * (1 - 1e-9)
         return bound
 
     def exchange_from(self, node: Layout, target: Layout) -> float:
@@ -192,8 +193,8 @@ class Bound:
         else:
             missed, messages, region = missing(node, target)
         sent = max(missed / self.union, region)
-        return (self.exchange(target) + ALPHA * (messages - 1)
-                + (BETA + COPY) * self.itemsize * sent) * (1 - 1e-9)
+        return (self.exchange(target) + cost.ALPHA * (messages - 1)
+                + (cost.BETA + cost.COPY) * self.itemsize * sent) * (1 - 1e-9)
 
 
 @memo(16384)
@@ -213,8 +214,8 @@ def move_bounds(layout: Layout, itemsize: int, sbp, free=()) -> tuple[float, flo
     collectives, rest = candidate_terms(layout, itemsize, free,
                                      np.array([[code(v)] for v in sbp], dtype=np.int64))
     collectives, rest = int(collectives[0]), float(rest[0])
-    refined = ALPHA * fewest_collectives(layout, tuple(sbp)) if collectives else 0.0
-    return (ALPHA * collectives + rest) * (1 - 1e-9), (refined + rest) * (1 - 1e-9)
+    refined = cost.ALPHA * fewest_collectives(layout, tuple(sbp)) if collectives else 0.0
+    return (cost.ALPHA * collectives + rest) * (1 - 1e-9), (refined + rest) * (1 - 1e-9)
 
 
 def candidate_terms(layout: Layout, itemsize: int, free, codes) -> tuple:
@@ -258,7 +259,7 @@ def candidate_terms(layout: Layout, itemsize: int, free, codes) -> tuple:
         held = numel / math.prod(m for m, c in zip(grid, own) if c >= 0)
         elements = np.maximum(numel / (splits * sums) - held, 0.0)
     collectives = np.minimum(comm, exchange)
-    rest = itemsize * (MEMORY * smallest * np.minimum(steps, exchange) + BETA * elements)
+    rest = itemsize * (cost.MEMORY * smallest * np.minimum(steps, exchange) + cost.BETA * elements)
     same = np.zeros(codes.shape[1], dtype=bool)
     for sbp in (layout.sbp,) + tuple(f.sbp for f in free):
         same |= (codes == np.array([code(x) for x in sbp], dtype=np.int64)[:, None]).all(axis=0)

@@ -5,17 +5,62 @@ these, so a step costs the same, to the bit, whichever asks (docs/planner.md, "C
 """
 from __future__ import annotations
 
-# In seconds: a latency per collective (or per point-to-point message on the busiest rank)
-# plus a time per byte sent by the busiest rank. Local steps cost only the memory they write,
-# so a plan never prefers a collective to a local step.
-ALPHA = 1e-5
-BETA = 1e-10
-MEMORY = 1e-12
-# and per byte the executor copies to pack or unpack a collective's buffers (a dim other than
-# 0, uneven pieces): it breaks ties such as which of two gathers goes first
-COPY = 2e-12
+import dataclasses
+import math
+
+from ..errors import GlobalTensorError
+
+
+@dataclasses.dataclass(frozen=True)
+class Costs:
+    """The figures the planner prices with, in seconds: ``alpha`` per collective (or per
+    point-to-point message on the busiest rank), ``beta`` per byte the busiest rank sends,
+    ``memory`` per byte a step writes (local steps cost only this, so a plan never prefers a
+    collective to a local step) and ``copy`` per byte the executor packs or unpacks (a dim
+    other than 0, uneven pieces: it breaks ties such as which of two gathers goes first).
+    ``source``: where they came from ("default", "given", "measured", "cache")."""
+
+    alpha: float
+    beta: float
+    memory: float = 1e-12
+    copy: float = 2e-12
+    source: str = "default"
+
+    def __post_init__(self):
+        for name in ("alpha", "beta", "memory", "copy"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise GlobalTensorError(
+                    f"expected {name} as a finite number of seconds > 0, found {value!r}; e.g. "
+                    f"gt.set_costs(alpha=1e-4, beta=1e-9) (100 us a collective, 1 GB/s)")
+
+    def __str__(self):
+        return (f"alpha {self.alpha * 1e6:.3g} us per collective, beta {self.beta * 1e9:.3g} ns "
+                f"per byte ({1 / self.beta / 1e9:.3g} GB/s), {self.source}")
+
+
+DEFAULT = Costs(alpha=1e-5, beta=1e-10)
+# The figures in use, read at call time by every cost of the planner and the signature choice
+# (``cost.ALPHA``, never a copy bound by name): :func:`use` rebinds them.
+ALPHA, BETA, MEMORY, COPY = DEFAULT.alpha, DEFAULT.beta, DEFAULT.memory, DEFAULT.copy
+_CURRENT = DEFAULT
 # plans are searched for this item size (a Layout has no dtype); costs scale with it anyway
 SEARCH_ITEMSIZE = 4
+
+
+def current() -> Costs:
+    """The figures in use."""
+    return _CURRENT
+
+
+def use(costs: Costs) -> Costs:
+    """Price every later plan with ``costs``; returns the figures used before. Plans and
+    choices made under other figures are kept by the caller's caches: clear them
+    (``_cache.clear_all()``), as ``gt.set_costs`` does."""
+    global ALPHA, BETA, MEMORY, COPY, _CURRENT
+    before, _CURRENT = _CURRENT, costs
+    ALPHA, BETA, MEMORY, COPY = costs.alpha, costs.beta, costs.memory, costs.copy
+    return before
 
 
 def seconds(latency: int, sent: int, written: int, copied: int, itemsize: int) -> float:
@@ -80,6 +125,6 @@ def exchange(latency: int, sent: int, result: int, itemsize: int) -> float:
     return seconds(latency, sent, result, sent + result, itemsize)
 
 
-__all__ = ["ALPHA", "BETA", "COPY", "MEMORY", "SEARCH_ITEMSIZE", "all_reduce_sent",
+__all__ = ["ALPHA", "BETA", "COPY", "Costs", "DEFAULT", "MEMORY", "SEARCH_ITEMSIZE", "all_reduce_sent",
            "all_to_all_copied", "axis_step", "exchange", "gather_copied", "gather_sent",
-           "gatherv_copied", "reduce_scatter_copied", "reduce_scatter_sent", "seconds"]
+           "current", "gatherv_copied", "reduce_scatter_copied", "reduce_scatter_sent", "seconds", "use"]

@@ -14,4 +14,5 @@
     stage_p2p.py  a pipeline stage's activations and gradients: isend/irecv without waiting
     failure.py    a failure on some ranks becomes the same error on every rank, at once
     layoutcheck.py  ranks that disagree on a redistributed tensor: one record on a plan's first use
+    costs.py      the planner's cost figures: measured at the world's start, given, or cached
 """

@@ -3,17 +3,24 @@ from __future__ import annotations
 
 from ..convert import target_layout
 from ..errors import GlobalTensorError
-from ..plan import plan
+from ..plan import cost, plan
 from ..tensor import GlobalTensor
 
 
 class Explanation:
-    """A plan bound to a dtype: ``str()`` prints one step per line; ``.steps`` holds the steps."""
+    """A plan bound to a dtype: ``str()`` prints one step per line, then the modelled time and
+    the cost figures it was chosen under; ``.steps`` holds the steps, ``.costs`` the figures
+    (``gt.costs()`` when it was explained), ``.seconds`` the modelled time."""
 
-    __slots__ = ("plan", "itemsize", "dtype_name")
+    __slots__ = ("plan", "itemsize", "dtype_name", "costs")
 
     def __init__(self, plan, itemsize: int, dtype_name: str):
         self.plan, self.itemsize, self.dtype_name = plan, itemsize, dtype_name
+        self.costs = cost.current()
+
+    @property
+    def seconds(self) -> float:
+        return self.plan.cost(self.itemsize)
 
     @property
     def steps(self):
@@ -34,7 +41,8 @@ class Explanation:
         return iter(self.plan.steps)
 
     def __str__(self):
-        return self.plan.describe(self.itemsize, self.dtype_name)
+        return (f"{self.plan.describe(self.itemsize, self.dtype_name)}\n"
+                f"modelled: {self.seconds * 1e6:.3g} us under {self.costs}")
 
     __repr__ = __str__
 

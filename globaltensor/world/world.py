@@ -145,9 +145,14 @@ def get_world_size() -> int:
     return int_env("WORLD_SIZE", 1)
 
 
+def backend() -> str:
+    """The default group's backend ("gloo", "nccl", "cpu:gloo,cuda:nccl")."""
+    return str(dist.get_backend())
+
+
 def init(backend: str | None = None, timeout: float | datetime.timedelta | None = None) -> None:
     """Join the job started by launch.py / torchrun / gt.spawn / SLURM's srun; a no-op if
-    already joined.
+    already joined. ``gt.init`` (env.init) is this, then the planner's cost figures.
 
     ``backend``: None picks gloo for cpu, plus NCCL for cuda when a GPU is present.
     ``timeout``: seconds (or a timedelta) after which a stuck collective raises; None reads

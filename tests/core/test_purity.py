@@ -229,6 +229,8 @@ GLOBALS = {
     "globaltensor.world.world": {"_LAST_RANK"},  # cached_rank: a one-entry cache keyed by the world's group
     "globaltensor.runtime.layoutcheck": {"_LAST"},  # the record of the world asked last (as above)
     "globaltensor.testing": {"_installed"},  # run_ranks makes torch's registry per-thread, once
+    # the planner's cost figures: process-wide, as the plan caches are (gt.set_costs clears them)
+    "globaltensor.plan.cost": {"ALPHA", "BETA", "MEMORY", "COPY", "_CURRENT"},
 }
 
 

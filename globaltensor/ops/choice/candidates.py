@@ -13,7 +13,7 @@ import numpy as np
 
 from ...errors import GlobalTensorError
 from ...layout import Layout, trusted
-from ...plan import ALPHA, candidate_terms, code, fewest_collectives
+from ...plan import candidate_terms, code, cost, fewest_collectives
 from ...sbp import PartialSum, SbpValue, Split
 from ..rules import KEEP, Rule
 
@@ -151,7 +151,7 @@ class Table:
         bound = np.zeros(size)
         for i, (layout, n) in enumerate(zip(layouts, itemsizes)):
             collectives, rest = candidate_terms(layout, n, free[i] if free else (), facts[:, i])
-            bound += ALPHA * collectives + rest
+            bound += cost.ALPHA * collectives + rest
             self.collectives.append(collectives.tolist())
             self.rest.append(rest.tolist())
         bound *= 1 - 1e-9
@@ -181,7 +181,7 @@ class Table:
         total = 0.0
         for layout, collectives, rest, sbp in zip(self.layouts, self.collectives, self.rest, resolved):
             if collectives[index]:
-                total += ALPHA * fewest_collectives(layout, sbp)
+                total += cost.ALPHA * fewest_collectives(layout, sbp)
             total += rest[index]
         return total * (1 - 1e-9)
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from ...errors import GlobalTensorError
 from ...layout import Layout
-from ...plan import ALPHA, cost_above, lower_bound, plan
+from ...plan import cost, cost_above, lower_bound, plan
 from ...sbp import PartialSum, SbpValue
 from .backward import backward_cost, backward_move, with_sbp
 from .candidates import (Table, axis_options, candidates, costing_nothing, outs_of, partial_count,
@@ -54,18 +54,19 @@ def _move_cost(src: Layout, dst: Layout, itemsize: int, pending=frozenset()) -> 
 MOVES = object()
 
 
-# How much dearer than the cheapest candidate a choice may be (modelled seconds, 0.01 α = 100 ns):
-# a candidate whose bound is within this of the best found is not costed further, like a
-# branch-and-bound solver's optimality gap. Exact ties still go by the keys below.
-TOLERANCE = 0.01 * ALPHA
+# How much dearer than the cheapest candidate a choice may be, in α (0.01 α: 100 ns at the default
+# figures): a candidate whose bound is within this of the best found is not costed further, like
+# a branch-and-bound solver's optimality gap. Exact ties still go by the keys below.
+TOLERANCE = 0.01
 
 
 def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
            fixed: tuple[int, ...] = (), grads: tuple[bool, ...] = (),
            free: tuple = (), stay_or_moves: bool = False,
-           tolerance: float = TOLERANCE) -> Choice | None:
+           tolerance: float | None = None) -> Choice | None:
     """The cheapest signature for ``call`` on inputs laid out as ``layouts``, to within
-    ``tolerance`` (:data:`TOLERANCE`; 0: the exact cheapest, as :func:`reference_choose`).
+    ``tolerance`` seconds (None: :data:`TOLERANCE` α of the figures in use; 0: the exact
+    cheapest, as :func:`reference_choose`).
 
     ``fixed``: inputs that must keep their layout (the ``self`` of an in-place op, whose result
     must then have that layout too). ``grads``: per input, whether it will receive a gradient
@@ -83,6 +84,8 @@ def choose(call: Call, layouts: tuple[Layout, ...], itemsizes: tuple[int, ...],
     rule = rows_for(call)
     if rule is None or not layouts:
         return None
+    if tolerance is None:
+        tolerance = TOLERANCE * cost.ALPHA
     return _choose(rule, call, tuple(layouts), tuple(itemsizes), tuple(fixed), tuple(grads),
                    tuple(free), stay_or_moves, tolerance)
 

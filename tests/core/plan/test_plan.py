@@ -14,7 +14,7 @@ from globaltensor.plan.codes import B as _B, P as _P, SLICE as _SLICE, ZERO_FILL
 from globaltensor.plan.messages import fewest_messages as _fewest_messages, messages_of
 from globaltensor.plan.reference import local_step as _local_step
 from globaltensor.plan.space import space_of as _space
-from globaltensor.plan import (ALPHA, AllGather, AllGatherV, AllReduce, AllToAll, Exchange,
+from globaltensor.plan import (DEFAULT, AllGather, AllGatherV, AllReduce, AllToAll, Exchange,
                                 LocalSlice, ReduceScatter, ZeroFill, holds_full)
 
 S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
@@ -22,6 +22,7 @@ GRIDS_1D = [[0, 1], [0, 1, 2], [0, 1, 2, 3]]
 SHAPES = [(4, 4), (5, 7), (13, 17), (3, 5)]
 VALUES = [S(0), S(1), B, P]
 GRID_2D = gt.placement("cpu", [[0, 1], [2, 3]])
+ALPHA = DEFAULT.alpha  # the suite prices with the default figures
 
 
 def lay(ranks, sbp, shape=(4, 4)):
@@ -515,7 +516,7 @@ def test_bounds_count_the_reduction_and_the_delivery_and_stay_below_the_cost():
     # transfers to be summed somewhere and D - 1 more to reach the others: the bound counts
     # both (it used to count the larger), and stays below the cost on uneven grids and shapes
     from globaltensor.plan import move_bounds
-    from globaltensor.plan import BETA
+    BETA = DEFAULT.beta
     src, dst = lay(GRID_2D, (P, P), (256, 1024)), lay(GRID_2D, (B, B), (256, 1024))
     beta = BETA * 4 * 256 * 1024  # the whole tensor once, in seconds
     assert lower_bound(src, dst) > 1.49 * beta and move_bounds(src, 4, dst.sbp)[1] > 1.49 * beta
