@@ -11,6 +11,12 @@ communication. ``state_dict()`` is a batch count, so a job resumes mid-epoch on 
     for epoch in range(3):
         for x, y in loader:        # global tensors of 32 samples, S(0)
             ...
+
+``items=`` (a function of a dataset index: the items that sample adds to a mean, e.g. its labels
+that are not ignored) makes ``loader.num_items`` the global batch's count, known on every rank
+without communication (every rank knows every index of the batch). Given to a loss as its
+divisor (HF's ``num_items_in_batch=``), the mean over a split batch needs no collective in the
+middle of the forward: the loss stays a partial sum until it is read (docs/user_guide.md, "Data").
 """
 from __future__ import annotations
 
@@ -45,7 +51,8 @@ class GlobalLoader:
     ``state_dict`` and ``load_state_dict``."""
 
     def __init__(self, dataset, placement: Placement, batch_size: int, sbp, shuffle: bool,
-                 seed: int, drop_last: bool, collate_fn: Callable | None, loader_kwargs: dict):
+                 seed: int, drop_last: bool, collate_fn: Callable | None, loader_kwargs: dict,
+                 items: Callable[[int], int] | None = None):
         self.dataset = _checked_dataset(dataset)
         self.placement = check_placement(placement)
         self.sbp = _checked_sbp(sbp, self.placement)
@@ -57,6 +64,13 @@ class GlobalLoader:
         self.loader_kwargs = loader_kwargs
         self.epoch = 0
         self.batch = 0  # global batches of this epoch already yielded
+        if items is not None and not callable(items):
+            raise GlobalTensorError(
+                f"gt.data.loader: expected items= to be a function of a dataset index giving "
+                f"the items that sample adds to a mean, found {type(items).__name__}; e.g. "
+                f"items=lambda i: int((dataset[i]['labels'][1:] != -100).sum())")
+        self.items = items
+        self.num_items: int | None = None  # the last batch's count of items (with items=)
 
     def __len__(self) -> int:
         n = len(self.dataset)
@@ -92,13 +106,15 @@ class GlobalLoader:
         reads = _reader(self, [_indices_to_read(b, r) for b, r in zip(batches, pieces)][start:])
         for batch, piece, local in zip(batches[start:], pieces[start:], reads):
             self.batch += 1
+            if self.items is not None:
+                self.num_items = _count_items(self.items, batch)
             yield _wrap(local, len(batch), piece, self)
         self.epoch, self.batch = self.epoch + 1, 0
 
 
 def loader(dataset, placement: Placement, batch_size: int, sbp=None, *, shuffle: bool = True,
            seed: int = 0, drop_last: bool = False, collate_fn: Callable | None = None,
-           **loader_kwargs) -> GlobalLoader:
+           items: Callable[[int], int] | None = None, **loader_kwargs) -> GlobalLoader:
     """Global batches of ``batch_size`` samples of a map-style ``dataset`` (``len`` and
     ``dataset[i]``), laid out on ``placement`` with ``sbp`` (default ``S(0)`` on every axis: the
     batch split over all ranks; ``B`` on an axis: its ranks read the same samples; a named
@@ -109,13 +125,34 @@ def loader(dataset, placement: Placement, batch_size: int, sbp=None, *, shuffle:
     anything else (strings) stays this rank's samples. ``loader_kwargs`` (``num_workers``,
     ``pin_memory``...) go to the ``torch.utils.data.DataLoader`` that reads them.
 
+    ``items``: a function of a dataset index giving the items that sample adds to a mean (its
+    labels that are not ignored); ``loader.num_items`` is then the count of the batch last
+    yielded, the same int on every rank, computed without communication. Pass it as the mean's
+    divisor (HF: ``model(ids, labels=labels, num_items_in_batch=loader.num_items)``) and the
+    forward has no collective (a mean with ignored labels otherwise all-reduces its count).
+
     >>> loader = gt.data.loader(dataset, gt.placement.all("cpu"), batch_size=8, seed=0)
     >>> x, y = next(iter(loader))      # the same 8 samples whatever the world size
     """
     if sbp is None:
         sbp = (Split(0),) * placement.ndim if isinstance(placement, Placement) else Split(0)
     return GlobalLoader(dataset, placement, batch_size, sbp, shuffle, seed, drop_last,
-                        collate_fn, loader_kwargs)
+                        collate_fn, loader_kwargs, items)
+
+
+def _count_items(items: Callable[[int], int], batch: list[int]) -> int:
+    """The items of a global batch: ``items(i)`` summed over its indices (on every rank)."""
+    total = 0
+    for index in batch:
+        n = items(index)
+        if isinstance(n, torch.Tensor) and n.numel() == 1:
+            n = n.item()
+        if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+            raise GlobalTensorError(
+                f"gt.data.loader: expected items({index}) to be an int >= 0 (the items sample "
+                f"{index} adds to a mean), found {n!r}")
+        total += n
+    return total
 
 
 def _checked_sbp(sbp, placement: Placement) -> tuple:

@@ -189,3 +189,71 @@ def test_input_it_would_silently_misread_is_a_clear_error_on_every_rank():
     assert "found list_iterator, no __len__ and __getitem__" in generator
     assert "splits dim 3 on placement axis 0" in split and "at most 3 dims" in split
     assert "[[2, 2, 5], [2]]" in split and "Pick a dim below 3" in split
+
+
+class Tokens(torch.utils.data.Dataset):
+    """Sample i: ids and labels of length 12, the labels after position 4 + i % 5 ignored."""
+
+    def __init__(self, n):
+        g = torch.Generator().manual_seed(5)
+        self.ids = torch.randint(0, 64, (n, 12), generator=g)
+        self.labels = self.ids.clone()
+        for i in range(n):
+            self.labels[i, 4 + i % 5:] = -100
+
+    def __len__(self):
+        return len(self.ids)
+
+    def __getitem__(self, i):
+        return self.ids[i], self.labels[i]
+
+
+def test_items_give_the_mean_its_count_without_a_collective_in_the_forward():
+    transformers = pytest.importorskip("transformers")
+    torch.manual_seed(0)
+    base = transformers.GPT2LMHeadModel(transformers.GPT2Config(
+        vocab_size=64, n_embd=32, n_layer=1, n_head=4, n_positions=16, resid_pdrop=0.0,
+        embd_pdrop=0.0, attn_pdrop=0.0, attn_implementation="sdpa"))
+    data = Tokens(12)
+    shifted = lambda i: int((data.labels[i][1:] != -100).sum())  # what HF's causal loss counts
+    ref = __import__("copy").deepcopy(base)
+    ids, labels = next(iter(torch.utils.data.DataLoader(
+        data, batch_size=6, sampler=gt.data.sample_order(12, True, 0, 0))))
+    want = ref(ids, labels=labels).loss
+    want.backward()
+
+    def body(rank):
+        model = __import__("copy").deepcopy(base).to_global(gt.placement("cpu", [0, 1, 2]), B)
+        loader = gt.data.loader(data, gt.placement("cpu", [0, 1, 2]), 6, seed=0, items=shifted)
+        x, y = next(iter(loader))
+        with gt.comm_trace() as given:
+            loss = model(x, labels=y, num_items_in_batch=loader.num_items).loss
+        with gt.comm_trace() as counted:
+            counted_loss = model(x, labels=y).loss
+        loss.backward()
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        return (loader.num_items, given.counts(), counted.counts(), loss.sbp, loss.item(),
+                counted_loss.item(), grads)
+
+    for num_items, given, counted, sbp, value, plain, grads in run_ranks(body, 3, timeout=TIMEOUT):
+        assert num_items == sum(shifted(i) for i in gt.data.sample_order(12, True, 0, 0)[:6])
+        assert given == {} and counted == {"all_reduce": 1}
+        assert sbp == (P,)
+        assert value == pytest.approx(want.item(), rel=1e-6) and plain == pytest.approx(value, rel=1e-6)
+        for n, p in ref.named_parameters():
+            assert torch.allclose(grads[n], p.grad, rtol=1e-5, atol=1e-7), n
+
+
+def test_items_must_be_a_function_giving_counts():
+    def body(rank):
+        p = gt.placement("cpu", [0, 1])
+        with pytest.raises(GlobalTensorError, match="expected items= to be a function"):
+            gt.data.loader(Numbers(4), p, 2, items=3)
+        loader = gt.data.loader(Numbers(4), p, 2, items=lambda i: -1 if i == 2 else 1, shuffle=False)
+        it = iter(loader)
+        next(it)
+        assert loader.num_items == 2
+        with pytest.raises(GlobalTensorError, match=r"expected items\(2\) to be an int >= 0"):
+            next(it)
+        return True
+    assert run_ranks(body, 2, timeout=TIMEOUT) == [True, True]
