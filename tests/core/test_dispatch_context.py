@@ -4,9 +4,8 @@ moves already made are free (on ranks: tests/ranks/test_dispatch_context_ranks.p
 import pytest
 
 from globaltensor import ops
-from globaltensor.sbp import Split
 from globaltensor.layout import Layout
-from globaltensor.plan import plan
+from globaltensor.plan import DEFAULT, plan
 from globaltensor.ops import B, P, S, Call, Ref
 
 from helpers import G2, G22
@@ -45,17 +44,22 @@ def _mse_call(shape):
 def test_a_partial_input_that_gets_a_gradient_is_all_reduced_not_reduce_scattered():
     shape = (64, 256)
     out, target = Layout(G22, (S(0), P), shape), Layout(G22, (S(0), B), shape)
-    greedy = ops.choose(_mse_call(shape), (out, target), (4, 4))
-    assert isinstance(greedy.ins[0].sbp[1], Split)            # half the bytes, for this op
     with_grad = ops.choose(_mse_call(shape), (out, target), (4, 4), grads=(True, False))
     assert with_grad.ins[0].sbp == (S(0), B) and with_grad.outs == ((P, B),)
-    # one all_reduce beats a reduce_scatter plus the all_gather of the gradient by one latency
-    rs_ag = greedy.cost + ops.backward_cost(out, greedy.ins[0], greedy.outs, 4)
+    # a reduce_scatter sends half the bytes for this op, but leaves the loss partial on the
+    # tensor axis too (a second reduction owed) and its gradient to gather in backward
+    scattered = (out.with_sbp((S(0), S(1))), target.with_sbp((S(0), S(1))))
+    rs = ops.choose(_mse_call(shape), scattered, (4, 4))
+    assert rs.outs == ((P, P),)
+    rs_ag = (plan(out, scattered[0]).cost(4) + rs.cost
+             + ops.backward_cost(out, scattered[0], rs.outs, 4))
     assert with_grad.cost < rs_ag
+    greedy = ops.choose(_mse_call(shape), (out, target), (4, 4))
+    assert greedy.ins[0].sbp == (S(0), B)  # without a gradient too: the owed reduction decides
     # a move already made is free: backward (no grad mode) keeps forward's choice
     free = (frozenset({out.with_sbp((S(0), B))}), frozenset())
     again = ops.choose(_mse_call(shape), (out, target), (4, 4), free=free)
-    assert again.ins[0].sbp == (S(0), B) and again.cost == 0.0
+    assert again.ins[0].sbp == (S(0), B) and again.cost == DEFAULT.alpha  # the loss, owed
 
 
 def test_without_moves_the_context_changes_nothing():
@@ -63,4 +67,4 @@ def test_without_moves_the_context_changes_nothing():
     x = Layout(G22, (S(0), B), shape)
     for grads in ((), (True, True)):
         choice = ops.choose(_mse_call(shape), (x, x), (4, 4), grads=grads)
-        assert choice.ins == (x, x) and choice.cost == 0.0
+        assert choice.ins == (x, x) and choice.cost == DEFAULT.alpha  # the loss's sum, owed

@@ -1,7 +1,10 @@
-"""The 2x2 Llama step follows the cost figures: on links where a collective's latency is high
-(gloo's ~100 us and more) the gradients that are partial on both axes of the grid join the
-data-parallel bucket's single all_reduce; where it is low (NCCL's few us) each is reduced by
-the fewest bytes, reduce_scatter + all_reduce + all_gather. Both give one process's numbers."""
+"""The 2x2 Llama step follows the cost figures. On links where a collective's latency is high
+(gloo's 0.1 ms and more) the backward all-reduces the activations' gradients as Megatron does,
+and the gradients that are partial on both axes of the grid join one bucket's all_reduce.
+Where it is low (NCCL's few us) it gathers a matmul's operand instead where that sends fewer
+bytes (the product's sum then owed), and reduces a gradient partial on both axes by the fewest bytes,
+reduce_scatter + all_reduce + all_gather. Both give one process's numbers (docs/planner.md,
+"Choosing a signature")."""
 import copy
 
 import pytest
@@ -46,7 +49,9 @@ def test_the_2x2_llama_step_follows_the_cost_figures():
         wrong = [n for n, p in model.named_parameters()
                  if not torch.allclose(p.grad.full_tensor(), want[n], rtol=1e-6, atol=1e-7)]
         reductions = [(r.op, r.collectives) for r in trace.records if r.layouts() == "(P, P) -> (B, B)"]
-        return sum(trace.counts().values()), reductions, wrong
+        gathers = [r.layouts() for r in trace.records if r.op == "aten.mm.default"
+                   and r.collectives == ("all_gather",)]
+        return trace.counts(), reductions, gathers, wrong
 
     found = {}
     for alpha in (1e-3, 1e-6):  # gloo on this machine measures 0.2-0.6 ms; NCCL in a node ~5 us
@@ -55,10 +60,14 @@ def test_the_2x2_llama_step_follows_the_cost_figures():
             found[alpha] = run_ranks(body, 4, timeout=120)[0]
         finally:
             gt.set_costs(costs=before)
-    (slow_count, slow_reduced, slow_wrong), (fast_count, fast_reduced, fast_wrong) = found.values()
+    (slow, slow_reduced, slow_gathers, slow_wrong), (fast, fast_reduced, fast_gathers, fast_wrong) = \
+        found.values()
     assert slow_wrong == [] and fast_wrong == []
-    # high latency: no gradient is reduced on its own; they all go in the bucket
-    assert slow_reduced == []
-    # low latency: the embedding's gradient (partial on both axes) by the fewest bytes
+    # high latency: only all-reduces (Megatron's of the activations' gradients, and buckets);
+    # no gradient partial on both axes is reduced on its own
+    assert set(slow) == {"all_reduce"} and slow_reduced == [] and slow_gathers == []
+    # low latency: a matmul's operand is gathered where that sends fewer bytes than reducing
+    # the activation's gradient, and the embedding's gradient is reduced by the fewest bytes
+    assert fast_gathers
     assert fast_reduced == [("gradient sync", ("reduce_scatter", "all_reduce", "all_gather"))]
-    assert slow_count < fast_count
+    assert sum(slow.values()) < sum(fast.values())

@@ -19,10 +19,11 @@ from ..rules import KEEP, Rule
 
 
 def partial_count(outs, grid) -> int:
-    """How many (output, axis) entries of a candidate's results are partial sums: between
-    candidates of equal cost, the one leaving fewer partial sums wins (a partial sum is a
-    reduction still owed; with an input's resolved form already at hand, e.g. an RMSNorm's
-    input gathered for its variance, paying it now costs nothing)."""
+    """How many (output, axis) entries of a candidate's results are partial sums: each is a
+    reduction still owed, priced at one α in a candidate's cost (choose.py,
+    ``_candidate_cost``); between candidates of equal cost, the one leaving fewer wins (with an
+    input's resolved form already at hand, e.g. an RMSNorm's input gathered for its variance,
+    paying it now costs nothing)."""
     return sum(1 for out in outs for a, v in enumerate(out)
                if isinstance(v, PartialSum) and grid[a] > 1)  # P on one rank is its value
 
@@ -159,6 +160,7 @@ class Table:
         changed = sum((mask >> i) & 1 for i in range(m))
         outs = facts[:, m + 1].max(axis=0)  # a row of one result stands for all of them
         partials = sum(np.where(k < outs, facts[:, m + 3 + k].sum(axis=0), 0) for k in range(most))
+        bound += cost.ALPHA * partials * (1 - 1e-9)  # each partial sum: a reduction owed (choose.py)
         index = np.arange(size)
         if kernels:  # at most one kernel per candidate
             named = facts[:, m + 2]
@@ -178,7 +180,7 @@ class Table:
 
     def refined(self, index: int, resolved) -> float:
         """The candidate's bound with the planner's count of collectives for each move."""
-        total = 0.0
+        total = cost.ALPHA * self.partials[index]
         for layout, collectives, rest, sbp in zip(self.layouts, self.collectives, self.rest, resolved):
             if collectives[index]:
                 total += cost.ALPHA * fewest_collectives(layout, sbp)

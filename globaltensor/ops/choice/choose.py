@@ -236,8 +236,10 @@ def _first(rule: Rule, call: Call, layouts, options) -> Choice | None:
 def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
     """The parts of a candidate's cost, each as (bound, exact?, input, backward?): the moves
     its inputs need (the planner's bound, or 0 for a free layout) and, for inputs that will
-    get a gradient, the move that gradient needs in backward."""
-    terms = []
+    get a gradient, the move that gradient needs in backward; and, exact from the start, one α
+    per partial sum the results leave (input -1)."""
+    owed = partial_count(outs, layouts[0].placement.shape)
+    terms = [(cost.ALPHA * owed, True, -1, False)] if owed else []
     for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):
         if src == dst:
             continue
@@ -260,6 +262,8 @@ def _exact_one(terms, layouts, targets, itemsizes, outs, best=None):
     limit = math.inf
     if best is not None:
         limit = (best - sum(value for j, (value, _, _, _) in enumerate(terms) if j != k)) * (1 + 1e-9)
+        if limit <= terms[k][0]:  # no room left above its bound (an exact tie): a stopped
+            limit = math.inf      # search would answer that bound again, so cost it exactly
     if backward:
         grad, wanted = backward_move(src, dst, outs)
         cost, exact = (0.0, True) if wanted == grad.sbp else cost_above(
@@ -306,17 +310,23 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
 
 
 def _candidate_cost(layouts, targets, itemsizes, outs, grads, free) -> float:
-    cost = 0.0
+    """The moves the candidate's inputs need (and their gradients' in backward), plus one α per
+    partial sum it leaves in its results: a reduction owed is at least one collective whenever
+    it is paid, so keeping a sum partial is not free. It is what makes the choice follow the
+    cost figures where a kept partial sum competes with a reduction now (a row-parallel
+    weight's gradient: gather the weight and keep the activation's gradient partial, or
+    all-reduce that gradient as Megatron does; the first where α is small)."""
+    total = cost.ALPHA * partial_count(outs, layouts[0].placement.shape) if layouts else 0.0
     pending = frozenset(a for layout in layouts for a, v in enumerate(layout.sbp)
                         if isinstance(v, PartialSum))
     for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):
         if src == dst:
             continue
         if not (free and dst in free[i]):
-            cost += _move_cost(src, dst, n, pending)
+            total += _move_cost(src, dst, n, pending)
         if grads and grads[i]:
-            cost += backward_cost(src, dst, outs, n)
-    return cost
+            total += backward_cost(src, dst, outs, n)
+    return total
 
 
 __all__ = ["MOVES", "TOLERANCE", "Choice", "choose", "reference_choose"]
