@@ -1,6 +1,7 @@
 """Real models: a training step on global tensors against torch DDP and DTensor, same run.
 
     python benchmarks/real_models.py [--runs 3] [--steps 8] [--only overhead,dp,tp,grid,cnn]
+    python benchmarks/real_models.py --only overhead --models gpt2   # the per-op figure, GPT-2 only
 
 Models are transformers' own Llama and GPT-2 (tiny configs, random init) and a ResNet-style CNN
 with BatchNorm (tests/ranks/test_real_models.py defines the same shapes). Each comparison
@@ -128,8 +129,8 @@ def step_fn(model, opt, loss_fn, batch, after_backward=None):
     return step
 
 
-def race(steps: dict, n: int) -> dict:
-    """Median step time of each contender, alternating them step by step."""
+def race(steps: dict, n: int, stat=statistics.median) -> dict:
+    """Median (or ``stat``) step time of each contender, alternating them step by step."""
     times = {k: [] for k in steps}
     names = list(steps)
     for i in range(n + 2):
@@ -137,7 +138,7 @@ def race(steps: dict, n: int) -> dict:
             took = timed(steps[name])
             if i >= 2:  # warm-up
                 times[name].append(took)
-    return {k: statistics.median(v) for k, v in times.items()}
+    return {k: stat(v) for k, v in times.items()}
 
 
 # ----------------------------------------------------------------------------- contenders
@@ -277,14 +278,15 @@ def bare_module(model):
     return model
 
 
-def overhead(steps: int) -> dict:
+def overhead(steps: int, models=("llama", "gpt2", "cnn"), stat="median") -> dict:
     """Per-op dispatch overhead in a world of one (one process, placement [0], everything B),
     with two references on the same step: the Python wrapper-subclass floor (``Bare``) and
     DTensor (Replicate on a mesh of one; its dispatch runs in C++)."""
-    return gt.spawn(overhead_worker, args=(steps,), nproc_per_node=1, timeout=1800)[0]
+    return gt.spawn(overhead_worker, args=(steps, tuple(models), stat), nproc_per_node=1,
+                    timeout=1800)[0]
 
 
-def overhead_worker(local_rank, steps):
+def overhead_worker(local_rank, steps, models=("llama", "gpt2", "cnn"), stat="median"):
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, distribute_module, distribute_tensor
     from torch.distributed.tensor.experimental import implicit_replication
@@ -307,6 +309,8 @@ def overhead_worker(local_rank, steps):
     # eager attention: DTensor has no rule for CPU flash attention (sdpa's kernel here)
     for name, make, loss_fn in (("llama", lambda: llama("eager"), lm_loss),
                                 ("gpt2", lambda: gpt2("eager"), lm_loss), ("cnn", cnn, cnn_loss)):
+        if name not in models:
+            continue
         base = make()
         batch = data_for("cnn" if name == "cnn" else "lm", torch.Generator().manual_seed(1))
         plain = copy.deepcopy(base)
@@ -330,7 +334,8 @@ def overhead_worker(local_rank, steps):
         counting = Count()
         with counting:
             sp()
-        times = race({"plain": sp, "global": sg, "bare": sb, "dtensor": sd}, steps)
+        times = race({"plain": sp, "global": sg, "bare": sb, "dtensor": sd}, steps,
+                     min if stat == "min" else statistics.median)
         res[name] = (counting.n, times)
     return res
 
@@ -345,6 +350,11 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--threads", type=int, default=1, help="torch threads per process")
     ap.add_argument("--only", default="overhead,dp,tp,grid,cnn")
+    ap.add_argument("--models", default="llama,gpt2,cnn",
+                    help="the models of the overhead rows (e.g. gpt2: the per-op figure alone)")
+    ap.add_argument("--stat", choices=("median", "min"), default="median",
+                    help="overhead rows: each contender's median step, or its fastest (the "
+                         "least disturbed on a busy machine)")
     ap.add_argument("--foreach", action="store_true",
                     help="optimizers with foreach=True for every contender (torch's default on "
                          "CPU is the per-tensor loop; gt then runs each optimizer op once)")
@@ -357,7 +367,7 @@ def main() -> None:
     if "overhead" in only:
         per_model: dict = {}
         for _ in range(a.runs):
-            for name, (ops, times) in overhead(a.steps).items():
+            for name, (ops, times) in overhead(a.steps, a.models.split(","), a.stat).items():
                 per_model.setdefault(name, []).append((ops, times))
         print("Added time per aten op over the plain step, world of 1, everything replicated "
               "(target for gt <= 8 us):")

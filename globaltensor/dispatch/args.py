@@ -29,11 +29,11 @@ class LocalTensorFound(Exception):
 
 
 def flatten(func, args, kwargs):
-    """``(key, tensors)``: the cache key by id (``(func, *args parts, *kwargs names and parts)``,
+    """``(key, tensors)``: the cache key by id (``(op, *args parts, *kwargs names and parts)``,
     flat: nested tuples hash slower) and the global tensors in argument order. Raises
     :class:`LocalTensorFound` at a non-scalar local tensor."""
     tensors: list = []
-    parts = [func]
+    parts = [func._op]  # the C++ op behind the OpOverload: hashed in C (OpOverload's __hash__ is Python)
     for a in args:
         if type(a) is GlobalTensor:  # _part's global-tensor case, inline: the rows of benchmarks/dispatch.py
             tensors.append(a)

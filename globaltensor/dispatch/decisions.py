@@ -31,7 +31,7 @@ from ..runtime.failure import local_failure
 from ..runtime.meta import object_from
 from ..tensor import GlobalTensor
 from .args import local_args
-from .outputs import empties, wrap
+from .outputs import OutSpec, canonical, empties, lazy_bits, new_wrapper, wrap
 from .aliasing import LINK, link, write_back, write_into
 
 
@@ -56,7 +56,9 @@ class Plain:
 
     def __init__(self, targets, outs, kernel, rewrite, inplace, call, slots, op, view=None,
                  mutated=()):
-        self.targets, self.outs, self.kernel = targets, outs, kernel
+        # canonical: a piece made by a decision carries its output layout, also canonical, so
+        # the next op's ``layout is target`` holds without comparing layouts field by field
+        self.targets, self.outs, self.kernel = tuple(canonical(t) for t in targets), outs, kernel
         self.rewrite, self.inplace, self.call = rewrite, inplace, call
         self.placement = targets[0].placement
         # a view op: None for other ops, else whether its input was moved (views.py)
@@ -66,7 +68,7 @@ class Plain:
         # positions of the global tensors when they are all plain positional args: the local
         # args are then built by position, not by a walk; with nothing else to do, the fast path
         self.positional = slots
-        self.slots = slots if not (kernel or rewrite or view or mutated) else None
+        self.slots = slots if not (kernel or view or mutated) else None
         self.op = op  # the C++ op behind the OpOverload: one Python frame less per call
 
     def pieces(self, tensors):
@@ -86,7 +88,7 @@ class Plain:
 
     def run(self, func, args, kwargs, tensors):
         if self.slots is not None:
-            return self._run_simple(args, kwargs, tensors)
+            return self._run_simple(func, args, kwargs, tensors)
         pieces = self.pieces(tensors)
         if self.kernel is not None:
             largs, lkwargs = self.local_args(args, kwargs, pieces)
@@ -138,29 +140,38 @@ class Plain:
             raise error
         raise _local_error(str(self.call.op), self.placement, pieces, error) from error
 
-    def _run_simple(self, args, kwargs, tensors):
-        # the path of every op whose global tensors are plain positional args: each piece goes
-        # straight to its slot (benchmarks/dispatch.py, "x + y" and "x @ w")
+    def _run_simple(self, func, args, kwargs, tensors):
+        # every op whose global tensors are plain positional args (a rewrite of sizes aside):
+        # each piece straight to its slot; dispatch calls it directly (dispatch.runner)
         largs = list(args)
-        first = None
-        for t, target, slot in zip(tensors, self.targets, self.slots):
+        slots = self.slots
+        for t, target, slot in zip(tensors, self.targets, slots):
             layout = t._layout
-            piece = t._local if layout is target or layout == target else moved(t, target)
-            largs[slot] = piece
-            if first is None:
-                first = piece
+            largs[slot] = t._local if layout is target or layout == target else moved(t, target)
+        first = largs[slots[0]]
         if (first.numel() == 0 or first.dim() == 0) and my_coord(self.placement) is None:
             result = empties(self.outs, [first])  # _maybe_outside, inline
         else:
+            pieces = None
+            if self.rewrite is not None:  # local sizes from global ones (a view's)
+                pieces = [largs[s] for s in slots]
+                self.rewrite(self, largs, pieces)
             try:
                 result = self.op(*largs, **kwargs)
             except Exception as error:  # noqa: BLE001 - _failed re-raises what is not local
-                result = self._failed(error, [largs[s] for s in self.slots])
+                result = self._failed(error, pieces or [largs[s] for s in slots])
         if self.inplace:
             return _written(args[0])
-        out = wrap(result, self.outs)
-        if self.view is not None:  # a view of a linked view is linked too (views.py)
-            link(out, args[0], self.call.op, args, kwargs, False)
+        outs = self.outs
+        if type(outs) is OutSpec:  # wrap, inline: one output (outputs.wrap)
+            out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=result.device)
+            out._local, out._layout = result, outs.layout
+            if outs.complex:
+                lazy_bits(out, result)
+        else:
+            out = wrap(result, outs)
+        if self.view is not None and LINK in args[0].__dict__:  # a view of a linked view is
+            link(out, args[0], self.call.op, args, kwargs, False)  # linked too (views.py)
         return out
 
 

@@ -152,6 +152,18 @@ class DataDependent(GlobalTensorError):
     tensors cannot tell it. Dispatch runs such ops on broadcast inputs (decisions.RunToLearn)."""
 
 
+# equal layouts -> one of them: the targets and output layouts of decisions (kept while the
+# decisions are; forgetting one only costs a field-by-field comparison)
+_CANONICAL = Bounded(50_000)
+
+
+def canonical(layout: Layout) -> Layout:
+    """The one object kept for layouts equal to ``layout`` (decisions are made on a cache miss,
+    so this never runs on the warm path)."""
+    found = _CANONICAL.get(layout)
+    return found if found is not None else _CANONICAL.put(layout, layout)
+
+
 class OutSpec:
     """An output's layout and dtype (its wrapper has the contiguous strides of the global
     shape: torch's default, so the wrapper is made without a strides keyword)."""
@@ -173,7 +185,7 @@ def out_specs(meta, outs, placement, name):
         if isinstance(m, torch.Tensor):
             k = next(count)
             sbp = outs[k] if len(outs) > 1 else outs[0]
-            return OutSpec(Layout(placement, sbp, tuple(m.shape)), m.dtype)
+            return OutSpec(canonical(Layout(placement, sbp, tuple(m.shape))), m.dtype)
         if isinstance(m, (list, tuple)):
             return type(m)(build(x) for x in m)
         if m is None:

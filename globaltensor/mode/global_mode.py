@@ -34,6 +34,7 @@ from torch.utils._pytree import tree_leaves
 
 from .. import debug as _debug
 from .. import env
+from .._cache import Bounded
 from ..compile_support import nonstrict
 from ..convert import check_placement, device_for
 from ..errors import GlobalTensorError
@@ -66,6 +67,11 @@ __all__ = ["GlobalMode", "active", "global_mode"]
 
 # torch functions global mode hands to globaltensor when an argument is global
 HANDLERS = {**packed.HANDLERS, **rnn.HANDLERS}
+# the torch functions the mode does anything but run: one lookup for every other call
+_SPECIAL = frozenset(_FACTORIES) | frozenset(HANDLERS)
+# (placement, sbp, shape) -> the layout of a factory's value: the same object every step (one
+# layout less to build, and dispatch's decisions keyed by its id are found again)
+_LAYOUTS = Bounded(4096)
 
 
 class GlobalMode(TorchFunctionMode):
@@ -94,18 +100,21 @@ class GlobalMode(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        kind = _FACTORIES.get(func)
-        if kind is None:  # the common case: any other torch call, run as it is
-            handler = HANDLERS.get(func)  # packed sequences, recurrent layers
-            if handler is not None and _any_global(args, kwargs):
-                return handler(*args, **kwargs)
-            result = func(*args, **kwargs)
-            if (type(result) is torch.Tensor and result.dim() > 0 and _any_global(args, kwargs)
-                    and not _called_by_us()):
-                # a torch function built its result from no input (matrix_power(x, 0): an eye)
-                return self._wrap(result, sync=False, placement=_placement_of(args, kwargs))
-            return result
-        if _any_global(args, kwargs) or (not torch.compiler.is_compiling() and _called_by_us()):
+        if func in _SPECIAL:  # one lookup; any other torch call is run as it is
+            kind = _FACTORIES.get(func)
+            if kind is not None:
+                return self._factory(func, kind, args, kwargs)
+            if _any_global(args, kwargs):  # packed sequences, recurrent layers
+                return HANDLERS[func](*args, **kwargs)
+        result = func(*args, **kwargs)
+        if (type(result) is torch.Tensor and result.dim() > 0 and _any_global(args, kwargs)
+                and not _called_by_us()):
+            # a torch function built its result from no input (matrix_power(x, 0): an eye)
+            return self._wrap(result, sync=False, placement=_placement_of(args, kwargs))
+        return result
+
+    def _factory(self, func, kind, args, kwargs):
+        if _any_global(args, kwargs) or (not torch.compiler.is_compiling() and _called_by_us(1)):
             # zeros_like(global) is dispatch's; our own code makes local tensors on purpose
             # (under torch.compile only the user's code is traced: dynamo cannot read frames)
             return func(*args, **kwargs)
@@ -122,7 +131,11 @@ class GlobalMode(TorchFunctionMode):
     def _layout(self, full: torch.Tensor, placement=None) -> Layout:
         placement = placement or self.placement
         sbp = self.sbp if placement is self.placement else replicated(placement.ndim)
-        return Layout(placement, sbp, tuple(full.shape))
+        key = (placement, sbp, tuple(full.shape))
+        if torch.compiler.is_compiling():
+            return Layout(*key)
+        layout = _LAYOUTS.get(key)
+        return layout if layout is not None else _LAYOUTS.put(key, Layout(*key))
 
     def _wrap(self, full: torch.Tensor, *, sync: bool, placement=None) -> GlobalTensor:
         if simulated():  # gt.simulate: global tensors hold no data
@@ -153,10 +166,11 @@ class GlobalMode(TorchFunctionMode):
         return GlobalTensor._make(local, layout, full.requires_grad)
 
 
-def _called_by_us() -> bool:
+def _called_by_us(extra: int = 0) -> bool:
     """Whether the torch call comes from globaltensor's code (torch's own Python frames, such
-    as ``torch.overrides`` or ``torch.nn.functional``, are looked through)."""
-    frame = sys._getframe(2)
+    as ``torch.overrides`` or ``torch.nn.functional``, are looked through); ``extra``: frames of
+    the mode's own between ``__torch_function__`` and the caller."""
+    frame = sys._getframe(2 + extra)
     while frame is not None:
         name = frame.f_globals.get("__name__", "")
         if not name.startswith("torch"):

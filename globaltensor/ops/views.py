@@ -131,13 +131,60 @@ def _digits(shape, dims, grid, sbp):
 def rewrite_view(decision, largs, pieces):
     """The local size: a dim kept as it is keeps the piece's size; a dim of a merge or a split
     is its global size over the axes that cut it (``_same_pieces``), but for an uneven last cut,
-    the size of the input dim that axis cuts alike."""
-    if not pieces[0].is_contiguous():
-        largs[0] = pieces[0].contiguous()  # the global tensor is contiguous; its piece may not be
+    the size of the input dim that axis cuts alike.
+
+    The global tensor is contiguous, its piece may not be (a slice, a transpose): a piece that
+    torch can view as the new size as it is stays an alias of its base (an attention's q/k/v
+    split off one projection, as on one device); only one that cannot is copied first."""
+    piece = pieces[0]
     out = decision.outs.layout
-    if not any(isinstance(v, Split) for v in out.sbp):
-        return
-    local_in, grid, sbp_in = pieces[0].shape, out.placement.shape, decision.targets[0].sbp
+    if _has_split(out):
+        largs[1] = _local_view_size(decision, out, piece.shape)
+    if not piece.is_contiguous() and (len(largs) < 2 or not _viewable(piece, largs[1])):
+        largs[0] = piece.contiguous()
+
+
+def _has_split(layout) -> bool:
+    for v in layout.sbp:
+        if isinstance(v, Split):
+            return True
+    return False
+
+
+def _viewable(piece, size) -> bool:
+    """Whether torch's ``view`` takes ``piece`` to ``size`` without a copy: its strides allow
+    it (torch's ``computeStride``, without raising and catching torch's error, which costs a
+    C++ backtrace)."""
+    shape, stride = piece.shape, piece.stride()
+    numel = piece.numel()
+    if numel == 0 or not shape:
+        return True
+    size = list(size)
+    if -1 in size:
+        known = 1
+        for n in size:
+            if n != -1:
+                known *= n
+        size[size.index(-1)] = numel // known if known else 0
+    view_d = len(size) - 1
+    chunk_base_stride = stride[-1]
+    tensor_numel = view_numel = 1
+    for d in range(len(shape) - 1, -1, -1):
+        tensor_numel *= shape[d]
+        if d == 0 or (shape[d - 1] != 1 and stride[d - 1] != tensor_numel * chunk_base_stride):
+            while view_d >= 0 and (view_numel < tensor_numel or size[view_d] == 1):
+                view_numel *= size[view_d]
+                view_d -= 1
+            if view_numel != tensor_numel:
+                return False
+            if d > 0:
+                chunk_base_stride = stride[d - 1]
+                tensor_numel = view_numel = 1
+    return view_d == -1
+
+
+def _local_view_size(decision, out, local_in) -> list:
+    grid, sbp_in = out.placement.shape, decision.targets[0].sbp
     size = list(out.shape)
     for gi, gj in view_groups(decision.targets[0].shape, out.shape):
         if len(gi) == 1 and len(gj) == 1:
@@ -150,7 +197,7 @@ def rewrite_view(decision, largs, pieces):
                 last = axes[-1]
                 uneven = length % grid[last]
                 size[j] = local_in[sbp_in[last].dim] if uneven else length // grid[last]
-    largs[1] = size
+    return size
 
 
 def _permute_rows(perm) -> tuple[Row, ...]:
