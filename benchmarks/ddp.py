@@ -1,9 +1,11 @@
-"""DDP step time: gt.nn.parallel.DistributedDataParallel against torch's, in the same run.
+"""DDP step time: gt.nn.parallel.DistributedDataParallel and a global model against torch's DDP.
 
     python benchmarks/ddp.py [--nproc 4] [--steps 20] [--batch 16] [--width 2048]
 
-Four real processes (gt.spawn) on gloo, each training its own copy of a ~10M-parameter MLP under
-both wrappers; steps alternate (gt, torch, gt, ...) so load on the machine hits both alike.
+Four real processes (gt.spawn) on gloo, each training its own copy of a ~10M-parameter MLP three
+ways: gt's DDP wrapper ("gt"), the model made global (``to_global(placement, B)``, the batch
+``S(0)``: the gradient hooks and buckets of grads.py, "global") and torch's DDP ("torch"); steps
+rotate among them so load on the machine hits all alike.
 A step is forward + backward + SGD; every step starts after a barrier, and its time is the
 slowest rank's. Prints the median step time of each and their ratio (target <= 1.05), and the
 ratio of the fastest steps (less sensitive to other load on the machine).
@@ -46,19 +48,23 @@ def worker(local_rank: int, steps: int, batch: int, width: int, threads: int):
     gt.init()
     base = mlp(width)
     params = sum(p.numel() for p in base.parameters())
-    models = {"gt": GtDDP(copy.deepcopy(base)), "torch": TorchDDP(copy.deepcopy(base))}
+    everyone = gt.placement("cpu", list(range(gt.env.get_world_size())))
+    models = {"gt": GtDDP(copy.deepcopy(base)), "torch": TorchDDP(copy.deepcopy(base)),
+              "global": copy.deepcopy(base).to_global(everyone, gt.sbp.broadcast)}
     opts = {k: torch.optim.SGD(m.parameters(), lr=1e-3) for k, m in models.items()}
     gen = torch.Generator().manual_seed(local_rank)
     times = {k: [] for k in models}
+    names = list(models)
     for step in range(steps + 3):
         x, y = torch.randn(batch, 1024, generator=gen), torch.randn(batch, 256, generator=gen)
-        order = ("gt", "torch") if step % 2 == 0 else ("torch", "gt")
-        for name in order:
-            took = timed_step(models[name], opts[name], x, y)
+        batches = {"global": tuple(gt.from_local(t, everyone, gt.sbp.split(0)) for t in (x, y))}
+        for name in names[step % 3:] + names[:step % 3]:
+            took = timed_step(models[name], opts[name], *batches.get(name, (x, y)))
             if step >= 3:  # warm-up steps are not counted
                 times[name].append(took)
-    same = all(torch.allclose(a, b, atol=1e-5) for a, b in
-               zip(models["gt"].parameters(), models["torch"].parameters()))
+    same = all(torch.allclose(a, b, atol=1e-5) and torch.allclose(g.full_tensor(), b, atol=1e-5)
+               for a, b, g in zip(models["gt"].parameters(), models["torch"].parameters(),
+                                  models["global"].parameters()))
     return params, times, same
 
 
@@ -77,9 +83,10 @@ def main() -> None:
           f"(gloo, {a.threads} thread/rank), {a.steps} steps each, median of slowest rank:")
     for k, v in times.items():
         print(f"  {k:6s} {med[k] * 1e3:8.1f} ms   (min {min(v) * 1e3:.1f}, max {max(v) * 1e3:.1f})")
-    print(f"  ratio gt/torch = {med['gt'] / med['torch']:.3f} median, "
-          f"{min(times['gt']) / min(times['torch']):.3f} fastest   (target <= 1.05); "
-          f"same parameters after training: {same}")
+    for k in ("gt", "global"):
+        print(f"  ratio {k}/torch = {med[k] / med['torch']:.3f} median, "
+              f"{min(times[k]) / min(times['torch']):.3f} fastest   (target <= 1.05)")
+    print(f"  same parameters after training: {same}")
 
 
 if __name__ == "__main__":
