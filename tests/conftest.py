@@ -14,7 +14,7 @@ if _TESTS not in sys.path:  # ``helpers`` importable from every tier, in any imp
 torch.set_num_threads(1)
 os.environ.setdefault("OMP_NUM_THREADS", "1")
 # Worlds started by the tests price plans with the built-in figures, not a probe of this busy
-# machine, so a plan a test asserts is the same on every run (tests/processes/test_costs.py
+# machine, so a plan a test asserts is the same on every run (tests/processes/test_cost_probe.py
 # runs the probe itself).
 os.environ.setdefault("GT_COSTS", "default")
 

@@ -140,17 +140,18 @@ def _probe(device: str) -> cost.Costs:
 
     def timed(t, calls):
         times = []
-        for _ in range(calls + 1):  # the first call warms the buffers up and is not counted
+        for _ in range(calls + 1):
             if device != "cpu":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             start = time.perf_counter()
             dist.all_reduce(t)
             if device != "cpu":
-                torch.cuda.synchronize()
+                torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
         return statistics.median(times[1:])
 
-    dist.barrier()
+    # the first call of each size is not counted: it lines the ranks up and warms the buffers
+    # (no barrier: with NCCL it would pick its own device, not this rank's)
     alpha = timed(small, _LATENCY_CALLS)
     sent = 2 * (n - 1) / n * PROBE_BYTES
     beta = max(timed(big, _BANDWIDTH_CALLS) - alpha, 0.0) / sent

@@ -1,5 +1,5 @@
 """The planner's cost figures: given by ``gt.set_costs`` or ``GT_COSTS`` (the probe that measures
-them runs in tests/processes/test_costs.py), read by every plan and choice, and a change of
+them runs in tests/processes/test_cost_probe.py), read by every plan and choice, and a change of
 figures forgets the plans made under the old ones."""
 import pytest
 
