@@ -171,12 +171,16 @@ _PENDING: dict = {}  # graph task id -> _Reductions of that backward
 # thread-rank sets its own), read where the gradient hooks run
 BUCKET_CAP_MB: contextvars.ContextVar[float] = contextvars.ContextVar(
     "globaltensor_bucket_cap_mb", default=25.0)
+# DDP's first_bucket_bytes_cap: a backward's first bucket of each group is this small, so its
+# all-reduce starts while the rest of backward runs (the last layers' gradients come first)
+FIRST_BUCKET_MB = 1.0
 
 
 def set_bucket_cap_mb(mb: float) -> None:
     """The size at which a bucket of gradients is all-reduced during backward (DDP's
-    ``bucket_cap_mb``, default 25), in the current context. 0 reduces each gradient on its own
-    as soon as it is ready."""
+    ``bucket_cap_mb``, default 25), in the current context; a backward's first bucket of each
+    group is at most 1 MB (DDP's first bucket), so its all-reduce overlaps the rest of
+    backward. 0 reduces each gradient on its own as soon as it is ready."""
     if isinstance(mb, bool) or not isinstance(mb, (int, float)) or mb < 0:
         raise GlobalTensorError(f"set_bucket_cap_mb expects a number of megabytes >= 0, found {mb!r}")
     BUCKET_CAP_MB.set(float(mb))
@@ -218,11 +222,12 @@ class _Reductions:
     """The gradient all-reduces of one backward: open buckets by (group, dtype), and those
     launched, in launch order."""
 
-    __slots__ = ("open", "launched")
+    __slots__ = ("open", "launched", "started")
 
     def __init__(self):
         self.open: dict = {}
         self.launched: list = []
+        self.started: set = set()  # the keys whose first bucket is launched
 
     def add(self, key, group, param, piece, nbytes: int) -> None:
         bucket = self.open.get(key)
@@ -231,7 +236,11 @@ class _Reductions:
             size = math.prod(placement.shape[a] for a in axes)
             bucket = self.open[key] = _Bucket(group, size, placement.flat_ranks)
         bucket.add(param, piece, nbytes)
-        if bucket.nbytes >= BUCKET_CAP_MB.get() * 2**20:
+        cap = BUCKET_CAP_MB.get()
+        if key not in self.started:
+            cap = min(cap, FIRST_BUCKET_MB)
+        if bucket.nbytes >= cap * 2**20:
+            self.started.add(key)
             del self.open[key]
             bucket.launch()
             self.launched.append(bucket)
