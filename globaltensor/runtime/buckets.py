@@ -11,6 +11,22 @@ from .groups import sends
 from .guard import guard
 
 
+def _packed(pieces: list) -> "torch.Tensor":
+    """One flat buffer holding ``pieces`` in order: one foreach copy into its views (a
+    transposed piece, a Linear weight's gradient, is copied once, not reshaped then
+    concatenated)."""
+    if len(pieces) == 1 and pieces[0].is_contiguous():
+        return pieces[0].reshape(-1).clone()
+    first = pieces[0]
+    flat = torch.empty(sum(p.numel() for p in pieces), dtype=first.dtype, device=first.device)
+    views, offset = [], 0
+    for p in pieces:
+        views.append(flat[offset:offset + p.numel()].view(p.shape))
+        offset += p.numel()
+    torch._foreach_copy_(views, pieces)
+    return flat
+
+
 class Bucket:
     """Pieces (None on a rank outside the placement) summed over ``group`` as one buffer;
     ``nbytes`` counts what the caller says each piece weighs (the same on every rank)."""
@@ -33,7 +49,7 @@ class Bucket:
         pieces = [p for p in self.pieces if p is not None]
         member = bool(pieces) and self.group is not None
         if member:
-            self.flat = torch.cat([p.reshape(-1) for p in pieces])
+            self.flat = _packed(pieces)
             if sends(self.group):  # not in gt.simulate's world
                 self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
         n = self.size  # what a ring all-reduce sends from each member
