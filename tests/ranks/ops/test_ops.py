@@ -57,7 +57,8 @@ MATMUL = {
 }
 
 
-@pytest.mark.parametrize("name", list(MATMUL))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n == "einsum" else n
+                                  for n in MATMUL])  # einsum: matmul 3d@2d's decomposition (suite time)
 def test_matmul(name):
     fn, inputs = MATMUL[name]
     check(fn, inputs, atol=1e-5)
