@@ -102,12 +102,15 @@ def at_start(wanted: cost.Costs | str, device: str = "cpu") -> cost.Costs:
 
 def measure(device: str = "cpu", cache: str | None = None) -> cost.Costs:
     """Measure α and β on the world's group (every rank calls this at the same point; well
-    under a second) and price every later plan with them; returns them. ``cache``: a JSON file
+    under a second) and price every later plan with them; returns them (in a world of one, the
+    figures in use, unchanged). ``cache``: a JSON file
     to read figures from (keyed by backend, world size and hosts) and to write new ones to."""
     if not dist.is_initialized():
         raise GlobalTensorError(
             "gt.measure_costs() needs a started world; call gt.init() (or launch the script "
             "with `python launch.py --nproc_per_node N script.py`) first")
+    if dist.get_world_size() == 1:
+        return cost.current()  # a world of one sends nothing: there is nothing to measure
     key = _cache_key(device) if cache else None
     found = [_read(cache, key) if cache and dist.get_rank() == 0 else None]
     if cache:

@@ -77,3 +77,4 @@ def test_the_environment_variable():
                  "alpha=0,beta=1e-9"):
         with pytest.raises(gt.GlobalTensorError, match="GT_COSTS|alpha"):
             parse(text)
+

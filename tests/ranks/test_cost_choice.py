@@ -71,3 +71,10 @@ def test_the_2x2_llama_step_follows_the_cost_figures():
     assert fast_gathers
     assert fast_reduced == [("gradient sync", ("reduce_scatter", "all_reduce", "all_gather"))]
     assert sum(slow.values()) < sum(fast.values())
+
+
+def test_a_world_of_one_has_nothing_to_measure():
+    # a world of one sends nothing: measuring keeps the figures in use (no division by zero)
+    from globaltensor.plan import DEFAULT
+
+    assert run_ranks(lambda rank: gt.measure_costs(), 1, timeout=30) == [DEFAULT]
