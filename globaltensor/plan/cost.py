@@ -29,7 +29,8 @@ class Costs:
     def __post_init__(self):
         for name in ("alpha", "beta", "memory", "copy"):
             value = getattr(self, name)
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+            if (isinstance(value, bool) or not isinstance(value, (int, float))
+                    or not math.isfinite(value) or value <= 0):
                 raise GlobalTensorError(
                     f"expected {name} as a finite number of seconds > 0, found {value!r}; e.g. "
                     f"gt.set_costs(alpha=1e-4, beta=1e-9) (100 us a collective, 1 GB/s)")

@@ -61,6 +61,7 @@ def test_set_costs_keeps_the_figure_not_given_and_says_where_they_came_from(rest
     (dict(alpha=-1.0), "expected alpha as a finite number of seconds > 0, found -1.0"),
     (dict(beta=float("nan")), "expected beta as a finite number of seconds > 0, found nan"),
     (dict(alpha="1e-4"), "found '1e-4'"),
+    (dict(beta=True), "expected beta as a finite number of seconds > 0, found True"),
     (dict(costs=(1e-4, 1e-9)), "expected costs= to be figures returned by gt.costs()"),
 ])
 def test_bad_figures_are_refused_and_change_nothing(restore, bad, words):
