@@ -119,6 +119,12 @@ class GlobalMode(TorchFunctionMode):
             # (under torch.compile only the user's code is traced: dynamo cannot read frames)
             return func(*args, **kwargs)
         full = func(*args, **_local_kwargs(kwargs))
+        if isinstance(full, GlobalTensor):
+            # an enclosing global mode made it (a module in global mode inside another, e.g.
+            # each fully_shard unit: eagerly _called_by_us keeps the outer one out, under
+            # torch.compile frames cannot be read); wrapping it again would nest global tensors
+            return full if full._layout.placement == self.placement else \
+                full.to_global(placement=self.placement, sbp=self.sbp)
         if kind == "same" and torch.compiler.is_compiling():
             return traced_factory_value(full, self.placement, self.sbp)
         if kind == "same":

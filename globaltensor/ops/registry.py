@@ -23,7 +23,8 @@ from ..errors import GlobalTensorError
 from .naming import op_key
 from .pieces import (layouts_of, nothing_held, splits_size_one, splits_unequal,
                      unequal_splits_even, zero_pieces)
-from .rules import Call, Row, Rule, aligned, arg_value
+from .rules import KEEP, LOCAL, Call, Ref, Row, Rule, aligned, arg_value
+from ..sbp import Broadcast
 
 
 @dataclass(frozen=True, slots=True)
@@ -105,7 +106,7 @@ def rows_for(call: Call) -> Rule | None:
     if fn is None:
         return None
     out = fn(call)
-    rule = out if isinstance(out, Rule) else Rule(tuple(out))
+    rule = _over_global_inputs(out if isinstance(out, Rule) else Rule(tuple(out)), call)
     rows = rule.rows
     if rule.frames is not None:
         rows = tuple(Row(tuple(v if f is None else aligned(v, s, f)
@@ -116,6 +117,72 @@ def rows_for(call: Call) -> Rule | None:
     if not rule.ragged and any(splits_unequal(r, call.shapes) for r in rows):
         check = _even_where_unequal(rule.check)
     return Rule(rows, check)
+
+
+def tensor_slots(call: Call) -> tuple:
+    """The call's tensor arguments in schema order (nested lists flattened), each a
+    :class:`~globaltensor.ops.rules.Ref` (a global input) or ``LOCAL`` (a 0-dim local tensor:
+    a constant, the same on every rank). Absent optional tensors are not slots."""
+    found = []
+
+    def walk(value):
+        if isinstance(value, Ref) or value is LOCAL:
+            found.append(value)
+        elif isinstance(value, tuple):
+            for v in value:
+                walk(v)
+
+    for v in call.args:
+        walk(v)
+    order = _schema_order(call.op)
+    for _, v in sorted(call.kwargs, key=lambda kv: order.get(kv[0], len(order))):
+        walk(v)
+    return tuple(found)
+
+
+def _schema_order(op: str) -> dict:
+    """Argument name -> its position in op ``op``'s schema (keyword-only ones included)."""
+    namespace, _, rest = op.rpartition("::")
+    packet, _, overload = rest.partition(".")
+    try:
+        schema = getattr(getattr(getattr(torch.ops, namespace or "aten"), packet),
+                         overload or "default")._schema
+    except (AttributeError, RuntimeError):
+        return {}
+    return {a.name: i for i, a in enumerate(schema.arguments)}
+
+
+def _over_global_inputs(rule: Rule, call: Call) -> Rule:
+    """``rule`` with one column per *global* input of ``call``, whichever way its rows were
+    written: over the global inputs (kept as they are), or over every tensor argument, 0-dim
+    local ones included (a rule with a fixed table, e.g. nll_loss_backward's ``total_weight``,
+    which a trace or autograd may pass as a plain 0-dim tensor). A local 0-dim tensor is a
+    constant, the same value on every rank: it stands as B, so rows that ask it for a split or
+    a partial sum cannot run and are dropped, and its column is removed. Rows of any other
+    length are a rule bug, reported as such (the property test in tests/core/ops runs every
+    rule on calls whose 0-dim inputs are partly local)."""
+    n = len(call.shapes)
+    if all(len(r.ins) == n for r in rule.rows):
+        return rule
+    slots = tensor_slots(call)
+    if any(len(r.ins) not in (n, len(slots)) for r in rule.rows) or len(slots) == n:
+        raise GlobalTensorError(
+            f"internal: a rule for {call.op} gave rows for "
+            f"{sorted({len(r.ins) for r in rule.rows})} inputs, the call has {n} global tensor "
+            f"inputs ({len(slots) - n} more 0-dim local tensor arguments); please report this")
+    keep = [s is not LOCAL for s in slots]
+    rows = []
+    for r in rule.rows:
+        if len(r.ins) == n:
+            rows.append(r)
+            continue
+        local = [v for v, k in zip(r.ins, keep) if not k]
+        if all(v is None or v is KEEP or isinstance(v, Broadcast) for v in local):
+            rows.append(Row(tuple(v for v, k in zip(r.ins, keep) if k), r.outs, r.kernel))
+    frames = rule.frames
+    if frames is not None and len(frames) == len(slots):
+        frames = tuple(f for f, k in zip(frames, keep) if k)
+    return Rule(tuple(rows), rule.check, frames, rule.ragged)
 
 
 def _even_where_unequal(check):
