@@ -26,7 +26,7 @@ import torch
 from .. import observe
 from ..errors import GlobalTensorError
 from ..placement import Placement
-from ..runtime.groups import group_along, groups_along
+from ..runtime.groups import group_along, groups_across, groups_along, ranks_across
 from ..runtime.unshard import UnitComm, shard_spec
 from ..sbp import Broadcast, PartialSum, Split, replicated
 from ..tensor import GlobalTensor
@@ -259,8 +259,13 @@ def _unit_comm(module, placement: Placement, axis: int, params: list[ShardedPara
     coord = placement.coord_of(rank)
     split = [p for p in params if p.spec_index is not None]
     groups_along(placement, axis)  # every rank of the world makes the groups, in one order
+    replicate = tuple(a for a in range(placement.ndim) if a != axis and placement.shape[a] > 1
+                      and split and all(isinstance(p.sharded.sbp[a], Broadcast) for p in split))
+    if replicate:
+        groups_across(placement, replicate)  # made by every rank, in one order
     if coord is None or not split:
         return None
+    replicate_group = ranks_across(placement, replicate, rank) if replicate else None
     group, members = group_along(placement, axis, coord)
     n = len(members)
     specs = []
@@ -268,5 +273,5 @@ def _unit_comm(module, placement: Placement, axis: int, params: list[ShardedPara
         dim = p.sharded.sbp[axis].dim
         specs.append(shard_spec(p.gathered.local_shape(coord), dim, n))
     name = type(module).__name__
-    return UnitComm(specs, group, members, members.index(rank), name)
+    return UnitComm(specs, group, members, members.index(rank), name, replicate, replicate_group)
 

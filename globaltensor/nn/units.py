@@ -21,7 +21,8 @@ from ..layout import Layout
 from ..placement import Placement
 from ..redistribute import redistribute_local
 from ..runtime.unshard import UnitComm
-from ..sbp import PartialSum
+from ..errors import GlobalTensorError
+from ..sbp import Broadcast, PartialSum
 from ..tensor import GlobalTensor, as_global_grad
 
 __all__ = ["MixedPrecision", "ShardedParam", "Schedule", "Unit", "Unshard", "UNIT", "cast_floating",
@@ -97,6 +98,7 @@ class Unit:
         self.pending: torch.Tensor | None = None  # gradients held back (no sync), unreduced
         self.gathered_versions = None
         self.current: list | None = None  # the gathered parameters of the last forward
+        self.replicate_axes: tuple[int, ...] = ()  # HSDP: summed after the reduce-scatter
 
     # ---- the parameters' values ----------------------------------------------------------
     @property
@@ -227,6 +229,10 @@ class Unit:
         """The gathered parameters' gradients -> the pieces' (one reduce-scatter); the storage
         is given back first, so the flat gradient buffer takes its place."""
         with torch.no_grad():
+            grads = [None if g is None else as_global_grad(g, p.gathered)
+                     for p, g in zip(self.split_params, grads)]
+            if self.pending is None:
+                self.replicate_axes = self._replicate_axes(grads)
             partial = [self._partial_piece(p, g) for p, g in zip(self.split_params, grads)]
             del grads
             self.reshard()
@@ -241,20 +247,46 @@ class Unit:
                 observe.storage_kind(flat, "gradients")
                 return (None,) * len(self.split_params)
             pieces = self.comm.reduce_scatter(flat)
+            if self.replicate_axes:
+                self._all_reduce_shard(pieces)
             grads = tuple(GlobalTensor._make(piece.to(p.sharded.dtype), p.sharded._layout)
                           for p, piece in zip(self.split_params, pieces))
             for g in grads[:1]:  # one buffer holds them all (a view each)
                 observe.storage_kind(g, "gradients")
             return grads
 
+    def _replicate_axes(self, grads) -> tuple[int, ...]:
+        """HSDP's replicate axes (FSDP2's ``fully_shard(m, mesh=2-D)``) for this backward: the
+        unit's candidates (axes besides its own, each split parameter broadcast there) when some
+        gradient is a partial sum on one of them (the batch split there too). Their sum waits
+        until after the reduce-scatter, which leaves 1/n of each gradient to all-reduce over
+        them (FSDP2's order), instead of all-reducing whole gradients first. A gradient that is
+        not partial there becomes one for free (its value on one rank of the group, zeros on
+        the others)."""
+        candidates = self.comm.replicate if self.comm is not None else ()
+        if any(g is not None and isinstance(g._layout.sbp[a], PartialSum)
+               for g in grads for a in candidates):
+            return candidates
+        return ()
+
     def _partial_piece(self, p: ShardedParam, grad):
-        """This rank's piece of ``grad`` as a partial sum over the unit's axis (other axes as
-        the gathered parameter)."""
+        """This rank's piece of ``grad`` as a partial sum over the unit's axis and its replicate
+        axes (other axes as the gathered parameter)."""
         if grad is None:
             return None
-        grad = as_global_grad(grad, p.gathered)
         target = p.gathered.with_axis(self.axis, PartialSum())
+        for a in self.replicate_axes:
+            target = target.with_axis(a, PartialSum())
         return redistribute_local(grad._local, grad._layout, target)
+
+    def _all_reduce_shard(self, pieces) -> None:
+        """The reduce-scattered pieces (views of one buffer) summed over the replicate axes: one
+        all-reduce of the unit's shard."""
+        buffer = pieces[0]._base if pieces and pieces[0]._base is not None else None
+        if buffer is None:
+            raise GlobalTensorError("internal: fully_shard's reduce-scattered pieces are not "
+                                    "views of one buffer; please report this")
+        self.comm.all_reduce_shard(buffer)
 
     # ---- the root ------------------------------------------------------------------------
     def _lazy_init(self) -> None:

@@ -211,9 +211,14 @@ def groups_across(placement: Placement, axes: tuple[int, ...]) -> dict[tuple[int
 
 def group_across(placement: Placement, axes: tuple[int, ...], rank: int):
     """``rank``'s group of :func:`groups_across` (it must be in the placement)."""
+    return ranks_across(placement, axes, rank)[0]
+
+
+def ranks_across(placement: Placement, axes: tuple[int, ...], rank: int):
+    """``(group, ranks)``: ``rank``'s group of :func:`groups_across` and its ranks."""
     for ranks, pg in groups_across(placement, axes).items():
         if rank in ranks:
-            return _resolve(pg)
+            return _resolve(pg), ranks
     raise ValueError(f"rank {rank} is not in {placement!r}")
 
 

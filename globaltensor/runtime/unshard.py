@@ -99,8 +99,10 @@ class UnitComm:
     along the unit's axis (``members`` in axis order, ``index`` this rank's place in it)."""
 
     def __init__(self, specs: list[ShardSpec], group, members: tuple[int, ...], index: int,
-                 name: str):
+                 name: str, replicate: tuple[int, ...] = (), replicate_group=None):
         self.specs, self.group, self.members, self.index = specs, group, members, index
+        # HSDP: the axes whose sum follows the reduce-scatter, and (group, ranks) across them
+        self.replicate, self.replicate_group = replicate, replicate_group
         self.n = len(members)
         self.name = name
         self.offsets = []  # of each parameter's segment in a member's block
@@ -229,6 +231,25 @@ class UnitComm:
                 reduce_scatter_flat(out, flat, group=self.group)
         observe.unit_collective(f"fully_shard reduce_scatter ({self.name})", "reduce_scatter",
                                 (self.n - 1) * self.block * flat.element_size(), flat.dtype)
+        return self.pieces_of_shard(out)
+
+    @_plain
+    def all_reduce_shard(self, out: torch.Tensor) -> None:
+        """Sum the reduce-scattered buffer ``out`` over the replicate group (HSDP's replicate
+        axes: FSDP2's order, reduce-scatter over the shard axis first, then all-reduce the 1/n
+        shard), in place."""
+        group, members = self.replicate_group
+        if out.numel() and sends(group):
+            with guard(lambda: f"fully_shard's all-reduce of {self.name} over its replicate "
+                               f"axes", ranks=members):
+                torch.distributed.all_reduce(out, group=group)
+        ring = len(members)
+        observe.unit_collective(f"fully_shard all_reduce ({self.name})", "all_reduce",
+                                2 * (ring - 1) * out.numel() * out.element_size() // ring,
+                                out.dtype)
+
+    def pieces_of_shard(self, out: torch.Tensor) -> list[torch.Tensor]:
+        """This rank's pieces of the gradients: views of the reduce-scattered buffer ``out``."""
         pieces = []
         for spec, offset in zip(self.specs, self.offsets):
             rows = spec.rows[self.index]

@@ -278,3 +278,34 @@ def test_bad_input_is_a_clear_error_on_every_rank(case):
                 "policy": "MixedPrecision"}[case]
     assert expected in messages[0]
 
+
+
+HSDP = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "fsdp"))
+
+
+def test_hsdp_reduce_scatters_first_then_all_reduces_the_shard_over_dp():
+    """FSDP2's HSDP (``fully_shard(m, mesh=2-D)`` with a replicate dim): fully_shard on "fsdp"
+    of a ("dp", "fsdp") grid, the batch split on both. Each unit's gradients are reduce-scattered
+    over "fsdp" first, then its 1/2 shard all-reduced over "dp" (one per unit): no gradient is
+    all-reduced whole. Numbers equal one process."""
+    expected = one_process(REF)
+
+    def body(rank):
+        losses, m = train(REF, HSDP, axis="fsdp", batch_sbp=(S(0), S(0)))
+        x = X.to_global(HSDP, B).to_global(sbp=(S(0), S(0)))
+        with gt.comm_trace() as trace:
+            m(x).pow(2).mean().backward()
+        m.zero_grad()
+        units = [(r.op, r.bytes_per_rank) for r in trace.records if "fully_shard" in r.op]
+        others = [r.collectives for r in trace.records if "fully_shard" not in r.op
+                  and r.target is not None and r.target.shape != ()]
+        return (losses, full_state(m)), units, others
+    for got, units, others in run_ranks(body, 4, timeout=TIMEOUT):
+        assert_matches(expected, got)
+        scatters = [b for op, b in units if "reduce_scatter" in op]
+        reduces = [b for op, b in units if "all_reduce" in op]
+        assert len(scatters) == 4 and len(reduces) == 4  # 3 blocks and the root, one each
+        # a ring of 2: reduce-scatter sends half the buffer, the all-reduce of the half shard
+        # sends that half once more (2 (n-1)/n of it): the same bytes, not the whole gradient
+        assert reduces == scatters
+        assert not any("all_reduce" in c for cs in others for c in cs), others
