@@ -110,16 +110,29 @@ def _one(value) -> SbpValue:
 def normalize(sbp, ndim: int | None = None, axes: tuple | None = None) -> tuple[SbpValue, ...]:
     """One sbp or a list/tuple of them -> a tuple; with ``ndim``, check one entry per placement axis.
 
-    A single sbp given for an n-D placement is an error (ambiguous), except that ``ndim == 1``
-    accepts one value. A dict ``{axis: sbp}`` names axes by name (``axes``, the placement's axis
-    names) or by number; the axes it leaves out are broadcast.
+    A single B or P given for an n-D placement means that value on every axis (``B`` alone is
+    a full copy on every rank, as users write it); a single split is ambiguous (which axis
+    splits?) and an error naming the axes and the dict form. A dict ``{axis: sbp}`` names axes by
+    name (``axes``, the placement's axis names) or by number; the axes it leaves out are
+    broadcast.
     """
     if isinstance(sbp, Mapping):
         return by_axis(sbp, ndim, axes)
     if isinstance(sbp, (list, tuple)):
         values = tuple(_one(v) for v in sbp)
     else:
-        values = (_one(sbp),)
+        one = _one(sbp)
+        if ndim is not None and ndim > 1 and not isinstance(one, Split):
+            return (one,) * ndim
+        if ndim is not None and ndim > 1:
+            names = list(axes) if axes else list(range(ndim))
+            first = repr(names[0])
+            example = format_sbp([one] + ["B"] * (ndim - 1))
+            raise SbpError(
+                f"expected one sbp per placement axis ({ndim} axes: {names}), found one split, "
+                f"{one}, which does not say which axis splits; pass a tuple like {example} or "
+                f"name the axis: {{{first}: {one}}} (the axes left out are broadcast)")
+        values = (one,)
     if not values:
         raise SbpError("expected at least one sbp, found an empty sequence")
     if ndim is not None and len(values) != ndim:

@@ -41,7 +41,23 @@ def test_normalize_rejects_non_sbp(bad):
 
 def test_sbp_length_must_match_placement_ndim():
     with pytest.raises(SbpError, match="expected 2 sbp values"):
-        normalize(gt.sbp.split(0), 2)
+        normalize((gt.sbp.split(0),), 2)
+    with pytest.raises(SbpError, match="expected 2 sbp values"):
+        normalize((gt.sbp.broadcast,) * 3, 2)
+
+
+def test_one_b_or_p_on_an_nd_placement_means_every_axis():
+    B, P = gt.sbp.broadcast, gt.sbp.partial_sum
+    assert normalize(B, 2) == (B, B)
+    assert normalize(P, 3) == (P, P, P)
+    assert normalize(gt.sbp.broadcast, 1) == (B,)
+
+
+def test_one_split_on_an_nd_placement_names_the_axes_and_the_dict_form():
+    with pytest.raises(SbpError) as e:
+        normalize(gt.sbp.split(1), 2, ("dp", "tp"))
+    text = str(e.value)
+    assert "2 axes: ['dp', 'tp']" in text and "(S(1), B)" in text and "{'dp': S(1)}" in text
 
 
 def test_split_dim_must_be_int():
