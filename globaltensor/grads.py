@@ -20,6 +20,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import math
+import weakref
 
 import torch
 
@@ -63,6 +64,7 @@ def install_grad_methods() -> None:
     GlobalTensor.requires_grad = property(_REQUIRES_GRAD.__get__, _set_requires_grad)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+    register_optimizer_step_pre_hook(refuse_replaced_parameters)
     register_optimizer_step_pre_hook(gradients_in_parameter_strides)
 
 
@@ -285,6 +287,46 @@ def _finish(task: int, pending: _Reductions) -> None:
     pending.finish()
 
 
+# parameters that module.to_global / to_local / fully_shard replaced with new ones, by id:
+# (a weak reference to the old one, its qualified name, what replaced it). An optimizer built
+# before the replacement holds the old ones and would silently train nothing (FSDP2 documents
+# the same trap); its first step refuses (:func:`refuse_replaced_parameters`).
+_REPLACED: dict[int, tuple] = {}
+
+
+def parameter_replaced(old, name: str, by: str) -> None:
+    """``old`` (a module's parameter) was replaced by ``by`` (``"fully_shard"``...)."""
+    if not isinstance(old, torch.nn.Parameter):
+        return
+    key = id(old)
+
+    def forget(ref, key=key):
+        if _REPLACED.get(key, (None,))[0] is ref:
+            del _REPLACED[key]
+    _REPLACED[key] = (weakref.ref(old, forget), name, by)
+
+
+def refuse_replaced_parameters(optimizer, args, kwargs) -> None:
+    """Before an optimizer's step: a clear error if it holds a parameter that was replaced."""
+    if not _REPLACED:
+        return
+    found = []
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            entry = _REPLACED.get(id(p))
+            if entry is not None and entry[0]() is p:
+                found.append(entry)
+    if found:
+        names = ", ".join(repr(name) for _, name, _ in found[:3]) + (
+            f" and {len(found) - 3} more" if len(found) > 3 else "")
+        raise GlobalTensorError(
+            f"{type(optimizer).__name__}.step(): the optimizer holds {len(found)} parameter(s) "
+            f"that {found[0][2]} replaced ({names}): it was built before {found[0][2]}, so it "
+            f"would update the old tensors and train nothing. Build the optimizer after laying "
+            f"the model out: model.to_global(...) / gt.nn.fully_shard(...), then "
+            f"opt = torch.optim.AdamW(model.parameters())")
+
+
 def gradients_in_parameter_strides(optimizer, args, kwargs) -> None:
     """Before an optimizer's step (a global hook on every optimizer): a global gradient whose
     piece backward left transposed (a Linear weight's) is made contiguous like its parameter's.
@@ -306,7 +348,7 @@ def gradients_in_parameter_strides(optimizer, args, kwargs) -> None:
 
 def _frames_torch_calls_into():
     """The hooks autograd's engine calls (docs/compile.md: never compiled as frames)."""
-    return grad_to_own_layout, _finish, gradients_in_parameter_strides
+    return grad_to_own_layout, _finish, gradients_in_parameter_strides, refuse_replaced_parameters
 
 
 never_compiled(*_frames_torch_calls_into())

@@ -24,6 +24,7 @@ import functools
 import torch
 
 from .. import observe
+from ..grads import parameter_replaced
 from ..errors import GlobalTensorError
 from ..placement import Placement
 from ..runtime.groups import group_along, groups_across, groups_along, ranks_across
@@ -188,6 +189,7 @@ def _shard_parameters(module, placement: Placement, axis: int, shard_dim) -> lis
         else:
             g = full_to_global(value.detach(), placement, sbp, qualified)
         sharded = torch.nn.Parameter(g, requires_grad=value.requires_grad)
+        parameter_replaced(value, qualified, "fully_shard")
         observe.storage_kind(sharded, "parameters")
         gathered = g._layout.with_axis(axis, Broadcast()) if isinstance(sbp[axis], Split) else None
         param = ShardedParam(sharded, [(sub, name)], gathered if gathered is not None else g._layout,

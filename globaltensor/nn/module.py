@@ -16,6 +16,7 @@ import types
 import torch
 
 from .. import observe
+from ..grads import parameter_replaced
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..placement import Placement
@@ -73,7 +74,7 @@ def to_local(module: torch.nn.Module, *, full: bool = False) -> torch.nn.Module:
     value instead (collective: every rank gets them), a plain single-device module, for
     export, ``torch.save`` of one rank's state, or single-device tests."""
     converted: dict[int, torch.Tensor] = {}
-    for sub, store, name, _, parameter in _slots(module):
+    for sub, store, name, qualified, parameter in _slots(module):
         value = store[name]
         if not isinstance(value, GlobalTensor):
             continue
@@ -81,6 +82,8 @@ def to_local(module: torch.nn.Module, *, full: bool = False) -> torch.nn.Module:
             plain = value.detach().full_tensor() if full else value.detach().to_local()
             converted[id(value)] = (torch.nn.Parameter(plain, requires_grad=value.requires_grad)
                                     if parameter else plain)
+            if parameter:
+                parameter_replaced(value, qualified, "module.to_local")
         store[name] = converted[id(value)]
         if not full:
             sub.__dict__.setdefault(_PIECES, {})[name] = value._layout
@@ -223,6 +226,7 @@ def _converted(value, name, placement, choose, converted, parameter, piece_of=No
     if parameter:
         # a global leaf that requires grad keeps its .grad in its own layout (grads.py)
         g = torch.nn.Parameter(g, requires_grad=value.requires_grad)
+        parameter_replaced(value, name, "module.to_global")
         observe.storage_kind(g, "parameters")  # gt.memory / gt.simulate count it so
     converted[key] = converted[id(g)] = g  # a shared submodule, met again, keeps it
     return g

@@ -16,6 +16,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 
 import globaltensor as gt
+from globaltensor.errors import GlobalTensorError
 from globaltensor.testing import run_ranks
 
 transformers = pytest.importorskip(
@@ -124,3 +125,42 @@ def test_every_write_path_then_grad_mode_training_equals_one_process(expected, t
     for path in PATHS:
         want = resumed if path == "gt.checkpoint" else fresh
         assert got[path] == pytest.approx(want, rel=1e-6), f"{path}: {got[path]} vs {want}"
+
+
+@pytest.mark.parametrize("how", ["to_global", "fully_shard", "to_local"])
+def test_an_optimizer_built_before_the_layout_is_refused_at_its_first_step(how):
+    """FSDP2's documented trap, refused: the optimizer holds the parameters module.to_global /
+    fully_shard / to_local replaced, so its step would update the old tensors and train
+    nothing. Every rank gets the error at the first step (no communication needed)."""
+    def body(rank):
+        model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 2))
+        if how == "to_local":
+            model.to_global(gt.placement("cpu", [0, 1]), gt.sbp.broadcast)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        placement = gt.placement("cpu", [0, 1])
+        if how == "to_global":
+            model.to_global(placement, gt.sbp.broadcast)
+        elif how == "fully_shard":
+            gt.nn.fully_shard(model, placement)
+        else:
+            model.to_local()
+        try:
+            opt.step()
+        except GlobalTensorError as e:
+            return str(e)
+        return None
+    for message in run_ranks(body, 2, timeout=60):
+        assert message is not None and "built before" in message and "'0.weight'" in message
+        assert "opt = torch.optim.AdamW(model.parameters())" in message
+
+
+def test_an_optimizer_built_after_the_layout_steps_and_the_old_one_is_forgotten():
+    def body(rank):
+        placement = gt.placement("cpu", [0, 1])
+        model = torch.nn.Linear(4, 2).to_global(placement, gt.sbp.broadcast)
+        opt = torch.optim.SGD(model.parameters(), lr=0.5)
+        model(gt.ones(3, 4, placement=placement, sbp=gt.sbp.split(0))).sum().backward()
+        before = model.weight.detach().full_tensor().clone()
+        opt.step()
+        return (model.weight.detach().full_tensor() - before).abs().sum().item()
+    assert all(moved > 0 for moved in run_ranks(body, 2, timeout=60))
