@@ -23,7 +23,7 @@ from .runtime.agreement import check
 from .runtime.execute import run as _execute
 from . import observe
 from .observe import watching
-from .runtime.meta import broadcast_along, exchange_meta
+from .runtime.meta import MAX_NDIM, broadcast_along, exchange_meta
 from .sbp import (Broadcast, SbpSpec, Split, format_sbp, from_codes, normalize, resolve,
                   to_codes)
 from .tensor import (GlobalTensor, FromLocal, Redistribute, coerce_plain_tangent, records_graph,
@@ -151,6 +151,20 @@ def _sync_broadcast(piece, layout: Layout, rank: int, already_copied: bool):
     return piece
 
 
+def _shown(values) -> str:
+    """An exchanged sbp as format_sbp writes it; a split dim past MAX_NDIM arrived saturated
+    (the exchange's int64 records carry no larger dim), so it is written as the range it stands
+    for, not as the dim at the edge."""
+    def one(v):
+        if isinstance(v, Split) and v.dim >= MAX_NDIM:
+            return f"S({MAX_NDIM} or more)"
+        if isinstance(v, Split) and v.dim < -MAX_NDIM:
+            return f"S({-MAX_NDIM - 1} or less)"
+        return str(v)
+    values = tuple(values)
+    return "(" + ", ".join(map(one, values)) + (",)" if len(values) == 1 else ")")
+
+
 def _check_same_sbp(metas, ndim: int) -> None:
     """Every rank must pass the same sbp (negative split dims resolved against the members'
     ``ndim``): else each builds another layout, and their global shapes differ. Every rank
@@ -165,7 +179,7 @@ def _check_same_sbp(metas, ndim: int) -> None:
         ranks_of.setdefault(key(meta.sbp), []).append(rank)
     if len(ranks_of) > 1:
         found = "; ".join(f"rank{'s' if len(r) > 1 else ''} {', '.join(map(str, r))}: "
-                          f"{format_sbp(v)}" for v, r in ranks_of.items())
+                          f"{_shown(v)}" for v, r in ranks_of.items())
         raise SbpError(
             f"to_global: expected every rank to pass the same sbp (one layout of one global "
             f"tensor), found {found}; the ranks would disagree on its global shape. Compute "

@@ -44,8 +44,14 @@ class Meta(NamedTuple):
 
 
 def _sbp_code(v) -> int:
-    """B: 1, P: 2, S(d): 4d + 3 (any d, negative too: never 1 or 2 mod 4)."""
-    return 4 * v.dim + 3 if isinstance(v, Split) else (2 if isinstance(v, PartialSum) else 1)
+    """B: 1, P: 2, S(d): 4d + 3 (negative d too: never 1 or 2 mod 4). A split dim past
+    ``MAX_NDIM`` either way is no dim of any tensor the records carry (they refuse more dims):
+    it travels as S(MAX_NDIM) or S(-MAX_NDIM - 1), so any int fits the int64 record and every
+    rank still takes part in the one exchange; each rank's own sbp, resolved after it, raises
+    the SbpError naming the dim it passed."""
+    if not isinstance(v, Split):
+        return 2 if isinstance(v, PartialSum) else 1
+    return 4 * max(-MAX_NDIM - 1, min(v.dim, MAX_NDIM)) + 3
 
 
 def _sbp_value(code: int):

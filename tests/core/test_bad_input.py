@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import globaltensor as gt
-from globaltensor.errors import GlobalTensorError, ShapeMismatchError
+from globaltensor.errors import GlobalTensorError, SbpError, ShapeMismatchError
 
 from helpers import BAD_INPUT_CASES, p1
 
@@ -65,3 +65,20 @@ def test_an_sbp_is_normalised_once_per_to_global(monkeypatch):
     calls.clear()
     x.to_global(placement=p, sbp=[B])  # unhashable: computed, not cached
     assert len(calls) == 1
+
+
+@pytest.mark.parametrize("dim", [2**100, -2**100, 2**62, 64, -65])
+def test_a_split_dim_past_int64_is_named_not_overflowed(dim, monkeypatch):
+    """Issue 52.9: split(2**100) died in the piece-shape exchange as a raw ValueError
+    ('Overflow when unpacking long long'). A split dim no tensor has travels saturated in the
+    exchange's int64 records; the sbp this rank passed raises the SbpError naming its dim."""
+    from globaltensor.convert import _shown
+    from globaltensor.runtime.meta import MAX_NDIM, _meta, _records
+
+    rows = _records([torch.ones(2, 3)], (S(dim), B), "test")
+    (record,) = torch.tensor(rows, dtype=torch.int64).tolist()  # raised ValueError for 2**100
+    far = "S(64 or more)" if dim >= MAX_NDIM else "S(-65 or less)"
+    assert _shown(_meta(record).sbp) == f"({far}, B)"  # as the disagreement message writes it
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(SbpError, match=rf"split\({dim}\) needs a tensor dim in \[-2, 2\)"):
+        torch.ones(2, 3).to_global(placement=p1(), sbp=S(dim))
