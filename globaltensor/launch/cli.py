@@ -10,7 +10,9 @@ Each rank gets RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, NODE_RANK (and GR
 MASTER_ADDR and MASTER_PORT, so ``gt.init()`` (or torch's ``env://``) joins the world. Each rank
 runs in its own session, so stopping a rank stops every process it started. Every line a rank
 writes is echoed with a ``[rank R]`` prefix. When a rank fails, the others are stopped and the
-launcher exits non-zero, naming the rank, how it ended and the tail of its stderr.
+launcher exits non-zero, naming the rank, how it ended and the tail of its stderr; with
+``--max_restarts N`` it first starts every rank again, up to N times (as torchrun does; each
+rank reads the attempt in TORCHELASTIC_RESTART_COUNT).
 See docs/launcher.md for every option and what happens on each fault.
 
 This module (the user at the shell: options and main), supervise.py (the processes) and
@@ -31,7 +33,8 @@ from dataclasses import dataclass
 
 from .._version import __version__
 from ..errors import LaunchError
-from .supervise import Console, RankProcess, Signals, finish, start_ranks, stop, supervise
+from .supervise import (Console, Outcome, RankProcess, Signals, finish, restart, start_ranks,
+                        stop, supervise)
 
 DEFAULT_MULTINODE_PORT = 29500
 EXIT_USAGE = 2
@@ -57,6 +60,7 @@ class LaunchConfig:
     logdir: str | None = None
     timeout: float | None = None
     ranks_filter: tuple[int, ...] | None = None  # only these ranks' output is echoed
+    max_restarts: int = 0  # restarts of every local rank after a failure (torchrun's meaning)
 
     def __post_init__(self):
         _expect(self.nproc_per_node >= 1, f"--nproc_per_node >= 1, found {self.nproc_per_node}",
@@ -76,6 +80,9 @@ class LaunchConfig:
         _expect(not self.redirect or self.logdir,
                 "--logdir DIR with --redirect_stdout_and_stderr, found no --logdir",
                 "add --logdir DIR (the per-rank files go there)")
+        _expect(isinstance(self.max_restarts, int) and self.max_restarts >= 0,
+                f"--max_restarts >= 0, found {self.max_restarts}",
+                "pass how many times to restart the job after a rank fails (0: never)")
         _expect(self.timeout is None or self.timeout > 0,
                 f"--timeout > 0 seconds, found {self.timeout}", "leave it out to wait forever")
         _expect(bool(self.script), "a script (or module / executable) to run, found none",
@@ -104,11 +111,14 @@ every rank gets these environment variables:
   NODE_RANK (and GROUP_RANK)     this node, 0 .. nnodes-1
   MASTER_ADDR, MASTER_PORT  where the ranks meet (gt.init() and torch's env:// read them)
   OMP_NUM_THREADS=1         when several ranks share a node and it is not set already
+  TORCHELASTIC_RESTART_COUNT   restarts of the job so far (0 on the first attempt), and
+  TORCHELASTIC_MAX_RESTARTS    --max_restarts, as torchrun sets them
 
 exit codes:
   0        every rank succeeded
   N        the first rank that failed exited with N (128+S when killed by signal S);
            its stderr from its last traceback is shown, and the other ranks are stopped
+           (with --max_restarts: of the last attempt, once the restarts are used up)
   2        bad options, a missing script or an unusable --logdir (no rank was started)
   124      --timeout passed; 130 / 143 Ctrl-C / SIGTERM stopped the job
 
@@ -162,8 +172,12 @@ def _parser(prog: str | None = None) -> argparse.ArgumentParser:
                    help="directory for rank_<R>.stdout / rank_<R>.stderr (created if needed)")
     p.add_argument("--ranks_filter", "--ranks-filter", type=_ranks, default=None, metavar="RANKS",
                    help="show only these ranks' output, e.g. 0,2 (all are still logged)")
+    p.add_argument("--max_restarts", "--max-restarts", type=_restarts, default=0, metavar="N",
+                   help="when a rank fails, stop every rank and start them all again, up to N "
+                        "times (default 0); scripts resume from their checkpoint")
     p.add_argument("--timeout", type=float, default=None,
-                   help="stop the job and fail if it still runs after this many seconds")
+                   help="stop the job and fail if it still runs after this many seconds "
+                        "(all attempts together)")
     p.add_argument("script", help="the script (module with -m, executable with --no_python)")
     p.add_argument("script_args", nargs=argparse.REMAINDER, help="arguments for the script")
     return p
@@ -177,6 +191,14 @@ def _nproc(text: str):
     except ValueError:
         raise argparse.ArgumentTypeError(
             f"expected a number of processes or 'auto', found {text!r}") from None
+
+
+def _restarts(text: str) -> int:
+    try:
+        return int(text)  # a negative count is refused with the other checks (LaunchConfig)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"expected a number of restarts (0, 1, 2, ...), found {text!r}") from None
 
 
 def _ranks(text: str) -> tuple[int, ...]:
@@ -218,7 +240,7 @@ def parse_args(argv: list[str] | None = None) -> LaunchConfig:
         nnodes=ns.nnodes, node_rank=ns.node_rank, master_addr=ns.master_addr,
         master_port=ns.master_port, module=ns.module, no_python=ns.no_python,
         redirect=ns.redirect_stdout_and_stderr, logdir=ns.logdir, timeout=ns.timeout,
-        ranks_filter=ns.ranks_filter)
+        ranks_filter=ns.ranks_filter, max_restarts=ns.max_restarts)
 
 
 def check_paths(config: LaunchConfig) -> None:
@@ -281,23 +303,38 @@ def choose_port(config: LaunchConfig) -> int:
 
 
 def run(config: LaunchConfig, out=None, err=None) -> int:
-    """Run the job described by ``config``; returns the launcher's exit status."""
+    """Run the job described by ``config``; returns the launcher's exit status.
+
+    A job is up to ``1 + max_restarts`` attempts: when a rank of an attempt fails and restarts
+    are left, every rank still running is stopped and all are started again (with a fresh port
+    when the launcher picks it), TORCHELASTIC_RESTART_COUNT counting the restarts. The last
+    attempt's end is reported as a job without restarts reports it. ``--timeout`` and Ctrl-C
+    end the job, whatever restarts are left."""
     console = Console(out or sys.stdout, err or sys.stderr)
     check_paths(config)
     port = choose_port(config)
     signals = Signals()
     signals.install()
     ranks: list[RankProcess] = []
+    attempts = config.max_restarts + 1
     try:
-        ranks = start_ranks(config, port, console)
-        if config.nnodes > 1:
-            first = config.global_rank(0)
-            console.note(f"node {config.node_rank} of {config.nnodes}: started ranks {first}.."
-                         f"{first + config.nproc_per_node - 1}; waiting for {config.nnodes} nodes "
-                         f"to meet at {config.master_addr}:{port} (the job starts when every "
-                         f"node's launcher has started its ranks)")
         deadline = time.monotonic() + config.timeout if config.timeout else None
-        outcome = supervise(ranks, deadline, signals)
+        for attempt in range(1, attempts + 1):
+            if attempt > 1:  # the port of the attempt before may linger in TIME_WAIT
+                port = choose_port(config)
+            ranks = start_ranks(config, port, console, restart=attempt - 1)
+            if config.nnodes > 1:
+                first = config.global_rank(0)
+                console.note(f"node {config.node_rank} of {config.nnodes}: started ranks "
+                             f"{first}..{first + config.nproc_per_node - 1}; waiting for "
+                             f"{config.nnodes} nodes to meet at {config.master_addr}:{port} (the "
+                             f"job starts when every node's launcher has started its ranks)")
+            outcome = supervise(ranks, deadline, signals)
+            if outcome.kind != "failed" or attempt == attempts:
+                break
+            if not restart(ranks, outcome, signals, console, attempt + 1, attempts):
+                outcome = Outcome("signal", signum=signals.received[0])  # Ctrl-C meanwhile
+                break
         return finish(ranks, outcome, signals, console, config, port)
     except BaseException:
         stop(ranks, signal.SIGKILL, grace=0)  # never leave ranks behind, whatever went wrong

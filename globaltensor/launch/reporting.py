@@ -6,8 +6,8 @@ from __future__ import annotations
 import re
 import signal
 
-__all__ = ["failure_report", "first_failure", "last_error", "stderr_tail", "describe_exit",
-           "DIFFERENT_COLLECTIVES_HINT"]
+__all__ = ["failure_report", "first_failure", "last_error", "restart_note", "stderr_tail",
+           "describe_exit", "DIFFERENT_COLLECTIVES_HINT"]
 
 STDERR_TAIL_LINES = 20  # how much of a failed rank's stderr the report shows (no traceback)
 TRACEBACK_LINES = 80  # the most of a traceback the report shows (its end)
@@ -64,6 +64,16 @@ def last_error(r: RankProcess) -> str:
     tail, _ = stderr_tail(list(r.stderr_tail))
     lines = [line.strip() for line in tail if line.strip()]
     return lines[-1] if lines else ""
+
+
+def restart_note(failed: RankProcess, attempt: int, attempts: int) -> str:
+    """The line the launcher prints when ``--max_restarts`` restarts the job: the attempt that
+    starts now (1-based, of ``attempts``), and the first failing rank of the one that ended
+    with its error in one line (its full output: --logdir)."""
+    error = last_error(failed)[:300]
+    how = describe_exit(failed.proc.returncode)
+    return (f"restarting the job (attempt {attempt} of {attempts}) after rank {failed.rank} "
+            f"failed: " + (f"{error} ({how})" if error else how))
 
 
 def failure_report(failed: RankProcess, config, port: int,

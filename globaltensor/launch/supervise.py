@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 from ..errors import LaunchError
 from .reporting import (DIFFERENT_COLLECTIVES_HINT, describe_exit, failure_report,  # noqa: F401
-                        first_failure, stderr_tail)
+                        first_failure, restart_note, stderr_tail)
 
 STDERR_KEPT_LINES = 400  # how much is kept to find the last traceback in
 HOLD_S = 3.0  # a rank still running this long after writing a traceback shows it
@@ -134,13 +134,16 @@ class RankProcess:
     def pid(self) -> int:
         return self.proc.pid
 
-    def pump(self, stream: str, console: Console | None, log_path: str | None) -> None:
+    def pump(self, stream: str, console: Console | None, log_path: str | None,
+             append: bool = False) -> None:
+        """Echo ``stream`` to ``console`` and copy it to ``log_path`` (appended to it with
+        ``append``: a restarted job's ranks add to the files of the attempts before)."""
         pipe = getattr(self.proc, stream)
         tail = self.stderr_tail if stream == "stderr" else None
         held = self.held if stream == "stderr" else None
         t = threading.Thread(target=_pump, name=f"rank{self.rank}-{stream}", daemon=True,
                              args=(pipe, f"[rank {self.rank}] ", stream, console, log_path, tail,
-                                   held))
+                                   held, append))
         t.start()
         self.readers.append(t)
 
@@ -173,12 +176,12 @@ class Held:
                 console.line(stream, prefix, line, final=True)
 
 
-def _pump(pipe, prefix, stream, console, log_path, tail, held=None) -> None:
+def _pump(pipe, prefix, stream, console, log_path, tail, held=None, append=False) -> None:
     """Echo a rank's pipe line by line with its prefix, as soon as a line ends (``\n``; or
     ``\r``: a progress bar's update, kept open on the console and rewritten in place by the
     next) or has waited PARTIAL_LINE_S without ending (shown open, then completed in place);
     the log file gets the bytes as written."""
-    log = open(log_path, "wb") if log_path else None
+    log = open(log_path, "ab" if append else "wb") if log_path else None
     fd = pipe.fileno()
     pending, shown = b"", b""
     open_text = [None]  # the open line last shown: its update, unchanged, is not shown again
@@ -253,8 +256,12 @@ def _strip_torch_prefix(line: str) -> str:
     return _TORCH_RANK_PREFIX.sub("", line, count=1)
 
 
-def start_ranks(config, port: int, console: Console) -> list[RankProcess]:
-    """Start every local rank in its own session, with its output pumped to console and logs."""
+def start_ranks(config, port: int, console: Console, restart: int = 0) -> list[RankProcess]:
+    """Start every local rank in its own session, with its output pumped to console and logs.
+
+    ``restart``: how many times the job was restarted before this attempt (torchrun's
+    TORCHELASTIC_RESTART_COUNT, 0 on the first); a restart appends to the attempts' log files.
+    """
     if config.logdir:
         os.makedirs(config.logdir, exist_ok=True)
     ranks = []
@@ -264,6 +271,8 @@ def start_ranks(config, port: int, console: Console) -> list[RankProcess]:
                        world_size=config.world_size, local_world_size=config.nproc_per_node,
                        node_rank=config.node_rank, master_addr=config.master_addr,
                        master_port=port)
+        env.update(TORCHELASTIC_RESTART_COUNT=str(restart),  # as torchrun sets them, also
+                   TORCHELASTIC_MAX_RESTARTS=str(config.max_restarts))  # with no restarts
         try:
             proc = subprocess.Popen(command(config), env=env, stdin=subprocess.DEVNULL,
                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE,
@@ -277,7 +286,7 @@ def start_ranks(config, port: int, console: Console) -> list[RankProcess]:
             log = os.path.join(config.logdir, f"rank_{rank}.{stream}") if config.logdir else None
             shown = not config.redirect and (config.ranks_filter is None
                                               or rank in config.ranks_filter)
-            rp.pump(stream, console if shown else None, log)
+            rp.pump(stream, console if shown else None, log, append=restart > 0)
         ranks.append(rp)
     return ranks
 
@@ -354,9 +363,9 @@ def _still_running(ranks: list[RankProcess]) -> list[int]:
     return [r.rank for r in ranks if r.proc.poll() is None]
 
 
-def finish(ranks: list[RankProcess], outcome: Outcome, signals: Signals, console: Console,
-           config, port: int) -> int:
-    """Stop whatever still runs, drain the output, report, and return the exit status."""
+def end_attempt(ranks: list[RankProcess], outcome: Outcome, signals: Signals,
+                console: Console) -> list[int]:
+    """Stop whatever still runs and drain the output; returns the ranks that were running."""
     running = _still_running(ranks)
     hurry = lambda: len(signals.received) > 1  # noqa: E731 - a second Ctrl-C skips the grace
     first = signal.SIGINT if outcome.kind == "signal" and outcome.signum == signal.SIGINT \
@@ -370,6 +379,25 @@ def finish(ranks: list[RankProcess], outcome: Outcome, signals: Signals, console
         r.join_readers(time.monotonic() + 2.0)
         if outcome.kind != "failed":
             r.held.release(console, "stderr", f"[rank {r.rank}] ")
+    return running
+
+
+def restart(ranks: list[RankProcess], outcome: Outcome, signals: Signals, console: Console,
+            attempt: int, attempts: int) -> bool:
+    """End a failed attempt before ``attempt`` (1-based, of ``attempts``) starts: stop every
+    rank still running as a failing job does, and say which rank's failure restarts the job.
+    False (and nothing said) when Ctrl-C / SIGTERM came meanwhile: the job ends instead."""
+    end_attempt(ranks, outcome, signals, console)
+    if signals.received:
+        return False
+    console.note(restart_note(first_failure(ranks, outcome.rank), attempt, attempts))
+    return True
+
+
+def finish(ranks: list[RankProcess], outcome: Outcome, signals: Signals, console: Console,
+           config, port: int) -> int:
+    """Stop whatever still runs, drain the output, report, and return the exit status."""
+    running = end_attempt(ranks, outcome, signals, console)
     if outcome.kind == "ok":
         return 0
     if outcome.kind == "signal":
