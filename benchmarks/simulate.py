@@ -73,7 +73,7 @@ def one(world: int, shape: str, layers: int | None, seq: int) -> dict:
     return {"world": world, "grid": [dp, fsdp, tp], "seconds": took, "rss": rss,
             "classes": sim.report().splitlines()[0], "peak": sim.peak_bytes(0), "kinds": kinds,
             "sent": sim.comm_bytes(0), "step_time": sim.step_time(
-                alpha=1e-5, bandwidth=25e9, flops=4e14, axes={"tp": (2e-6, 4e11)})}
+                alpha=1e-5, bandwidth=25e9, flops=4e14, axes={"tp": (2e-6, 4e11)}).total}
 
 
 def main():

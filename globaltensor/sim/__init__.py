@@ -1,6 +1,7 @@
 """``gt.simulate``: a job's memory and communication, per rank, in one process, before launch.
 
     simulate.py   gt.simulate(world_size, rank=0): the block, its report and figures per rank
+                  (StepTime: step_time's estimate and its parts)
     factories.py  inside the block torch's factories make meta tensors (no data); scalars stay
     ranks.py      per-rank accounting: bytes of a layout's pieces on every rank, rank classes
     memory.py     gt.memory(): live tensor bytes by kind (this rank's in a real run, every
@@ -11,6 +12,6 @@ returns meta pieces of the right shapes (runtime/emit.py), and the figures come 
 places a real run's do: ``gt.comm_trace``'s records (tools/trace.py) and ``gt.memory``'s
 accounting (tools/memory.py), each spread over the ranks by the layouts.
 """
-from .simulate import Simulation, simulate
+from .simulate import Simulation, StepTime, simulate
 
-__all__ = ["simulate", "Simulation"]
+__all__ = ["simulate", "Simulation", "StepTime"]

@@ -12,6 +12,8 @@ what every rank would hold and send (SPEC "Simulation", docs/simulate.md)::
 from __future__ import annotations
 
 import collections
+import math
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -23,7 +25,7 @@ from .factories import MetaFactories
 from .memory import KINDS, MemoryTracker
 from .ranks import bytes_of, classes, members, ranges
 
-__all__ = ["simulate", "Simulation"]
+__all__ = ["simulate", "Simulation", "StepTime"]
 
 
 class Recorder:
@@ -154,16 +156,22 @@ class Simulation:
         return self._flops
 
     def step_time(self, alpha: float = 1e-5, bandwidth: float = 25e9, flops: float = 1e14,
-                  axes: dict | None = None) -> float:
-        """Seconds of the slowest rank: each collective costs ``alpha`` plus its bytes over
-        ``bandwidth`` (or the ``(alpha, bandwidth)`` given for its placement axis in ``axes``),
-        and the computation this rank's flop count over ``flops``."""
+                  axes: dict | None = None) -> "StepTime":
+        """The step's seconds on the slowest rank, with its parts (a :class:`StepTime`): each
+        collective costs ``alpha`` plus its bytes over ``bandwidth`` (or the ``(alpha,
+        bandwidth)`` given for its placement axis in ``axes``), summed per axis; the
+        computation is this rank's flop count over ``flops``. The slowest rank is the one whose
+        communication is largest (the flop count is the simulating rank's, taken as every
+        rank's); ``total`` is its axes' seconds plus the compute seconds, exactly."""
         axes = axes or {}
-        seconds = np.zeros(self.world_size)
+        per_axis: dict = {}
         for key, count in self.recorder.counts.items():
             a, bw = axes.get(key[1], (alpha, bandwidth))
-            seconds += count * a + self.recorder.sent[key] / bw
-        return float(seconds.max() + self._flops / flops)
+            seconds = count * a + self.recorder.sent[key] / bw  # per rank
+            per_axis[key[1]] = per_axis.get(key[1], 0.0) + seconds
+        slowest = int(np.argmax(sum(per_axis.values(), np.zeros(self.world_size))))
+        return StepTime.of({axis: float(v[slowest]) for axis, v in per_axis.items()},
+                           self._flops / flops, slowest)
 
     def report(self) -> str:
         """Per rank class (ranks whose figures are equal): the peak of live bytes by kind,
@@ -196,6 +204,53 @@ class Simulation:
         return rank
 
 
+@dataclass(frozen=True)
+class StepTime:
+    """``sim.step_time()``'s alpha-beta estimate of one step on the slowest rank ``rank``:
+    ``communication`` is ``{axis: seconds}`` over the keys ``step_time(axes=...)`` takes (a
+    placement axis's name, ``"axis i"`` for an unnamed one, ``"fully_shard"``, ``"gradient
+    buckets"``, ``"pipeline"``, and ``None`` for collectives on no one axis: a move between
+    placements, ``gt.comm`` calls), ``compute`` the flop count over the flop rate, and
+    ``total`` their sum (no overlap), exactly: ``math.fsum([*communication.values(),
+    compute])``, the sum rounded once, whatever the order of the parts. ``float(t)`` is
+    the total, and so is a format spec (``f"{t:.3f}"``); ``str(t)`` is a one-line summary."""
+    total: float
+    communication: dict
+    compute: float
+    rank: int
+
+    @classmethod
+    def of(cls, communication: dict, compute: float, rank: int) -> "StepTime":
+        """The result of these parts, its total their exact sum (``math.fsum``)."""
+        return cls(math.fsum([*communication.values(), compute]), dict(communication), compute,
+                   rank)
+
+    @property
+    def communication_total(self) -> float:
+        """The communication seconds of every axis together (``math.fsum``, as the total)."""
+        return math.fsum(self.communication.values())
+
+    def __float__(self) -> float:
+        return self.total
+
+    def __format__(self, spec: str) -> str:
+        return format(self.total, spec) if spec else str(self)
+
+    def __str__(self) -> str:
+        parts = ", ".join(f"{'no axis' if axis is None else axis} {_secs(v)}"
+                          for axis, v in self.communication.items())
+        return (f"step {_secs(self.total)} on rank {self.rank}: compute {_secs(self.compute)}, "
+                f"communication {_secs(self.communication_total)}"
+                + (f" ({parts})" if parts else ""))
+
+
+def _secs(seconds: float) -> str:
+    for scale, unit in ((1, "s"), (1e-3, "ms")):
+        if seconds >= scale:
+            return f"{seconds / scale:.3g} {unit}"
+    return f"{seconds * 1e6:.3g} us"
+
+
 def _fmt(n) -> str:
     n = float(n)
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
@@ -206,5 +261,41 @@ def _fmt(n) -> str:
 
 
 def simulate(world_size: int, *, rank: int = 0) -> Simulation:
-    """``with gt.simulate(world_size) as sim:``: see the module docstring."""
+    """Run a job's code for ``world_size`` ranks in this one process, with no data and no
+    messages, and read what every rank would hold and send (docs/simulate.md).
+
+    Inside ``with gt.simulate(world_size) as sim:`` the world is a fake one of ``world_size``
+    ranks (``gt.init()`` is a no-op, ``gt.env.get_rank()`` answers ``rank``), torch's
+    factories make meta tensors, and every global operation is chosen and planned as in a real
+    run; the plans' collectives and the pieces' bytes are counted for every rank, from the
+    layouts.
+
+    Args:
+        world_size: the ranks of the job simulated (an int >= 1).
+        rank: the rank whose code path runs (keyword; default 0). SPMD code takes the same
+            path on every rank; simulate once per stage for a pipeline's stages.
+
+    Returns:
+        A :class:`Simulation`, the context manager itself; after the block read
+        ``sim.report()``, ``sim.peak_bytes(rank, kind)``, ``sim.live_bytes(rank, kind)``,
+        ``sim.comm_bytes(rank)``, ``sim.collectives(rank)``, ``sim.flops()`` and
+        ``sim.step_time(...)`` (a :class:`StepTime`: total seconds, per axis and compute).
+
+    Example::
+
+        with gt.simulate(world_size=8) as sim:  # no gt.init() needed inside: a no-op
+            grid = gt.placement("cpu", [[0, 1, 2, 3], [4, 5, 6, 7]], axes=("dp", "tp"))
+            model = torch.nn.Linear(1024, 1024).to_global(grid, gt.nn.colwise("tp"))
+            x = torch.randn(64, 1024).to_global(grid, (gt.sbp.split(0), gt.sbp.broadcast))
+            model(x).sum().backward()
+        print(sim.report()); print(sim.peak_bytes(0, "parameters"), sim.step_time())
+
+    Not modelled: values (``item()``, ``print(x)`` of a global tensor raise; operators whose
+    output shape depends on data, like ``nonzero``, cannot run); memory the allocator keeps
+    beyond live tensors and one operator's own workspace; tensors made before the block; other
+    ranks' flops (the simulating rank's are taken as every rank's); in ``step_time``, overlap
+    of communication with compute, contention and real bandwidth curves (an alpha-beta bound
+    to compare layouts with, not a wall time). ``gt.comm`` collectives are counted, not sized.
+    It refuses to start inside a joined world (before ``gt.init()`` only).
+    """
     return Simulation(world_size, rank)

@@ -112,7 +112,7 @@ def test_one_rank_of_a_large_world_costs_what_its_classes_cost():
         model(x).pow(2).mean().backward()
     assert sim.peak_bytes(0) == sim.peak_bytes(255) > 0
     assert sim.collectives(0) == sim.collectives(255)
-    assert sim.step_time(alpha=1e-5, bandwidth=1e9, flops=1e12) > 0
+    assert sim.step_time(alpha=1e-5, bandwidth=1e9, flops=1e12).total > 0
     with pytest.raises(GlobalTensorError, match="rank in"):
         sim.peak_bytes(256)
 
@@ -142,3 +142,41 @@ def test_piece_bytes_on_every_rank_are_the_layouts_pieces(shape, sbp):
             numel *= n
         assert got[grid.rank_at(coord)] == 4 * numel
     assert got[6] == 0  # outside the placement
+
+
+def test_step_time_is_its_parts_summed_on_the_slowest_rank():
+    """Issue 52.10: step_time returns a StepTime: per-axis communication seconds and compute
+    seconds of the slowest rank, whose exact sum is the total; float() and format specs give
+    the total, str() a one-line summary."""
+    import math
+
+    from globaltensor.sim import StepTime
+
+    with gt.simulate(4) as sim:
+        grid = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "tp"))
+        x = torch.randn(4, 8).to_global(grid, (S(0), S(1)))  # global 8 x 16
+        z = x.to_global(sbp=(S(0), B)).to_global(sbp=(B, B))  # one all_gather on tp, one on dp
+        z @ torch.randn(16, 32).to_global(grid, (B, B))  # 2 * 8 * 16 * 32 flops, on every rank
+        pair = gt.placement("cpu", [2, 3], axes=("pair",))  # ranks 2 and 3 send more
+        torch.randn(2, 4).to_global(pair, S(0)).to_global(sbp=B)
+    assert sim.flops() == 2 * 8 * 16 * 32
+    t = sim.step_time(alpha=1e-3, bandwidth=1e6, flops=1e9, axes={"tp": (1e-4, 1e8)})
+    assert isinstance(t, StepTime) and t.rank == 2  # the first of the busiest ranks
+    float32 = 4
+    assert t.communication == pytest.approx({
+        "tp": 1e-4 + 4 * 8 * float32 / 1e8,  # each rank sends its 4 x 8 piece
+        "dp": 1e-3 + 4 * 16 * float32 / 1e6,  # then its 4 x 16 half
+        "pair": 1e-3 + 2 * 4 * float32 / 1e6}, rel=1e-12)
+    assert t.compute == 2 * 8 * 16 * 32 / 1e9
+    assert t.total == math.fsum([*t.communication.values(), t.compute])  # exactly
+    assert t.communication_total == math.fsum(t.communication.values())
+    assert float(t) == t.total and f"{t:.6f}" == f"{t.total:.6f}"
+    assert float(t) + 1 == t.total + 1  # arithmetic on the total as before
+    assert str(t) == ("step 2.4 ms on rank 2: compute 8.19 us, communication 2.39 ms "
+                      "(tp 101 us, dp 1.26 ms, pair 1.03 ms)")
+    assert "StepTime(total=" in repr(t)
+    only_alpha = sim.step_time(alpha=1.0, bandwidth=float("inf"), flops=float("inf"))
+    assert only_alpha.communication == {"tp": 1.0, "dp": 1.0, "pair": 1.0}
+    assert only_alpha.total == sum(sim.collectives(2).values()) == 3
+    assert sim.step_time(alpha=0.0, bandwidth=1.0, flops=float("inf")).communication_total == \
+        sum(sim.comm_bytes(2).values())  # bytes over 1 B/s: the bytes rank 2 sends
