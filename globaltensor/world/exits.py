@@ -123,9 +123,12 @@ class WorldExit:
         keys = [self.key(r) for r in range(1, self.world_size)]
         start = time.monotonic()
         pause = POLL_S[0]
+        release = [release_key(self.generation)]
         while time.monotonic() - start < self.timeout.total_seconds():
             try:
                 if store.check(keys):
+                    return
+                if store.check(release):  # a rank waits in a collective this rank never joins
                     return
             except RuntimeError:  # the store itself is gone: nobody is left to wait for
                 break
@@ -136,6 +139,12 @@ class WorldExit:
               f"{missing} to finish; leaving without them (rank 0 hosts the store, which they "
               f"can no longer reach). Raise gt.init(timeout=...) or GT_TIMEOUT if they needed "
               f"longer", file=sys.stderr, flush=True)
+
+
+def release_key(generation: int) -> str:
+    """Set by a rank that waits in a collective with rank 0 after rank 0 finished (stalls.py):
+    rank 0 stops waiting at exit, and its leaving ends that collective at once."""
+    return f"gt/release/{generation}"
 
 
 def leaving_key(generation: int, rank: int) -> str:

@@ -116,6 +116,9 @@ class Watch:
         self.compiled: tuple | None = None  # (number, since) of a wait in a compiled graph
         self.running: tuple = (0, time.monotonic(), None)  # outside collectives: (count, since, line published)
         self.seen_running: tuple | None = None  # (other ranks' run records, first seen)
+        # the ranks that had left when rank 0 (the store's host) finished while this rank waits
+        # for it: read while the store is up (see ``look_for_rank_0``)
+        self.finished_note: tuple | None = None  # (wait number, exits.left's answer)
 
     # -- the waiting thread: the hot path
     def enter(self, what) -> None:
@@ -152,6 +155,8 @@ class Watch:
     def look(self) -> None:
         now = self.now or self.compiled_wait()
         self.look_running(now is None)
+        if now is not None:
+            self.look_for_rank_0(now)
         if now is None or time.monotonic() - now[3] < self.publish_s:
             if self.published:
                 self.published = 0
@@ -166,6 +171,26 @@ class Watch:
             if report is not None:
                 self.reported = number
                 print(report, file=sys.stderr, flush=True)
+
+    def look_for_rank_0(self, now) -> None:
+        """Waiting (a tick or more) in a collective of rank 0's after rank 0 finished: rank 0 is
+        waiting at exit for this rank to leave (it hosts the store), and this rank for rank 0
+        in the collective, so both would wait until the world's timeout. Work out the message
+        now (the store goes with rank 0), then ask rank 0 to leave (``exits.release_key``): its
+        connections close, this rank's collective ends at once, and the guard raises it."""
+        number, what, _, since = now
+        if self.rank == 0 or time.monotonic() - since < self.tick:
+            return
+        if self.finished_note is not None and self.finished_note[0] == number:
+            return
+        ranks = _ranks_of(what, self.world_size)
+        if 0 not in ranks:
+            return
+        left = self.left(ranks)
+        if left.get(0, ("",))[0] != "ok":
+            return
+        self.finished_note = (number, left)
+        self.store.set(exits.release_key(self.generation), str(self.rank))
 
     def look_running(self, outside: bool) -> None:
         """Outside any collective with no new one for ``publish_s``: publish where this rank
@@ -274,12 +299,21 @@ def running_message(watch: "Watch | None", ranks) -> str:
     return ("; ".join(found) + ". ") if found else ""
 
 
+def _ranks_of(what, world_size: int) -> list[int]:
+    """The ranks of a wait (a guard or a :class:`Waiting`); every rank when it names none."""
+    ranks = what._ranks() if hasattr(what, "_ranks") else getattr(what, "ranks", None)
+    return list(range(world_size)) if not ranks else [int(r) for r in ranks]
+
+
 def finished_message(watch: "Watch | None", ranks, where: str) -> str | None:
     """What a rank waiting in ``where`` with ``ranks`` raises when some of them finished (left
-    with exit 0) while it still runs; None when none did."""
+    with exit 0) while it still runs; None when none did. For a wait the watchdog saw rank 0
+    leave (``look_for_rank_0``), what it read then is the answer: the store is gone with it."""
     if watch is None:
         return None
-    left = {r: v for r, v in watch.left(ranks).items() if v[0] == "ok"}
+    note = watch.finished_note
+    seen = note[1] if note is not None and note[0] == watch.count else watch.left(ranks)
+    left = {r: v for r, v in seen.items() if v[0] == "ok" and r in ranks}
     if not left:
         return None
     gone = "; ".join(_left_words(r, status, n) for r, (status, n) in sorted(left.items()))

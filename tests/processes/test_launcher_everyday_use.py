@@ -50,6 +50,20 @@ def test_item_under_rank_zero_gets_a_hint_and_gt_debug_names_it():
     assert "[launch] hint" not in checked.stderr  # GT_DEBUG already named them
 
 
+def test_a_rank_past_rank_0s_last_step_fails_within_seconds_not_at_the_timeout():
+    """Rank 1 runs one step more: its collective waits for rank 0, which waits at exit for rank
+    1 to leave (it hosts the store). Rank 1 asks rank 0 to leave, and fails at once with the
+    error naming rank 0's last collective, well before the 120 s world timeout."""
+    start = time.monotonic()
+    run = run_script(SCRIPTS / "one_step_more.py", 2, timeout=110, env=dict(ENV, GT_TIMEOUT="120"))
+    took = time.monotonic() - start
+    assert run.returncode == 1, run.stderr
+    assert "rank 0 finished (exit 0) after its collective #4 while rank 1 still runs (rank 1 " \
+           "waits here, its collective #5)" in run.stderr
+    assert "under `if rank == 0:` the other ranks never join it" in run.stderr
+    assert took < 60, f"took {took:.0f}s"
+
+
 def test_gtrun_and_python_m_globaltensor_with_torchrun_spellings():
     run = _cli("gtrun", "--nproc-per-node", "2", "--master-port", str(launch.free_port()),
                "--ranks-filter", "1", "--timeout", "30", CHATTY, "hello")
