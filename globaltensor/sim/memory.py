@@ -9,22 +9,40 @@
     m.start_bytes()                 # what was live when the block began
     print(m.report())
 
-What it counts is storages (a view costs nothing more; a global tensor costs its piece on this
-rank), each once, from the moment it exists until it is freed:
+It counts what this rank allocates while the block runs plus what this rank held when it began,
+as storages (a view costs nothing more; a global tensor costs its piece on this rank), each
+storage once (by its identity: two tensors, views or references of one storage are one entry),
+from the moment it exists, or the block's start, until it is freed or resized:
 
-- at the start, the tensors reachable from the calling frames' local variables through
-  containers, modules (parameters, buffers, ``.grad``, sharded units' buffers) and optimizers
-  (their state): what was already alive;
-- then every tensor an operator makes (a dispatch mode sees each operator's outputs) and every
-  buffer the runtime announces (``observe.storage_kind``: gathered units, reduce-scatter
-  buffers), until its storage is freed (a weak reference's callback) or resized.
+- allocated in the block: every tensor an operator makes (a dispatch mode sees each
+  operator's outputs) and every buffer the runtime announces (``observe.storage_kind``:
+  gathered units, reduce-scatter buffers, gradient buckets);
+- alive at the start (counted from the start, whenever it is found):
+
+  - the global tensors (and torch's DTensors) reachable from the calling frames' local
+    variables through containers, modules (parameters, buffers, ``.grad``, sharded units'
+    pieces and buffers) and optimizers (their state): such a tensor's piece is this rank's by
+    construction;
+  - what the block uses: the parameters, buffers and ``.grad`` of each module whose forward
+    runs in it, and the parameters, ``.grad`` and state of each optimizer whose step runs;
+  - what is passed, ``gt.memory(model, opt, x)``: modules, optimizers and tensors (or
+    containers of them), global or not (``MemTracker.track_external``'s way).
+
+A plain (not global) tensor that is only reachable from a frame is not counted: a one-process
+reference model held in ``main()``'s locals is not this rank's parameters unless the block runs
+it or it is passed. Like torch's ``MemTracker``, nothing else made before the block is seen:
+a plain model's tensors that the block frees before it runs or steps the model (``zero_grad()``
+first: the last step's gradients) are not counted unless passed.
 
 Kinds: ``parameters`` (and buffers), ``gradients`` (a leaf's ``.grad``: a hook on the leaves
-found at the start; gradients held back by ``set_requires_gradient_sync(False)``),
+found; gradients held back by ``set_requires_gradient_sync(False)``),
 ``optimizer`` (the state an optimizer holds after its step, and the state found at the start;
 the step's temporaries are activations),
 ``communication`` (buffers of collectives and gathered units) and ``activations`` (anything
-else: what forward saves, temporaries). The same accounting serves simulations.
+else: what forward saves, temporaries, inputs). A storage counted as ``activations`` that is
+then found as a module's parameter or buffer (a model built in the block) becomes
+``parameters``; other kinds stay as first counted or announced. The same accounting serves
+simulations, which start from nothing: there only what the block makes is counted.
 """
 from __future__ import annotations
 
@@ -35,8 +53,10 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.utils._pytree as pytree
+from torch.utils.weak import WeakIdKeyDictionary
 
 from ..observe import current, reset, set_watchers
+from ..tensor import GlobalTensor
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "communication")
 
@@ -70,7 +90,11 @@ class MemoryTracker:
         self.in_optimizer = 0
         self.open = False
         self.on_op = None  # called with (func, args, kwargs, out) after each operator
+        self.before = True  # count what was alive at the start (a simulation: False)
+        self.track: tuple = ()  # what gt.memory(...) was passed: alive at the start
         self._handles: list = []
+        self._used = weakref.WeakSet()  # the modules whose forward ran in the block
+        self._hooked = WeakIdKeyDictionary()  # the leaves with a gradient hook
 
     # ---- the accounting --------------------------------------------------------------------
     def add(self, t: torch.Tensor, kind: str) -> None:
@@ -79,6 +103,37 @@ class MemoryTracker:
         if storage is None or id(storage) in self.live:
             return
         self._set(t, storage, kind)
+
+    def found(self, t: torch.Tensor, kind: str) -> None:
+        """``t`` was alive when the block began (found at its start, or when the block uses
+        it): a storage not counted yet is counted as ``kind`` from the start, as if it had been
+        seen then (it was live all along: every figure since the start grows by its bytes); one
+        counted as ``activations`` becomes ``kind``; any other stays as it is."""
+        storage = _storage(t)
+        if storage is None:
+            return
+        entry = self.live.get(id(storage))
+        if entry is not None:
+            if entry[0] == "activations" and kind != "activations":
+                self._rekind(entry, kind)
+            return
+        if not self.before:
+            return
+        nbytes = self.bytes_of(t, storage) if self.bytes_of is not None else storage.nbytes()
+        key = id(storage)
+        self.live[key] = [kind, nbytes]
+        weakref.finalize(storage, self._freed, key)
+        self.totals[kind] += nbytes
+        if self.open:
+            for figures in (self.at_start, self.kind_peaks, self.at_peak):
+                figures[kind] += nbytes
+            self.peak += nbytes
+
+    def _rekind(self, entry: list, kind: str) -> None:
+        self.totals[entry[0]] -= entry[1]
+        entry[0] = kind
+        self.totals[kind] += entry[1]
+        self._update(kind)
 
     def classify(self, t: torch.Tensor, kind: str, parts=None) -> None:
         """``t``'s storage holds ``kind``, at its current size (counted anew if resized);
@@ -187,9 +242,15 @@ class MemoryTracker:
         return self.start(sys._getframe(1))
 
     def start(self, frame=None) -> "MemoryTracker":
-        """Begin counting; what ``frame`` and its callers reach is alive already (None: nothing)."""
-        if frame is not None:
+        """Begin counting; the global tensors ``frame`` and its callers reach, and what
+        ``gt.memory(...)`` was passed, are alive already (``frame`` None: a simulation, which
+        starts from nothing and counts only what the block makes)."""
+        self.before = frame is not None
+        if self.before:
             self._scan(frame)
+            seen: set[int] = set()
+            for obj in self.track:
+                self._visit(obj, seen, "activations", 0, plain=True)
         self.open = True
         self.at_start = {k: v.copy() for k, v in self.totals.items()}
         self.kind_peaks = {k: v.copy() for k, v in self.totals.items()}
@@ -198,9 +259,11 @@ class MemoryTracker:
         self._token = set_watchers(memory=self)
         self._mode = _Mode(self)
         self._mode.__enter__()
+        from torch.nn.modules.module import register_module_forward_pre_hook
         from torch.optim import optimizer as opt
         self._handles += [opt.register_optimizer_step_pre_hook(self._optimizer_enter),
-                          opt.register_optimizer_step_post_hook(self._optimizer_leave)]
+                          opt.register_optimizer_step_post_hook(self._optimizer_leave),
+                          register_module_forward_pre_hook(self._module_used)]
         return self
 
     def __exit__(self, *exc):
@@ -221,9 +284,21 @@ class MemoryTracker:
             self.in_optimizer += 1
             for group in optimizer.param_groups:  # what the step reads is known for sure now
                 for p in group["params"]:
-                    self.classify(p, "parameters")
+                    self._used_tensor(p, "parameters")
                     if p.grad is not None:
-                        self.classify(p.grad, "gradients")
+                        self._used_tensor(p.grad, "gradients")
+            for state in optimizer.state.values():  # an earlier step's: alive at the start
+                for v in state.values():
+                    if isinstance(v, torch.Tensor):
+                        self.found(v, "optimizer")
+
+    def _used_tensor(self, t: torch.Tensor, kind: str) -> None:
+        """The step reads ``t`` as ``kind``: made before the block, it was alive at the start;
+        counted already, it is ``kind`` now."""
+        if self.before and id(_storage(t)) not in self.live:
+            self.found(t, kind)
+        else:
+            self.classify(t, kind)
 
     def _optimizer_leave(self, optimizer, args, kwargs):
         if self._mine():
@@ -233,63 +308,94 @@ class MemoryTracker:
                     if isinstance(v, torch.Tensor):
                         self.classify(v, "optimizer")
 
+    def _module_used(self, module, args):
+        """A module's forward runs in the block: its parameters, buffers and gradients (and
+        its submodules', its sharded units' pieces and buffers) are this rank's."""
+        if module in self._used or not self._mine():
+            return
+        self._visit_module(module, set(), 0, plain=True)
+
     def _gradient_ready(self, param: torch.Tensor) -> None:
         if self.open and param.grad is not None and self._mine():
             self.classify(param.grad, "gradients")
 
     # ---- what was alive at the start ---------------------------------------------------------
     def _scan(self, frame) -> None:
+        """The global tensors the calling frames reach (plain tensors there are not counted)."""
         seen: set[int] = set()
         while frame is not None:
             for value in list(frame.f_locals.values()):
                 self._visit(value, seen, "activations", 0)
             frame = frame.f_back
 
-    def _visit(self, obj, seen: set, kind: str, depth: int) -> None:
+    def _visit(self, obj, seen: set, kind: str, depth: int, plain: bool = False) -> None:
+        """Count the tensors ``obj`` holds as alive at the start: the global ones, and with
+        ``plain`` every one (what gt.memory(...) was passed, a module the block runs)."""
         if id(obj) in seen or depth > 8:
             return
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
-            self._visit_tensor(obj, kind)
+            self._visit_tensor(obj, kind, plain)
         elif isinstance(obj, torch.nn.Module):
-            self._visit_module(obj, seen, depth)
+            self._visit_module(obj, seen, depth, plain)
         elif isinstance(obj, torch.optim.Optimizer):
             for state in obj.state.values():
-                self._visit(state, seen, "optimizer", depth + 1)
+                self._visit(state, seen, "optimizer", depth + 1, plain)
             for group in obj.param_groups:
-                self._visit(group.get("params", ()), seen, "parameters", depth + 1)
+                self._visit(group.get("params", ()), seen, "parameters", depth + 1, plain)
         elif isinstance(obj, dict):
             for v in list(obj.values()):
-                self._visit(v, seen, kind, depth + 1)
+                self._visit(v, seen, kind, depth + 1, plain)
         elif isinstance(obj, (list, tuple, set)):
             for v in list(obj):
-                self._visit(v, seen, kind, depth + 1)
+                self._visit(v, seen, kind, depth + 1, plain)
 
-    def _visit_tensor(self, t: torch.Tensor, kind: str) -> None:
+    def _visit_tensor(self, t: torch.Tensor, kind: str, plain: bool) -> None:
+        if not (plain or _distributed(t)):
+            return
         if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-            self.add(t, "parameters")
-            self._handles.append(t.register_post_accumulate_grad_hook(self._gradient_ready))
+            self.found(t, "parameters")
+            if t.requires_grad and t not in self._hooked:  # a frozen one has no gradient
+                self._hooked[t] = True
+                self._handles.append(t.register_post_accumulate_grad_hook(self._gradient_ready))
             if t.grad is not None:
-                self.add(t.grad, "gradients")
+                self.found(t.grad, "gradients")
         else:
-            self.add(t, kind)
+            self.found(t, kind)
 
-    def _visit_module(self, module: torch.nn.Module, seen: set, depth: int) -> None:
+    def _visit_module(self, module: torch.nn.Module, seen: set, depth: int,
+                      plain: bool = False) -> None:
         for sub in module.modules():
             seen.add(id(sub))
-            for p in sub._parameters.values():
+            if plain:
+                if sub in self._used:
+                    continue
+                self._used.add(sub)
+            unit = sub.__dict__.get("_gt_fsdp_unit")
+            params = list(sub._parameters.values())
+            if unit is not None:  # the pieces, whether the module holds them or gathered views
+                params += [p.sharded for p in unit.params]
+            for p in params:
                 if isinstance(p, torch.Tensor) and id(p) not in seen:
                     seen.add(id(p))
-                    self._visit_tensor(p, "parameters")
+                    self._visit_tensor(p, "parameters", plain)
             for b in sub._buffers.values():
-                if isinstance(b, torch.Tensor):
-                    self.add(b, "parameters")
-            unit = sub.__dict__.get("_gt_fsdp_unit")
+                if isinstance(b, torch.Tensor) and (plain or _distributed(b)):
+                    self.found(b, "parameters")
             if unit is not None:
                 if unit.comm is not None and unit.comm.flat is not None:
-                    self.add(unit.comm.flat, "communication")
+                    self.found(unit.comm.flat, "communication")
                 if unit.pending is not None:
-                    self.add(unit.pending, "gradients")
+                    self.found(unit.pending, "gradients")
+
+
+def _distributed(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a global tensor (or torch's DTensor, FSDP2's parameters): its storage
+    is this rank's piece by construction, so a frame that reaches it shows what the rank holds."""
+    if isinstance(t, GlobalTensor):
+        return True
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, getattr(dtensor, "DTensor", ()))
 
 
 def _is_view_into(t: torch.Tensor, storage) -> bool:
@@ -325,9 +431,14 @@ def _mb(n) -> str:
     return f"{n} B"
 
 
-def memory() -> MemoryTracker:
-    """``with gt.memory() as m:``: see the module docstring (SPEC: "Sharded parameters")."""
-    return MemoryTracker()
+def memory(*track) -> MemoryTracker:
+    """``with gt.memory() as m:``: see the module docstring (SPEC: "Sharded parameters").
+    ``track``: modules, optimizers and tensors (or containers of them) made before the block
+    that this rank holds, global or not, counted as alive at its start (a plain one the block
+    does not run or step is otherwise not counted)."""
+    tracker = MemoryTracker()
+    tracker.track = track
+    return tracker
 
 
 __all__ = ["memory", "MemoryTracker", "KINDS"]
