@@ -16,6 +16,7 @@ not a hang.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Callable
 
 import torch
@@ -26,6 +27,7 @@ from ..grads import deferred_reduction, reduce_gradients
 from ..layout import Layout, box_numel, split_sizes
 from ..placement import Placement
 from ..plan import exchange
+from ..runtime import failure
 from ..runtime.groups import create_placement_groups, no_new_groups
 from ..runtime.meta import object_from
 from ..runtime.stage_p2p import Incoming, Outgoing, recv_object, send_object, send_piece
@@ -81,6 +83,7 @@ class Pipeline:
         schedules.clock(self._orders, len(stages))  # refuses a list that could wait forever
         for p in distinct:  # every rank makes every stage's groups, in one order
             create_placement_groups(p)
+        self._warned_uneven = False    # uneven micro-batches: said once, on rank 0
         self._sent_meta: set = set()   # (boundary, key) whose layouts this rank has sent
         self._layouts: dict = {}       # (boundary, key) -> [(src, dst, dtype, requires_grad)]
 
@@ -143,6 +146,17 @@ class _Run:
             raise GlobalTensorError(
                 f"expected at most {rows} micro-batches for a batch of {rows} rows, found "
                 f"microbatches={pipe.microbatches}; use fewer micro-batches or a larger batch")
+        if rows % pipe.microbatches and not pipe._warned_uneven:
+            pipe._warned_uneven = True
+            if world.get_rank() == 0:
+                sizes = split_sizes(rows, pipe.microbatches)
+                warnings.warn(
+                    f"gt.nn.Pipeline: a batch of {rows} rows in {pipe.microbatches} micro-batches "
+                    f"makes uneven micro-batches ({', '.join(map(str, sizes))} rows): the loss "
+                    f"and gradients are the mean of the micro-batches' losses (torch "
+                    f"pipelining's rule), which is not the whole batch's mean loss. Use a batch "
+                    f"that microbatches divides for one process's numbers (docs/pipeline.md)",
+                    stacklevel=4)
         bounds, at = [], 0
         for n in split_sizes(rows, pipe.microbatches):
             bounds.append((at, at + n))
@@ -179,12 +193,25 @@ class _Run:
         params = [p for s in self.mine for p in self.pipe.stages[s].parameters() if p.requires_grad]
         with no_new_groups("a pipeline stage"), deferred_reduction(params):
             for task in tasks:
-                if task in following:  # the receives of this placement's next task
-                    self._prefetch(following[task])
-                if task.kind == "F":
-                    self._forward(task.stage, task.microbatch)
-                else:
-                    self._backward(task.stage, task.microbatch)
+                try:
+                    if task in following:  # the receives of this placement's next task
+                        self._prefetch(following[task])
+                    if task.kind == "F":
+                        self._forward(task.stage, task.microbatch)
+                    else:
+                        self._backward(task.stage, task.microbatch)
+                except failure.LocalOpFailed:
+                    raise  # published already (here or by a peer): every rank raises it
+                except Exception as e:
+                    # the other stages wait on receives from this one: tell them, close this
+                    # rank's connections (their waits end at once), raise it here too
+                    kind = "forward" if task.kind == "F" else "backward"
+                    where = f"gt.nn.Pipeline: stage {task.stage}'s {kind} of micro-batch " \
+                            f"{task.microbatch}"
+                    seen = failure.seen()  # a peer failed first (and closed what this used)
+                    if seen is not None:
+                        raise failure.failed_elsewhere(seen, where) from e
+                    raise failure.stage_failure(where, e) from e
             for out in self.sending + [o for outs in self.grads_out.values() for _, o in outs]:
                 out.wait()
             self.sending.clear()

@@ -70,6 +70,15 @@ _EVERY_RANK = ("Every rank raises this error and the job's process groups are cl
                "program cannot go on with one rank missing.")
 
 
+def stage_failure(where: str, error: BaseException) -> LocalOpFailed:
+    """This rank raised ``error`` running ``where`` (a pipeline stage's task, gt.nn.Pipeline):
+    the other stages wait on receives from it, so the same path as :func:`local_failure`."""
+    me = world.get_rank()
+    return _failed_here(
+        f"{where} raised on rank {me}: {type(error).__name__}: {_first_line(error)}. "
+        f"{_EVERY_RANK} Look at rank {me}'s traceback (its error output) for the cause.")
+
+
 def _failed_here(message: str) -> LocalOpFailed:
     _publish(message)
     close_groups()

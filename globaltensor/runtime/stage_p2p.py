@@ -17,6 +17,16 @@ import torch.distributed as dist
 
 from ..layout import box_shape, relative
 from ..world.world import world_timeout
+from .guard import guard
+
+
+def _wait(work, timeout, what: str, peer: int) -> None:
+    """Wait for one posted send or receive with ``peer``. Where the peer's stage raised, it
+    published its error and closed its connections (runtime/failure.py): the wait ends at once,
+    and the guard raises that error here too (instead of a closed connection, or a wait until
+    the world's timeout)."""
+    with guard(lambda: f"gt.nn.Pipeline's {what} rank {peer}", ranks=(peer,)):
+        work.wait(timeout)
 
 
 class Outgoing:
@@ -29,13 +39,13 @@ class Outgoing:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.buffers.append(tensor)
-        self.works.append(dist.isend(tensor, dst, tag=tag))
+        self.works.append((dist.isend(tensor, dst, tag=tag), dst))
         self.nbytes += tensor.numel() * tensor.element_size()
 
     def wait(self) -> None:
         timeout = world_timeout()
-        for work in self.works:
-            work.wait(timeout)
+        for work, dst in self.works:
+            _wait(work, timeout, "send to", dst)
         self.works.clear()
         self.buffers.clear()
 
@@ -67,18 +77,18 @@ class Incoming:
         mine = [m for m in exchange.moves if rank in m.dsts and m.src != rank]
         if len(mine) == 1 and mine[0].region == self.want:  # the whole piece from one rank
             if self.piece.numel():
-                self.works.append(dist.irecv(self.piece, mine[0].src, tag=tag))
+                self.works.append((dist.irecv(self.piece, mine[0].src, tag=tag), mine[0].src))
             return
         for move in mine:
             buf = torch.empty(box_shape(move.region), dtype=dtype, device=device)
             if buf.numel():
-                self.works.append(dist.irecv(buf, move.src, tag=tag))
+                self.works.append((dist.irecv(buf, move.src, tag=tag), move.src))
             self.landing.append((move.region, buf))
 
     def wait(self) -> torch.Tensor:
         timeout = world_timeout()
-        for work in self.works:
-            work.wait(timeout)
+        for work, src in self.works:
+            _wait(work, timeout, "receive from", src)
         for region, buf in self.landing:
             self.piece[relative(region, self.want)] = buf
         return self.piece
@@ -97,7 +107,7 @@ def recv_object(src: int, tag: int):
     """What :func:`send_object` sent this rank from ``src``."""
     timeout = world_timeout()
     size = torch.empty(1, dtype=torch.int64)
-    dist.irecv(size, src, tag=tag).wait(timeout)
+    _wait(dist.irecv(size, src, tag=tag), timeout, "receive from", src)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.irecv(data, src, tag=tag).wait(timeout)
+    _wait(dist.irecv(data, src, tag=tag), timeout, "receive from", src)
     return pickle.loads(data.numpy().tobytes())

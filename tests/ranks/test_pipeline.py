@@ -288,3 +288,75 @@ def test_a_simulated_pipeline_step_has_the_real_runs_sends_and_memory_on_every_r
                 assert sim.peak_bytes(rank, "gradients") == grad_peak, rank
                 assert abs(sim.peak_bytes(rank) - peak) <= 0.1 * peak, (rank, sim.peak_bytes(rank), peak)
     assert sim.comm_bytes(0)["send"] > 0 and sim.comm_bytes(3)["send"] > 0
+
+
+class _RaisesOnce(nn.Module):
+    """A stage that raises at its second forward on rank ``rank``."""
+
+    def __init__(self, rank: int):
+        super().__init__()
+        self.linear, self.rank, self.calls = nn.Linear(H, H), rank, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2 and gt.env.get_rank() == self.rank:
+            raise RuntimeError("the stage's own bug")
+        return self.linear(x)
+
+
+def test_a_stage_that_raises_on_one_rank_gives_every_rank_its_error_within_seconds():
+    """Stage 2 of 4 (rank 2) raises in its second micro-batch's forward; the stages before it
+    wait on its gradients, the one after it on its activations. Every rank raises the same
+    error naming the stage, the micro-batch and the cause, long before the world's timeout
+    (300 s): the failing rank publishes it and closes its connections, each waiting receive
+    ends and reads it (runtime/failure.py)."""
+    import time
+
+    def body(rank):
+        gt.init()
+        torch.manual_seed(0)
+        stages = _stages(4)
+        stages[2] = _RaisesOnce(2)
+        for stage, place in zip(stages, LINE4):
+            stage.to_global(place)
+        pipe = gt.nn.Pipeline(stages, microbatches=4)
+        world = gt.placement("cpu", [0, 1, 2, 3])
+        x, y = _data(8)
+        gx, gy = gt.tensor(x, placement=world, sbp=S(0)), gt.tensor(y, placement=world, sbp=S(0))
+        start = time.monotonic()
+        try:
+            pipe.step(gx, target=gy, loss_fn=F.cross_entropy)
+        except GlobalTensorError as e:
+            return str(e), time.monotonic() - start
+        return None, time.monotonic() - start
+    for rank, (message, took) in enumerate(run_ranks(body, 4, timeout=120)):
+        assert message is not None, f"rank {rank} raised nothing"
+        assert message.startswith("gt.nn.Pipeline: stage 2's forward of micro-batch 1 raised on "
+                                  "rank 2: RuntimeError: the stage's own bug."), message
+        assert took < 60, f"rank {rank} took {took:.0f}s"
+
+
+def test_uneven_micro_batches_are_said_once_on_rank_0():
+    """Three steps on four ranks, two of them with uneven micro-batches: one warning in all
+    (warnings are recorded for the whole process: thread-ranks share it)."""
+    import warnings
+
+    def body(rank):
+        gt.init()
+        torch.manual_seed(0)
+        stages = _stages(2)
+        for stage, place in zip(stages, PAIRS):
+            stage.to_global(place)
+        pipe = gt.nn.Pipeline(stages, microbatches=4)
+        world = gt.placement("cpu", [0, 1, 2, 3])
+        for rows in (10, 10, 8):
+            x, y = _data(rows)
+            pipe.step(gt.tensor(x, placement=world, sbp=S(0)),
+                      target=gt.tensor(y, placement=world, sbp=S(0)), loss_fn=F.cross_entropy)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        run_ranks(body, 4, timeout=120)
+    said = [str(w.message) for w in seen if "micro-batches" in str(w.message)]
+    assert len(said) == 1, said
+    assert "10 rows in 4 micro-batches" in said[0] and "(3, 3, 2, 2 rows)" in said[0]
+    assert "not the whole batch's mean" in said[0]
