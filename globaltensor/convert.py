@@ -338,19 +338,39 @@ def from_local(local: torch.Tensor, placement: Placement, sbp: SbpSpec, *,
     """This rank's piece ``local`` as its piece of a global tensor, with no communication (as
     DTensor's ``from_local``); unlike ``Tensor.to_global`` it traces inside ``torch.compile``.
 
-    The global shape is ``shape``, or, without it, the piece's shape times the ranks along each
-    split (even pieces: pass ``shape`` for uneven ones, and on ranks outside the placement).
-    Broadcast pieces are taken as equal, not synced. Each piece's shape is checked against the
-    shape its rank must hold (a ``ShapeMismatchError``, on that rank).
+    The global shape is ``shape`` (nothing is sent). Without it, where an axis splits, every
+    rank must learn the others' pieces to know the global shape (the pieces may be uneven, and
+    ranks that assumed even pieces would build different shapes): eagerly the pieces' shapes
+    are exchanged, one small all-gather as ``to_global``'s ``check_meta``, and pieces that do
+    not follow the uneven-split rule are an error on every rank; inside ``torch.compile``
+    (no exchange in a graph) ``shape`` is required. Broadcast and partial pieces need no shape
+    and send nothing; broadcast pieces are taken as equal, not synced. Each piece's shape is
+    checked against the shape its rank must hold (a ``ShapeMismatchError``, on that rank).
 
-    >>> x = gt.from_local(torch.randn(2, 5), gt.placement("cpu", [0, 1]), gt.sbp.split(0))
+    >>> x = gt.from_local(torch.randn(2, 5), gt.placement("cpu", [0, 1]), gt.sbp.split(0),
+    ...                   shape=(4, 5))
     """
     placement = check_placement(placement)
     values = resolve(normalize(sbp, placement.ndim, placement.axes), local.dim())
     grad = _check_grad_sbp(grad_sbp, placement, local.dim())
+    if shape is None and any(isinstance(v, Split) for v in values):
+        shape = _exchanged_shape(local, placement, values)
     # () and (-1,) stand for None: dynamo passes no None to a nonstrict_trace call
     return _piece_as_global(local, placement, to_codes(values),
                             (-1,) if shape is None else tuple(shape), to_codes(grad or ()))
+
+
+def _exchanged_shape(local: torch.Tensor, placement: Placement, values) -> tuple:
+    """gt.from_local of split pieces without ``shape``: the global shape from every rank's
+    piece (one all-gather of their shapes over the world; ranks outside take the members')."""
+    if torch.compiler.is_compiling():
+        raise GlobalTensorError(
+            f"gt.from_local with sbp {format_sbp(values)} inside torch.compile needs the global "
+            f"shape: pass shape=(...) (the ranks' pieces may be uneven, and a graph cannot "
+            f"exchange their shapes); outside compiled code it is learnt from the pieces")
+    metas = [per_rank[0] for per_rank in exchange_meta(
+        [local], what="gt.from_local: exchanging piece shapes (no shape= given)")]
+    return _checked_global_shape(metas, placement, values)
 
 
 # a constant of a nonstrict_trace call (dynamo guards on it by __eq__), not a pytree leaf

@@ -47,14 +47,32 @@ def test_a_piece_of_the_wrong_shape_and_a_rank_outside_without_a_shape_are_refus
     def outside(rank):
         p = gt.placement("cpu", [0, 1])
         given = gt.from_local(torch.ones(1, 4), p, S(0), shape=(2, 4))
-        try:
-            gt.from_local(torch.ones(1, 4), p, S(0))
-        except gt.GlobalTensorError as error:
-            return given.shape, given.to_local().shape, str(error)
-        return given.shape, given.to_local().shape, None
+        learnt = gt.from_local(torch.ones(1, 4), p, S(0))  # the members' pieces, exchanged
+        return given.shape, given.to_local().shape, learnt.shape, learnt.to_local().shape
 
     results = run_ranks(outside, 3, timeout=TIMEOUT)
-    assert results[0][2] is None and results[1][2] is None
-    shape, piece, message = results[2]
-    assert shape == torch.Size([2, 4]) and piece == torch.Size([0, 0])
-    assert "outside placement" in message and "pass shape=(...)" in message
+    assert results[2] == (torch.Size([2, 4]), torch.Size([0, 0]), torch.Size([2, 4]),
+                          torch.Size([0, 0]))
+    assert results[0][2] == torch.Size([2, 4]) and results[0][3] == torch.Size([1, 4])
+
+
+def test_uneven_pieces_without_a_shape_agree_on_every_rank_or_fail_on_every_rank():
+    """Issue 52.8: each rank took its piece times the ranks for the global shape, so ranks with
+    3 and 2 rows built global tensors of 6 and 4 rows, silently. Without shape= the pieces'
+    shapes are exchanged: 5 rows on every rank; pieces the uneven rule does not allow (1 and 4
+    rows) are an error on every rank. With shape= nothing is sent."""
+    def body(rank, rows):
+        p = gt.placement("cpu", [0, 1])
+        piece = FULL[:rows[0]] if rank == 0 else FULL[rows[0]:rows[0] + rows[1]]
+        try:
+            x = gt.from_local(piece, p, S(0))
+        except gt.GlobalTensorError as error:
+            return str(error)
+        with gt.comm_trace() as t:
+            gt.from_local(piece, p, S(0), shape=x.shape)
+        return x.shape, x.full_tensor(), len(t)
+
+    for shape, full, moves in run_ranks(body, 2, (3, 2), timeout=TIMEOUT):
+        assert shape == torch.Size([5, 4]) and torch.equal(full, FULL) and moves == 0
+    for message in run_ranks(body, 2, (1, 4), timeout=TIMEOUT):
+        assert isinstance(message, str) and "rank 0 passed a piece of shape [1, 4]" in message
