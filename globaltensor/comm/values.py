@@ -5,6 +5,7 @@ dtype travel together in one collective (docs/collectives.md, "Which style a cal
 """
 from __future__ import annotations
 
+import hashlib
 import math
 
 import torch
@@ -42,6 +43,29 @@ def _structure_fact(data, shapes: bool) -> str:
     return str(pytree.tree_map(fact, data, is_leaf=_is_leaf))
 
 
+def _same_structure(name: str, fact: str, group) -> None:
+    """Every rank of ``group`` passes data of one structure (``fact``: containers, keys, leaf
+    types; for all_reduce tensor shapes too), checked with one all-gather of 8 bytes before the
+    collectives whose sizes follow from it: data that differ by rank (a dict with a key one
+    rank lacks) would otherwise make collectives of different sizes, which gloo answers by
+    aborting the process (SIGABRT). Every rank raises the same error, naming each rank's
+    structure. Without GT_DEBUG too: the default path must not be unsafe."""
+    digest = hashlib.blake2b(fact.encode(), digest_size=8).digest()
+    mine = torch.tensor([int.from_bytes(digest, "little", signed=True)], dtype=torch.int64,
+                        device=object_device(group))
+    table = mine.new_empty((size(group), 1))
+    gather_stacked(table, mine, group)
+    if len(set(table.view(-1).tolist())) == 1:
+        return
+    facts = _gather_objects(fact, group)
+    found = "; ".join(f"rank {r}: {f}" for r, f in enumerate(facts))
+    raise GlobalTensorError(
+        f"gt.comm.{name}: expected every rank to pass data of the same structure (the same keys, "
+        f"containers{' and tensor shapes' if name == 'all_reduce' else ''}), found {found}. "
+        f"Give every rank the same keys (e.g. fill a missing one with a zero) or gather the "
+        f"differing part as an object (gt.comm.all_gather of a dict of Python values)")
+
+
 def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
     """Indices of ``tensors`` grouped by (device, dtype), in order of first appearance."""
     buckets: dict = {}
@@ -58,7 +82,10 @@ def _buckets(tensors: list[torch.Tensor]) -> list[list[int]]:
 def all_reduce(data, op, group, async_op: bool):
     """The same structure as ``data`` (tensors and numbers as leaves), reduced with ``op``."""
     no_async(async_op, "all_reduce")
-    agree("all_reduce", group, value=_structure_fact(data, shapes=True), reduce_op=op_fact(op))
+    fact = _structure_fact(data, shapes=True)
+    agree("all_reduce", group, value=fact, reduce_op=op_fact(op))
+    if not isinstance(data, torch.Tensor) or data.dim():  # (a 0-dim tensor has one structure)
+        _same_structure("all_reduce", fact, group)
     op = to_reduce_op(op)
     leaves, paths, spec = _flatten(data)
     k = kind(op)
@@ -169,6 +196,7 @@ def all_gather(data, group, async_op: bool):
         return _gather_tensors([data], group)[0]
     if not _has_tensor(data):
         return _gather_objects(data, group)
+    _same_structure("all_gather", _structure_fact(data, shapes=False), group)
     return _gather_leaves(data, group)
 
 

@@ -380,3 +380,25 @@ def test_debug_checks_compare_the_structure_of_values():
 
     with pytest.raises(RankFailed, match=r"rank 1 differs: value: .*'count': int"):
         run_ranks(body, 2, timeout=T)
+
+
+@pytest.mark.parametrize("call", ["all_gather", "all_reduce"])
+def test_structures_that_differ_by_rank_are_an_error_on_every_rank_without_gt_debug(call):
+    """Issue 52.8: a dict with a key one rank lacks made collectives of different sizes, and
+    gloo killed a rank with SIGABRT unless GT_DEBUG=1. One all-gather of 8 bytes first: every
+    rank raises, naming each rank's structure; equal structures still work."""
+    def body(rank):
+        fn = getattr(gt.comm, call)
+        same = fn({"loss": torch.tensor([float(rank)]), "n": torch.tensor([2.0])})
+        data = {"loss": torch.tensor([1.0])}
+        if rank == 1:
+            data["extra"] = torch.tensor([2.0, 3.0])
+        try:
+            fn(data)
+        except GlobalTensorError as e:
+            return same["n"].tolist(), str(e)
+        return same["n"].tolist(), None
+    for n, message in run_ranks(body, 2, timeout=60):
+        assert message is not None and "expected every rank to pass data of the same structure" \
+            in message and "rank 1: {'loss': " in message and "'extra'" in message
+        assert n in ([[2.0], [2.0]], [4.0])
