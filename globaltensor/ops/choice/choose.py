@@ -111,8 +111,12 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     grid = layouts[0].placement.shape
     options = axis_options(rule, layouts, len(grid), fixed, free)
     stay = _stay(rule, call, layouts, options)
-    if stay is not None and not partial_count(stay.outs, grid):
-        return stay  # (one leaving partial sums may tie with one that resolves them: search)
+    if stay is not None and (not partial_count(stay.outs, grid)
+                             or not any(math.prod(l.shape) for l in layouts)):
+        # (one leaving partial sums may tie with one that resolves them: search; but where the
+        # inputs hold no element every move is free, and resolving would only change the
+        # layout an empty tensor reports: (P, S(1)) * 2 stays (P, S(1)))
+        return stay
     if stay is None and stay_or_moves and not any(free):
         return MOVES if _first(rule, call, layouts, options) is not None else None
     if stay is not None:

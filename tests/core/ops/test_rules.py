@@ -404,3 +404,18 @@ def test_unequal_splits_are_kept_to_even_cuts():
     assert even(call, (4,), ((S(1),), (S(0),)))           # 4 and 4: equal, uneven allowed
     assert even(call, (2, 2), ((S(0), B), (B, S(0))))     # one split per axis: sizes agree
     assert not even(call, (2, 2), ((S(0), S(0)), (B, S(0))))  # 6 over 2x2 nested
+
+
+@pytest.mark.parametrize("op,extra", [("mul.Tensor", 2.0), ("add.Tensor", None),
+                                      ("neg.default", ()), ("sum.dim_IntList", [1])])
+@pytest.mark.parametrize("shape", [(0, 4), (3, 0)])
+def test_an_empty_partial_input_keeps_its_layout_where_a_signature_keeps_it(op, extra, shape):
+    """Issue 52.8 (the fuzzer's metadata cases): on an empty tensor every move is free, so the
+    tie-break that prefers resolving partial sums turned (P, S(1)) * 2 into (B, S(1)); the
+    layout must be what the same op on a non-empty tensor keeps."""
+    def sbp_of(s):
+        args = [gen(*s)] + ([] if extra == () else [gen(*s)] if extra is None else [extra])
+        call = make_call(op, args, tags=("pointwise",) if "sum" not in op else ())
+        ins = [((P, S(1)), s)] * (2 if extra is None else 1)
+        return choose(call, layouts(G22, *ins), (4,) * len(ins)).outs
+    assert sbp_of(shape) == sbp_of((4, 4))
