@@ -21,6 +21,7 @@ from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..placement import Placement
 from ..sbp import Broadcast, PartialSum, SBP_TYPES, format_sbp, normalize, replicated
+from ..compile_support import never_compiled
 from ..convert import check_placement
 from ..tensor import GlobalTensor, redistribute
 from . import pretrained
@@ -124,6 +125,12 @@ def run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) ->
     def leave(mod, args, *rest):
         if entered:
             entered.pop().__exit__(None, None, None)
+
+    # torch.compile(module) runs the hooks as frames of their own (torch's _call_impl is not
+    # traced): dynamo traced each, found no op, fell back to eager and then traced their callees
+    # one by one (check_placement, get_world_size, a generator it refuses). Plain Python there;
+    # inlined (a compiled function that calls the module) they are traced as before
+    never_compiled(enter, leave)
 
     module.__dict__["_gt_global_mode"] = (
         module.register_forward_pre_hook(enter, prepend=True),
