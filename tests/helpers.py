@@ -53,6 +53,31 @@ def piece(full: torch.Tensor, layout: Layout, coord) -> torch.Tensor:
     return part
 
 
+# ----------------------------------------------------------------------------- torch's OpInfo
+
+
+def op_db():
+    """torch's OpInfo database (skips the test where its testing internals cannot load)."""
+    pytest.importorskip("expecttest")  # torch's testing internals need it
+    from torch.testing._internal.common_methods_invocations import op_db as db
+
+    return db
+
+
+def opinfo_samples(opinfo, count: int) -> list:
+    """The first ``count`` float64 samples (requiring grad) of ``opinfo``; none where it cannot
+    make samples here."""
+    out = []
+    try:
+        for sample in opinfo.sample_inputs("cpu", torch.float64, requires_grad=True):
+            out.append(sample)
+            if len(out) >= count:
+                break
+    except Exception:  # noqa: BLE001 - an OpInfo that cannot make samples here
+        pass
+    return out
+
+
 # ------------------------------------------------------------------------- global tensors vs torch
 # ``check`` builds each input from its full value (a P input's pieces are unequal parts of it),
 # runs the op on global tensors on thread-ranks, then compares the full output and the full

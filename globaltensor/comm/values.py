@@ -43,6 +43,16 @@ def _structure_fact(data, shapes: bool) -> str:
     return str(pytree.tree_map(fact, data, is_leaf=_is_leaf))
 
 
+def _exchanged_structure(data, shapes: bool) -> str:
+    """:func:`_structure_fact` as the collectives see it: a Python int and float travel alike
+    (``_number_pair``: an int64 and a float64 whatever the type), so they are one kind here."""
+    def fact(v):
+        if isinstance(v, (int, float)) and not isinstance(v, bool):
+            return Verbatim("number")
+        return Verbatim(tensor_fact(v, shapes) if isinstance(v, torch.Tensor) else type(v).__name__)
+    return str(pytree.tree_map(fact, data, is_leaf=_is_leaf))
+
+
 def _same_structure(name: str, fact: str, group) -> None:
     """Every rank of ``group`` passes data of one structure (``fact``: containers, keys, leaf
     types; for all_reduce tensor shapes too), checked with one all-gather of 8 bytes before the
@@ -84,8 +94,10 @@ def all_reduce(data, op, group, async_op: bool):
     no_async(async_op, "all_reduce")
     fact = _structure_fact(data, shapes=True)
     agree("all_reduce", group, value=fact, reduce_op=op_fact(op))
-    if not isinstance(data, torch.Tensor) or data.dim():  # (a 0-dim tensor has one structure)
-        _same_structure("all_reduce", fact, group)
+    single = (isinstance(data, (bool, int, float, complex))
+              or isinstance(data, torch.Tensor) and data.dim() == 0)
+    if not single:  # (a number or a 0-dim tensor has one structure on every rank)
+        _same_structure("all_reduce", _exchanged_structure(data, shapes=True), group)
     op = to_reduce_op(op)
     leaves, paths, spec = _flatten(data)
     k = kind(op)
@@ -196,7 +208,7 @@ def all_gather(data, group, async_op: bool):
         return _gather_tensors([data], group)[0]
     if not _has_tensor(data):
         return _gather_objects(data, group)
-    _same_structure("all_gather", _structure_fact(data, shapes=False), group)
+    _same_structure("all_gather", _exchanged_structure(data, shapes=False), group)
     return _gather_leaves(data, group)
 
 

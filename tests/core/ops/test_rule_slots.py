@@ -27,14 +27,7 @@ from globaltensor.ops.registry import OPS, register, rows_for
 from globaltensor.ops.rules import sig
 from globaltensor.sbp import broadcast, split
 
-from helpers import G2
-
-
-def _op_db():
-    pytest.importorskip("expecttest")  # torch's testing internals need it
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    return op_db
+from helpers import G2, op_db, opinfo_samples
 
 
 class _Calls(TorchDispatchMode):
@@ -48,18 +41,6 @@ class _Calls(TorchDispatchMode):
         kwargs = kwargs or {}
         self.found.append((func, args, kwargs))
         return func(*args, **kwargs)
-
-
-def _samples(opinfo, count):
-    out = []
-    try:
-        for sample in opinfo.sample_inputs("cpu", torch.float64, requires_grad=True):
-            out.append(sample)
-            if len(out) >= count:
-                break
-    except Exception:  # noqa: BLE001 - an OpInfo that cannot make samples here
-        pass
-    return out
 
 
 def _run(opinfo, sample):
@@ -187,8 +168,8 @@ def sweep(calls_of, samples: int) -> dict:
     """op -> first problem found, over every OpInfo op's first ``samples`` samples."""
     problems: dict = {}
     checked = set()
-    for opinfo in _op_db():
-        for sample in _samples(opinfo, samples):
+    for opinfo in op_db():
+        for sample in opinfo_samples(opinfo, samples):
             for func, args, kwargs in calls_of(opinfo, sample):
                 if _has_out(func):
                     continue  # dispatch refuses out= before any rule (decide._check_no_out)

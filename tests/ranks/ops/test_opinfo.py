@@ -38,34 +38,11 @@ from globaltensor.errors import GlobalTensorError
 from globaltensor.layout import Layout
 from globaltensor.testing import RankFailed, RanksHung, run_ranks
 
+from helpers import op_db, opinfo_samples
+
 S, B = gt.sbp.split, gt.sbp.broadcast
 GRID = gt.placement("cpu", [0, 1])
 LAYOUTS = ("B", "S(0)", "mixed")
-
-
-def _op_db():
-    pytest.importorskip("expecttest")  # torch's testing internals need it
-    from torch.testing._internal.common_methods_invocations import op_db
-
-    return op_db
-
-
-def _sbp(t: torch.Tensor, k: int, how: str):
-    if t.dim() == 0 or how == "B" or (how == "mixed" and k > 0):
-        return (B,)
-    return (S(0),) if how == "S(0)" else (S(t.dim() - 1),)
-
-
-def _sample_cases(opinfo, samples: int):
-    out = []
-    try:
-        for sample in opinfo.sample_inputs("cpu", torch.float64, requires_grad=True):
-            out.append(sample)
-            if len(out) >= samples:
-                break
-    except Exception:  # noqa: BLE001 - an OpInfo that cannot make samples here
-        pass
-    return out
 
 
 def _reference(fn, leaves, spec):
@@ -121,7 +98,7 @@ def sweep(opinfo, samples: int = 2) -> list[tuple[str, str, str]]:
     """(sample index, layout, status) for ``opinfo``'s first samples on every layout."""
     if opinfo.name in STORAGE_OPS:
         return [("*", "*", "skip")]
-    cases = [c for c in _sample_cases(opinfo, samples) if all(
+    cases = [c for c in opinfo_samples(opinfo, samples) if all(
         x.layout == torch.strided for x in tree_flatten((c.input, c.args, c.kwargs))[0]
         if isinstance(x, torch.Tensor))]  # sparse inputs: to_global says they are unsupported
     expected = []
@@ -222,7 +199,7 @@ def _close(a, b) -> bool:
 @pytest.mark.slow
 def test_no_opinfo_sample_gives_a_silent_wrong_result():
     wrong = []
-    for opinfo in _op_db():
+    for opinfo in op_db():
         for i, how, status in sweep(opinfo):
             if status.startswith("WRONG"):
                 wrong.append(f"{opinfo.name} sample {i} {how}: {status}")
@@ -238,7 +215,7 @@ def main() -> int:
     sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
     names = set(filter(None, args.ops.split(",")))
     totals = collections.Counter()
-    for opinfo in _op_db():
+    for opinfo in op_db():
         if names and opinfo.name not in names:
             continue
         results = sweep(opinfo, args.samples)
