@@ -39,7 +39,10 @@ def _train_compiled(local_rank, grid):
     return losses, full_state(m)
 
 
-@pytest.mark.parametrize("grid", ["line", pytest.param("2x2", marks=pytest.mark.slow)])
+# both behind -m slow (suite time): the default run compiles a sharded HF Llama per block
+# (test_fully_shard_compile_hf.py), the same mechanism on a model users have
+@pytest.mark.slow
+@pytest.mark.parametrize("grid", ["line", "2x2"])
 def test_torch_compile_of_a_sharded_model_equals_one_process(grid):
     expected = one_process(REF_NET)
     world = 2 if grid == "line" else 4
