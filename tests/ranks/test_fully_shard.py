@@ -206,7 +206,7 @@ def test_memory_holds_at_most_two_units_gathered():
     big = Net(h=32, n=8)
     unit_bytes = sum(p.numel() * 4 for p in big.layers[0].parameters())
     model_bytes = sum(p.numel() * 4 for p in big.parameters())
-    del big  # not held by the ranks' frames: gt.memory() would count it
+    del big  # (a plain model in a frame is not counted by gt.memory(); the ranks build their own)
 
     def body(rank):
         m = shard(Net(h=32, n=8), LINE2)  # the first rank's values: the same on both
