@@ -184,11 +184,9 @@ class Watch:
         if self.finished_note is not None and self.finished_note[0] == number:
             return
         ranks = _ranks_of(what, self.world_size)
-        if 0 not in ranks:
-            return
+        if 0 not in ranks or self.left([0]).get(0, ("",))[0] != "ok":
+            return  # (one store read a tick; the others' only once rank 0 has left)
         left = self.left(ranks)
-        if left.get(0, ("",))[0] != "ok":
-            return
         self.finished_note = (number, left)
         self.store.set(exits.release_key(self.generation), str(self.rank))
 
