@@ -27,6 +27,8 @@ import torch
 from . import debug as _debug
 from . import observe
 from .world import world
+from .world.simulated import simulated
+from .materialize import meta_message
 from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .plan import plan
@@ -338,8 +340,11 @@ def gradients_in_parameter_strides(optimizer, args, kwargs) -> None:
     piece is kept, and the optimizer's element-wise updates against contiguous state run
     several times slower (benchmarks/pipeline.py). Accumulating micro-batches into it stays
     fast (their gradients are transposed alike); here, once per step, one copy per weight."""
-    for group in optimizer.param_groups:
-        for p in group["params"]:
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if (p._local if isinstance(p, GlobalTensor) else p).is_meta and not simulated():
+                raise GlobalTensorError(meta_message(
+                    f"{type(optimizer).__name__}.step()", f"parameter {i} of param group {g}", p))
             grad = p.grad
             if (type(grad) is GlobalTensor and isinstance(p, GlobalTensor)
                     and not grad._local.is_contiguous() and p._local.is_contiguous()):

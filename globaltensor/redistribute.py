@@ -11,7 +11,9 @@ import torch
 
 from . import debug as _debug
 from .world import world
+from .world.simulated import simulated
 from .layout import Layout
+from .materialize import meta_piece
 from .plan import plan
 from .runtime.agreement import check
 from .runtime.execute import run
@@ -19,9 +21,14 @@ from .observe import redistribution, served_from_memo, watching
 
 
 def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:
-    """This rank's piece of ``dst`` from its piece of ``src``: plan, then execute (SPMD)."""
+    """This rank's piece of ``dst`` from its piece of ``src``: plan, then execute (SPMD). A meta
+    piece (a model built on the meta device, not yet materialized) holds no data: outside
+    ``gt.simulate`` (which plays the moves) it becomes a meta piece of ``dst``, with no
+    communication (docs/big_models.md)."""
     if src == dst:
         return local
+    if local.is_meta and not simulated():
+        return meta_piece(dst, local.dtype)
     if _debug.is_debug():  # named by the user's call (item(), print, aten.mm...): see debug.py
         check(_debug.user_call(2) or "redistribute", source=src, target=dst, dtype=local.dtype)
     if watching():  # gt.comm_trace() or torch.profiler: see observe.py

@@ -158,6 +158,10 @@ class GlobalTensor(torch.Tensor):
         value (broadcast on every rank of the world), a copy; ``to_local()`` is the alias."""
         if self._local.is_meta:
             _no_value_in_simulation(self)
+            raise GlobalTensorError(
+                f"full_tensor(): this global tensor (shape {list(self.shape)}) holds a meta "
+                f"piece, no data: a model built under torch.device('meta') and laid out is "
+                f"materialized by model.to_empty(device=...) and initialised (or loaded) first")
         full = Redistribute.apply(self, _full_layout(self._layout), None, True)
         return _ToLocal.apply(full, True)
 

@@ -11,12 +11,15 @@ the ranks that share it: data parallel with no wrapper::
 from __future__ import annotations
 
 import functools
+import itertools
 import types
 
 import torch
 
 from .. import observe
 from ..grads import parameter_replaced
+from ..materialize import meta_message, meta_piece
+from ..world.simulated import simulated
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..placement import Placement
@@ -49,7 +52,36 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp_fn=None) -> tor
         sub.__dict__.pop(_PIECES, None)
     _refresh_flat_weights(module)
     run_forward_in_global_mode(module, placement)
+    if any(meta_pieces(module)):
+        module.__dict__[MAYBE_META] = True  # checked at each forward until materialized
     return module
+
+
+# a module's attribute: it was laid out with meta tensors (built under torch.device("meta")):
+# its forward checks them until to_empty / loading has given every piece data
+MAYBE_META = "_gt_maybe_meta"
+
+
+def meta_pieces(module: torch.nn.Module):
+    """(qualified name, tensor) of ``module``'s parameters and buffers whose piece (or value,
+    for a plain tensor) is still on the meta device."""
+    for name, t in itertools.chain(module.named_parameters(), module.named_buffers()):
+        piece = t._local if isinstance(t, GlobalTensor) else t
+        if piece.is_meta:
+            yield name, t
+
+
+def check_materialized(module: torch.nn.Module, what: str) -> None:
+    """``what`` (a forward) needs data: a clear error naming the first tensor of ``module`` that
+    is still meta (not inside gt.simulate, where every tensor is); else the check is done for
+    good (the module's flag cleared)."""
+    if simulated():
+        return
+    first = next(meta_pieces(module), None)
+    if first is None:
+        module.__dict__.pop(MAYBE_META, None)
+        return
+    raise GlobalTensorError(meta_message(what, first[0], first[1]))
 
 
 def _refresh_flat_weights(module: torch.nn.Module) -> None:
@@ -118,6 +150,8 @@ def run_forward_in_global_mode(module: torch.nn.Module, placement: Placement) ->
     entered: list = []
 
     def enter(mod, args, kwargs=None):
+        if mod.__dict__.get(MAYBE_META):
+            check_materialized(mod, f"{type(mod).__name__}.forward")
         mode = GlobalMode(placement)
         mode.__enter__()
         entered.append(mode)
@@ -240,7 +274,16 @@ def _converted(value, name, placement, choose, converted, parameter, piece_of=No
 
 
 def full_to_global(full: torch.Tensor, placement: Placement, sbp, name) -> GlobalTensor:
-    """The full value on each rank -> global with ``sbp``; the first rank's values win."""
+    """The full value on each rank -> global with ``sbp``; the first rank's values win. A meta
+    tensor (a model built under ``torch.device("meta")``) becomes a global tensor with a meta
+    piece: a layout only, no data and no communication (``to_empty`` allocates the pieces);
+    inside ``gt.simulate``, where every factory makes meta tensors, the real run's path."""
+    if full.is_meta and not simulated():  # (gt.simulate plays the real run's broadcast)
+        try:
+            layout = Layout(placement, sbp, tuple(full.shape))
+        except GlobalTensorError as e:
+            raise GlobalTensorError(f"module.to_global: {name} of shape {list(full.shape)}: {e}") from None
+        return GlobalTensor._make(meta_piece(layout, full.dtype), layout)
     try:
         whole = full.to_global(placement=placement, sbp=replicated(placement.ndim))
         layout = Layout(placement, sbp, tuple(full.shape))

@@ -99,6 +99,8 @@ class Unit:
         self.gathered_versions = None
         self.current: list | None = None  # the gathered parameters of the last forward
         self.replicate_axes: tuple[int, ...] = ()  # HSDP: summed after the reduce-scatter
+        # laid out from meta tensors: the forward checks they hold data (nn/module.py)
+        self.maybe_meta = any(p.sharded._local.is_meta for p in params)
 
     # ---- the parameters' values ----------------------------------------------------------
     @property
@@ -142,6 +144,10 @@ class Unit:
 
     # ---- forward -------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
+        if self.maybe_meta:  # built on meta: no gather of pieces that hold no data
+            from .module import check_materialized
+            check_materialized(self.module, f"{type(self.module).__name__}.forward")
+            self.maybe_meta = False  # (it raised otherwise)
         if in_backward():  # activation checkpointing recomputes the unit: as it was
             self.wait_unshard()
             self._swap_in(self.current)

@@ -1,0 +1,159 @@
+"""Models larger than one process (SPEC "Models larger than one process", issue 53, first
+part): a model built under ``torch.device("meta")`` takes layouts (``to_global``, an sbp plan,
+``fully_shard``) as meta pieces with no data and no communication; torch's ``to_empty``
+allocates each rank's pieces only, the same parameter objects; ``reset_parameters`` fills them
+from gt's stream at global indices, so the full values are bitwise the same on 1 rank, a line
+of 2 sharded, and a 2x2 grid of TP x fully_shard; using a model still on meta is a clear error
+on every rank."""
+import pytest
+import torch
+import torch.nn as nn
+
+import globaltensor as gt
+from globaltensor.errors import GlobalTensorError
+from globaltensor.testing import run_ranks
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+TIMEOUT = 60
+TP = gt.nn.sbp_plan({"0": gt.nn.colwise("tp"), "2": gt.nn.rowwise("tp")})
+
+
+def _meta_model():
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8), nn.LayerNorm(8))
+
+
+def _lay_out(model, how):
+    if how == "one":
+        gt.nn.fully_shard(model, gt.placement("cpu", [0]))
+    elif how == "line":
+        gt.nn.fully_shard(model, gt.placement("cpu", [0, 1]))
+    else:
+        grid = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "tp"))
+        model.to_global(grid, TP)
+        gt.nn.fully_shard(model, grid, "dp")
+    return model
+
+
+def _initialised(model):
+    model.to_empty(device="cpu")
+    gt.manual_seed(0)
+    for module in model.modules():
+        if hasattr(module, "reset_parameters"):
+            module.reset_parameters()
+    return {n: p.full_tensor() for n, p in model.named_parameters()}
+
+
+def test_a_meta_model_takes_layouts_as_meta_pieces_without_communication():
+    def body(rank):
+        model = _meta_model()
+        with gt.comm_trace() as trace:
+            _lay_out(model, "2x2")
+        return [(n, p.sbp, tuple(p.shape), tuple(p._local.shape), p._local.device.type)
+                for n, p in model.named_parameters()], len(trace.records)
+    for rank, (params, moves) in enumerate(run_ranks(body, 4, timeout=TIMEOUT)):
+        assert moves == 0
+        shapes = {n: (sbp, full, piece, dev) for n, sbp, full, piece, dev in params}
+        # colwise weight (6, 8): S(0) on tp, sharded on dim 1 over dp -> (3, 4) pieces
+        assert shapes["0.weight"] == ((S(1), S(0)), (6, 8), (3, 4), "meta")
+        assert shapes["2.weight"] == ((S(0), S(1)), (8, 6), (4, 3), "meta")
+        assert all(dev == "meta" for _, _, _, dev in shapes.values())
+
+
+def test_to_empty_allocates_the_pieces_of_the_same_parameters_and_init_is_layout_free():
+    """Full values after to_empty + reset_parameters: bitwise equal on 1 rank, a line of 2
+    (fully_shard) and a 2x2 grid (TP x fully_shard); a Linear's bound is 1/sqrt(global fan_in)."""
+    def body(rank, how):
+        model = _lay_out(_meta_model(), how)
+        before = [id(p) for p in model.parameters()]
+        full = _initialised(model)
+        pieces = sum(p._local.numel() for p in model.parameters())
+        assert [id(p) for p in model.parameters()] == before  # the units still hold them
+        assert all(p._local.device.type == "cpu" for p in model.parameters())
+        x = gt.ones(4, 8, placement=model[0].weight.placement, sbp=[B] * model[0].weight.placement.ndim)
+        y = model(x).full_tensor()
+        return full, pieces, y
+    one = run_ranks(body, 1, "one", timeout=TIMEOUT)[0]
+    total = sum(t.numel() for t in one[0].values())
+    for how, world in (("line", 2), ("2x2", 4)):
+        for full, pieces, y in run_ranks(body, world, how, timeout=TIMEOUT):
+            assert full.keys() == one[0].keys()
+            for name in full:
+                assert torch.equal(full[name], one[0][name]), (how, name)
+            torch.testing.assert_close(y, one[2])  # (TP sums in another order: not bitwise)
+            assert pieces < total  # each rank allocated its pieces, not the model
+    weights = one[0]
+    assert weights["0.weight"].abs().max() <= 8 ** -0.5 and weights["2.weight"].abs().max() <= 6 ** -0.5
+    assert weights["0.weight"].abs().max() > 0.8 * 8 ** -0.5  # uniform over the whole bound
+    assert torch.equal(weights["3.weight"], torch.ones(8))
+
+
+@pytest.mark.parametrize("use", ["forward", "full_tensor", "step"])
+@pytest.mark.parametrize("how", ["to_global", "fully_shard"])
+def test_using_a_model_still_on_meta_is_a_clear_error_on_every_rank(use, how):
+    def body(rank):
+        model = _meta_model()
+        placement = gt.placement("cpu", [0, 1])
+        if how == "to_global":
+            model.to_global(placement, B)
+        else:
+            gt.nn.fully_shard(model, placement)
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        try:
+            if use == "forward":
+                model(gt.ones(2, 8, placement=placement, sbp=S(0)))
+            elif use == "full_tensor":
+                model[0].weight.full_tensor()
+            else:
+                opt.step()
+        except GlobalTensorError as e:
+            return str(e)
+        return None
+    for message in run_ranks(body, 2, timeout=TIMEOUT):
+        assert message is not None and "meta" in message and "to_empty(device=" in message
+        if use == "forward":
+            assert "0.weight (shape [6, 8]) is still on the meta device" in message
+
+
+def test_real_tensors_beside_meta_ones_keep_their_values():
+    def body(rank):
+        model = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3, device="meta"))
+        with torch.no_grad():
+            model[0].weight.copy_(torch.arange(9.0).reshape(3, 3))
+        model.to_global(gt.placement("cpu", [0, 1]), S(0))
+        return model[0].weight.full_tensor(), model[1].weight._local.device.type
+    for weight, device in run_ranks(body, 2, timeout=TIMEOUT):
+        assert torch.equal(weight, torch.arange(9.0).reshape(3, 3)) and device == "meta"
+
+
+def test_an_hf_llama_built_on_meta_and_sharded_initialises_as_on_one_rank():
+    """HF's flow: build under torch.device("meta"), fully_shard per decoder layer and the root,
+    to_empty, init_weights(): the state (rotary inv_freq included, which HF recomputes) is
+    bitwise the one a 1-rank run gives, and the logits equal it."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def body(rank, world):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        placement = gt.placement("cpu", list(range(world)))
+        for layer in model.model.layers:
+            gt.nn.fully_shard(layer, placement)
+        gt.nn.fully_shard(model, placement)
+        model.to_empty(device="cpu")
+        gt.manual_seed(0)
+        model.init_weights()
+        state = {k: v.full_tensor() for k, v in model.state_dict().items()}
+        logits = model(gt.tensor(ids, placement=placement, sbp=B)).logits.full_tensor()
+        return state, logits, model.model.rotary_emb.inv_freq.full_tensor()
+    one = run_ranks(body, 1, 1, timeout=TIMEOUT)[0]
+    reference = transformers.LlamaForCausalLM(config).model.rotary_emb.inv_freq
+    assert torch.equal(one[2], reference)
+    assert one[0]["model.layers.0.self_attn.q_proj.weight"].std() == pytest.approx(0.02, rel=0.2)
+    for state, logits, _ in run_ranks(body, 2, 2, timeout=TIMEOUT):
+        assert state.keys() == one[0].keys()
+        assert all(torch.equal(state[k], one[0][k]) for k in state)
+        torch.testing.assert_close(logits, one[1], atol=1e-5, rtol=1e-5)
