@@ -3,7 +3,8 @@
     module.py      module.to_global / gt.nn.to_global, to_local; a converted module's entry
                    points run in global mode
     styles.py      ready-made sbp_fns (column / row parallel, ...)
-    pretrained.py  HF's save_pretrained on a converted model (full values, rank 0 writes)
+    pretrained.py  HF's save_pretrained on a converted model (one tensor at a time, rank 0 writes)
+    loading.py     gt.nn.load_pretrained: an HF safetensors folder read by pieces
     fully_shard.py gt.nn.fully_shard, MixedPrecision: FSDP2's surface (docs/fully_shard.md)
     units.py       a sharded unit's state and schedule: hooks, prefetch, the Unshard node
     pipeline.py    gt.nn.Pipeline: stages on disjoint placements, micro-batches (docs/pipeline.md)
@@ -13,9 +14,10 @@
 from . import parallel
 from .module import to_global, to_local
 from .fully_shard import FSDPModule, MixedPrecision, fully_shard
+from .loading import load_pretrained
 from .pipeline import Pipeline
 from .styles import colwise, rowwise, sbp_plan, sequence
 from ..grads import set_bucket_cap_mb
 
-__all__ = ["FSDPModule", "MixedPrecision", "Pipeline", "fully_shard", "parallel", "to_global", "to_local", "colwise", "rowwise", "sbp_plan", "sequence",
+__all__ = ["FSDPModule", "MixedPrecision", "Pipeline", "fully_shard", "load_pretrained", "parallel", "to_global", "to_local", "colwise", "rowwise", "sbp_plan", "sequence",
            "set_bucket_cap_mb"]

@@ -157,3 +157,85 @@ def test_an_hf_llama_built_on_meta_and_sharded_initialises_as_on_one_rank():
         assert state.keys() == one[0].keys()
         assert all(torch.equal(state[k], one[0][k]) for k in state)
         torch.testing.assert_close(logits, one[1], atol=1e-5, rtol=1e-5)
+
+
+def _llama_config():
+    transformers = pytest.importorskip("transformers")
+    return transformers, transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+
+
+_LLAMA_TP = gt.nn.sbp_plan({
+    "*.q_proj": gt.nn.colwise("tp"), "*.k_proj": gt.nn.colwise("tp"),
+    "*.v_proj": gt.nn.colwise("tp"), "*.gate_proj": gt.nn.colwise("tp"),
+    "*.up_proj": gt.nn.colwise("tp"), "*.o_proj": gt.nn.rowwise("tp"),
+    "*.down_proj": gt.nn.rowwise("tp")})
+
+
+def test_load_pretrained_reads_pieces_of_an_hf_folder_into_a_meta_built_2x2_model(tmp_path):
+    """HF's own save_pretrained in one process, sharded into several files; on 4 ranks the model
+    is built on meta, laid out TP x fully_shard, and loaded by pieces (no to_empty needed): each
+    rank holds only its pieces, the logits equal one process's from_pretrained, and so does a
+    training step."""
+    transformers, config = _llama_config()
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    reference.save_pretrained(tmp_path, max_shard_size="20KB")
+    assert (tmp_path / "model.safetensors.index.json").exists()
+    one = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    ids = torch.randint(0, 64, (4, 8), generator=torch.Generator().manual_seed(1))
+    expected = one(ids).logits.detach()
+    opt = torch.optim.SGD(one.parameters(), lr=0.1)
+    one(ids, labels=ids).loss.backward()
+    opt.step()
+
+    def body(rank):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        grid = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "tp"))
+        model.to_global(grid, _LLAMA_TP)
+        for layer in model.model.layers:
+            gt.nn.fully_shard(layer, grid, "dp")
+        gt.nn.fully_shard(model, grid, "dp")
+        gt.nn.load_pretrained(model, tmp_path)
+        model.model.rotary_emb.to_empty(device="cpu")  # a buffer the file does not hold:
+        model.model.rotary_emb.inv_freq.copy_(  # computed, as HF's init does
+            gt.tensor(one.model.rotary_emb.inv_freq, placement=grid, sbp=B))
+        pieces = sum(p._local.numel() for p in model.parameters())
+        g_ids = gt.tensor(ids, placement=grid, sbp=(S(0), B))
+        logits = model(g_ids).logits.full_tensor().detach()
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(g_ids, labels=g_ids).loss.backward()
+        opt.step()
+        return pieces, logits, {n: p.full_tensor() for n, p in model.named_parameters()}
+    total = sum(p.numel() for p in one.parameters())
+    for pieces, logits, params in run_ranks(body, 4, timeout=120):
+        assert pieces < total / 2
+        torch.testing.assert_close(logits, expected, atol=1e-5, rtol=1e-5)
+        for n, p in one.named_parameters():
+            torch.testing.assert_close(params[n], p.detach(), atol=1e-5, rtol=1e-4, msg=n)
+
+
+def test_load_pretrained_refuses_missing_extra_and_misshapen_keys_on_every_rank(tmp_path):
+    transformers, config = _llama_config()
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path)
+    wider = transformers.LlamaConfig(**{**config.to_dict(), "intermediate_size": 96})
+
+    def body(rank, which):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(wider if which == "shape" else config)
+        if which == "missing":
+            model.register_parameter("extra", nn.Parameter(torch.empty(3, device="meta")))
+        model.to_global(gt.placement("cpu", [0, 1]), B)
+        try:
+            gt.nn.load_pretrained(model, tmp_path if which != "folder" else tmp_path / "nope")
+        except GlobalTensorError as e:
+            return str(e), model.model.embed_tokens.weight._local.is_meta
+    for which, words in (("missing", "missing keys ['extra']"),
+                         ("shape", "model.layers.0.mlp.gate_proj.weight: the model's [96, 32], "
+                                   "the file's [64, 32]"),
+                         ("folder", "is not a directory")):
+        for message, untouched in run_ranks(body, 2, which, timeout=60):
+            assert words in message and untouched, (which, message)
