@@ -25,7 +25,7 @@ def main():
     import transformers
 
     import globaltensor as gt
-    from simulate import SHAPES, grid_shape
+    from simulate import SHAPES, grid_shape, lay_out
 
     S, B = gt.sbp.split, gt.sbp.broadcast
     _, hidden, ffn, heads, kv, vocab = SHAPES["8b"]
@@ -38,14 +38,7 @@ def main():
         gt.init()
         grid = gt.placement("cpu", torch.arange(args.world).reshape(dp, fsdp, tp).tolist(),
                             axes=("dp", "fsdp", "tp"))
-        model = transformers.LlamaForCausalLM(config)
-        col, row = gt.nn.colwise("tp"), gt.nn.rowwise("tp")
-        model.to_global(grid, gt.nn.sbp_plan({
-            "*.q_proj": col, "*.k_proj": col, "*.v_proj": col, "*.gate_proj": col,
-            "*.up_proj": col, "lm_head": col, "*.o_proj": row, "*.down_proj": row}))
-        for layer in model.model.layers:
-            gt.nn.fully_shard(layer, grid, "fsdp")
-        gt.nn.fully_shard(model, grid, "fsdp")
+        model = lay_out(transformers.LlamaForCausalLM(config), grid)
         ids = torch.randint(0, vocab, (dp * fsdp, args.seq)).to_global(grid, (B, B, B))
         ids = ids.to_global(sbp=(S(0), S(0), B))
         with gt.comm_trace() as trace:

@@ -34,6 +34,21 @@ def grid_shape(world: int) -> tuple[int, int, int]:
     return world // (tp * fsdp), fsdp, tp
 
 
+def lay_out(model, grid):
+    """Megatron TP on "tp" (q/k/v/gate/up/lm_head column-wise, o/down row-wise), then
+    fully_shard over "fsdp" per decoder layer and the root."""
+    import globaltensor as gt
+
+    col, row = gt.nn.colwise("tp"), gt.nn.rowwise("tp")
+    model.to_global(grid, gt.nn.sbp_plan({
+        "*.q_proj": col, "*.k_proj": col, "*.v_proj": col, "*.gate_proj": col,
+        "*.up_proj": col, "lm_head": col, "*.o_proj": row, "*.down_proj": row}))
+    for layer in model.model.layers:
+        gt.nn.fully_shard(layer, grid, "fsdp")
+    gt.nn.fully_shard(model, grid, "fsdp")
+    return model
+
+
 def one(world: int, shape: str, layers: int | None, seq: int) -> dict:
     import torch
     import transformers
@@ -52,14 +67,7 @@ def one(world: int, shape: str, layers: int | None, seq: int) -> dict:
         gt.init()
         grid = gt.placement("cpu", torch.arange(world).reshape(dp, fsdp, tp).tolist(),
                             axes=("dp", "fsdp", "tp"))
-        model = transformers.LlamaForCausalLM(config)
-        col, row = gt.nn.colwise("tp"), gt.nn.rowwise("tp")
-        model.to_global(grid, gt.nn.sbp_plan({
-            "*.q_proj": col, "*.k_proj": col, "*.v_proj": col, "*.gate_proj": col,
-            "*.up_proj": col, "lm_head": col, "*.o_proj": row, "*.down_proj": row}))
-        for layer in model.model.layers:
-            gt.nn.fully_shard(layer, grid, "fsdp")
-        gt.nn.fully_shard(model, grid, "fsdp")
+        model = lay_out(transformers.LlamaForCausalLM(config), grid)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
         ids = torch.randint(0, vocab, (dp * fsdp, seq)).to_global(grid, (B, B, B))
         ids = ids.to_global(sbp=(S(0), S(0), B))
