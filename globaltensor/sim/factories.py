@@ -12,6 +12,7 @@ _FACTORIES = {
     torch.empty, torch.zeros, torch.ones, torch.full, torch.rand, torch.randn, torch.randint,
     torch.arange, torch.linspace, torch.logspace, torch.eye, torch.randperm, torch.empty_strided,
     torch.tril_indices, torch.triu_indices,
+    torch.empty_like,  # what Module.to_empty calls: a model built on meta stays without data
 }
 
 

@@ -5,6 +5,8 @@ allocates each rank's pieces only, the same parameter objects; ``reset_parameter
 from gt's stream at global indices, so the full values are bitwise the same on 1 rank, a line
 of 2 sharded, and a 2x2 grid of TP x fully_shard; using a model still on meta is a clear error
 on every rank."""
+import math
+
 import pytest
 import torch
 import torch.nn as nn
@@ -239,3 +241,52 @@ def test_load_pretrained_refuses_missing_extra_and_misshapen_keys_on_every_rank(
                          ("folder", "is not a directory")):
         for message, untouched in run_ranks(body, 2, which, timeout=60):
             assert words in message and untouched, (which, message)
+
+
+def test_a_checkpoint_loads_into_a_model_built_on_meta_in_another_layout(tmp_path):
+    """gt.checkpoint.save from a line of 2 (fully_shard); built on meta on a 2x2 grid of TP x
+    fully_shard, to_empty, gt.checkpoint.load: the full values are the saved ones."""
+    def save(rank):
+        model = _lay_out(_meta_model(), "line")
+        full = _initialised(model)
+        gt.checkpoint.save(tmp_path, model=model)
+        return full
+
+    def load(rank):
+        model = _lay_out(_meta_model(), "2x2")
+        model.to_empty(device="cpu")
+        gt.checkpoint.load(tmp_path, model=model)
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+    saved = run_ranks(save, 2, timeout=TIMEOUT)[0]
+    for loaded in run_ranks(load, 4, timeout=TIMEOUT):
+        assert loaded.keys() == saved.keys()
+        assert all(torch.equal(loaded[n], saved[n]) for n in saved)
+
+
+def test_the_meta_flow_runs_in_a_simulation_with_each_ranks_pieces():
+    """gt.simulate of the flow (built on meta, TP x fully_shard on 2x2, to_empty, init, an AdamW
+    step): to_empty keeps the pieces without data there, and each rank's optimizer state is two
+    of its pieces and a step count each. (Its parameter peak still counts the meta build:
+    issue 53, item 6.)"""
+    def build_and_step():
+        model = _lay_out(_meta_model(), "2x2")
+        model.to_empty(device="cpu")
+        gt.manual_seed(0)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        grid = model[0].weight.placement
+        opt = torch.optim.AdamW(model.parameters())
+        model(gt.ones(4, 8, placement=grid, sbp=(S(0), B))).sum().backward()
+        opt.step()
+        return model
+    with gt.simulate(4) as sim:
+        gt.init()
+        model = build_and_step()
+    total = sum(p.numel() * 4 for p in model.parameters())
+    for rank in range(4):
+        coord = model[0].weight.placement.coord_of(rank)
+        pieces = sum(math.prod(p._layout.local_shape(coord)) * 4 for p in model.parameters())
+        assert pieces < total
+        steps = 4 * len(list(model.parameters()))  # AdamW's step count: a float32 each
+        assert sim.peak_bytes(rank, "optimizer") == 2 * pieces + steps, rank
