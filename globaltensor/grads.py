@@ -66,7 +66,7 @@ def install_grad_methods() -> None:
     GlobalTensor.requires_grad = property(_REQUIRES_GRAD.__get__, _set_requires_grad)
     from torch.optim.optimizer import register_optimizer_step_pre_hook
 
-    register_optimizer_step_pre_hook(refuse_replaced_parameters)
+    register_optimizer_step_pre_hook(refuse_unusable_parameters)
     register_optimizer_step_pre_hook(gradients_in_parameter_strides)
 
 
@@ -292,7 +292,7 @@ def _finish(task: int, pending: _Reductions) -> None:
 # parameters that module.to_global / to_local / fully_shard replaced with new ones, by id:
 # (a weak reference to the old one, its qualified name, what replaced it). An optimizer built
 # before the replacement holds the old ones and would silently train nothing (FSDP2 documents
-# the same trap); its first step refuses (:func:`refuse_replaced_parameters`).
+# the same trap); its first step refuses (:func:`refuse_unusable_parameters`).
 _REPLACED: dict[int, tuple] = {}
 
 
@@ -308,14 +308,17 @@ def parameter_replaced(old, name: str, by: str) -> None:
     _REPLACED[key] = (weakref.ref(old, forget), name, by)
 
 
-def refuse_replaced_parameters(optimizer, args, kwargs) -> None:
-    """Before an optimizer's step: a clear error if it holds a parameter that was replaced."""
-    if not _REPLACED:
-        return
+def refuse_unusable_parameters(optimizer, args, kwargs) -> None:
+    """Before an optimizer's step: a clear error if it holds a parameter that was replaced (it
+    was built before the layout) or whose piece is still meta (a model built on meta, not
+    materialized)."""
     found = []
-    for group in optimizer.param_groups:
-        for p in group["params"]:
-            entry = _REPLACED.get(id(p))
+    for g, group in enumerate(optimizer.param_groups):
+        for i, p in enumerate(group["params"]):
+            if (p._local if isinstance(p, GlobalTensor) else p).is_meta and not simulated():
+                raise GlobalTensorError(meta_message(
+                    f"{type(optimizer).__name__}.step()", f"parameter {i} of param group {g}", p))
+            entry = _REPLACED.get(id(p)) if _REPLACED else None
             if entry is not None and entry[0]() is p:
                 found.append(entry)
     if found:
@@ -340,11 +343,8 @@ def gradients_in_parameter_strides(optimizer, args, kwargs) -> None:
     piece is kept, and the optimizer's element-wise updates against contiguous state run
     several times slower (benchmarks/pipeline.py). Accumulating micro-batches into it stays
     fast (their gradients are transposed alike); here, once per step, one copy per weight."""
-    for g, group in enumerate(optimizer.param_groups):
-        for i, p in enumerate(group["params"]):
-            if (p._local if isinstance(p, GlobalTensor) else p).is_meta and not simulated():
-                raise GlobalTensorError(meta_message(
-                    f"{type(optimizer).__name__}.step()", f"parameter {i} of param group {g}", p))
+    for group in optimizer.param_groups:
+        for p in group["params"]:
             grad = p.grad
             if (type(grad) is GlobalTensor and isinstance(p, GlobalTensor)
                     and not grad._local.is_contiguous() and p._local.is_contiguous()):
@@ -353,7 +353,7 @@ def gradients_in_parameter_strides(optimizer, args, kwargs) -> None:
 
 def _frames_torch_calls_into():
     """The hooks autograd's engine calls (docs/compile.md: never compiled as frames)."""
-    return grad_to_own_layout, _finish, gradients_in_parameter_strides, refuse_replaced_parameters
+    return grad_to_own_layout, _finish, gradients_in_parameter_strides, refuse_unusable_parameters
 
 
 never_compiled(*_frames_torch_calls_into())

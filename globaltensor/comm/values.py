@@ -36,18 +36,12 @@ def _has_tensor(data) -> bool:
     return any(isinstance(v, torch.Tensor) for v in pytree.tree_leaves(data, is_leaf=_is_leaf))
 
 
-def _structure_fact(data, shapes: bool) -> str:
-    """A rank-independent text of nested data: containers, keys, tensor dtypes (and shapes)."""
+def _structure_fact(data, shapes: bool, numbers_alike: bool = False) -> str:
+    """A rank-independent text of nested data: containers, keys, tensor dtypes (and shapes).
+    ``numbers_alike``: a Python int and float are one kind ("number"), as the collectives see
+    them (``_number_pair``: an int64 and a float64 whatever the type)."""
     def fact(v):
-        return Verbatim(tensor_fact(v, shapes) if isinstance(v, torch.Tensor) else type(v).__name__)
-    return str(pytree.tree_map(fact, data, is_leaf=_is_leaf))
-
-
-def _exchanged_structure(data, shapes: bool) -> str:
-    """:func:`_structure_fact` as the collectives see it: a Python int and float travel alike
-    (``_number_pair``: an int64 and a float64 whatever the type), so they are one kind here."""
-    def fact(v):
-        if isinstance(v, (int, float)) and not isinstance(v, bool):
+        if numbers_alike and isinstance(v, (int, float)) and not isinstance(v, bool):
             return Verbatim("number")
         return Verbatim(tensor_fact(v, shapes) if isinstance(v, torch.Tensor) else type(v).__name__)
     return str(pytree.tree_map(fact, data, is_leaf=_is_leaf))
@@ -97,7 +91,7 @@ def all_reduce(data, op, group, async_op: bool):
     single = (isinstance(data, (bool, int, float, complex))
               or isinstance(data, torch.Tensor) and data.dim() == 0)
     if not single:  # (a number or a 0-dim tensor has one structure on every rank)
-        _same_structure("all_reduce", _exchanged_structure(data, shapes=True), group)
+        _same_structure("all_reduce", _structure_fact(data, shapes=True, numbers_alike=True), group)
     op = to_reduce_op(op)
     leaves, paths, spec = _flatten(data)
     k = kind(op)
@@ -208,7 +202,7 @@ def all_gather(data, group, async_op: bool):
         return _gather_tensors([data], group)[0]
     if not _has_tensor(data):
         return _gather_objects(data, group)
-    _same_structure("all_gather", _exchanged_structure(data, shapes=False), group)
+    _same_structure("all_gather", _structure_fact(data, shapes=False, numbers_alike=True), group)
     return _gather_leaves(data, group)
 
 

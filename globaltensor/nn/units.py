@@ -21,7 +21,6 @@ from ..layout import Layout
 from ..placement import Placement
 from ..redistribute import redistribute_local
 from ..runtime.unshard import UnitComm
-from ..errors import GlobalTensorError
 from ..sbp import Broadcast, PartialSum
 from ..tensor import GlobalTensor, as_global_grad
 
@@ -252,9 +251,7 @@ class Unit:
                 self.pending = flat
                 observe.storage_kind(flat, "gradients")
                 return (None,) * len(self.split_params)
-            pieces = self.comm.reduce_scatter(flat)
-            if self.replicate_axes:
-                self._all_reduce_shard(pieces)
+            pieces = self.comm.reduce_scatter(flat, replicate=bool(self.replicate_axes))
             grads = tuple(GlobalTensor._make(piece.to(p.sharded.dtype), p.sharded._layout)
                           for p, piece in zip(self.split_params, pieces))
             for g in grads[:1]:  # one buffer holds them all (a view each)
@@ -284,15 +281,6 @@ class Unit:
         for a in self.replicate_axes:
             target = target.with_axis(a, PartialSum())
         return redistribute_local(grad._local, grad._layout, target)
-
-    def _all_reduce_shard(self, pieces) -> None:
-        """The reduce-scattered pieces (views of one buffer) summed over the replicate axes: one
-        all-reduce of the unit's shard."""
-        buffer = pieces[0]._base if pieces and pieces[0]._base is not None else None
-        if buffer is None:
-            raise GlobalTensorError("internal: fully_shard's reduce-scattered pieces are not "
-                                    "views of one buffer; please report this")
-        self.comm.all_reduce_shard(buffer)
 
     # ---- the root ------------------------------------------------------------------------
     def _lazy_init(self) -> None:

@@ -221,9 +221,10 @@ class UnitComm:
         return flat
 
     @_plain
-    def reduce_scatter(self, flat: torch.Tensor) -> list[torch.Tensor]:
+    def reduce_scatter(self, flat: torch.Tensor, replicate: bool = False) -> list[torch.Tensor]:
         """Sum ``flat`` over the group; this rank's pieces of the gradients (views of one
-        buffer of ``block`` elements)."""
+        buffer of ``block`` elements). ``replicate``: that buffer is then summed over the
+        replicate axes too (:meth:`all_reduce_shard`)."""
         observe.storage_kind(flat, "communication")
         out = flat.new_empty(self.block)
         if out.numel() and sends(self.group):
@@ -231,9 +232,14 @@ class UnitComm:
                 reduce_scatter_flat(out, flat, group=self.group)
         observe.unit_collective(f"fully_shard reduce_scatter ({self.name})", "reduce_scatter",
                                 (self.n - 1) * self.block * flat.element_size(), flat.dtype)
-        return self.pieces_of_shard(out)
+        if replicate:
+            self.all_reduce_shard(out)
+        pieces = []
+        for spec, offset in zip(self.specs, self.offsets):
+            rows = spec.rows[self.index]
+            pieces.append(out[offset:offset + rows * spec.row_numel].view(spec.piece_shape(self.index)))
+        return pieces
 
-    @_plain
     def all_reduce_shard(self, out: torch.Tensor) -> None:
         """Sum the reduce-scattered buffer ``out`` over the replicate group (HSDP's replicate
         axes: FSDP2's order, reduce-scatter over the shard axis first, then all-reduce the 1/n
@@ -247,11 +253,3 @@ class UnitComm:
         observe.unit_collective(f"fully_shard all_reduce ({self.name})", "all_reduce",
                                 2 * (ring - 1) * out.numel() * out.element_size() // ring,
                                 out.dtype)
-
-    def pieces_of_shard(self, out: torch.Tensor) -> list[torch.Tensor]:
-        """This rank's pieces of the gradients: views of the reduce-scattered buffer ``out``."""
-        pieces = []
-        for spec, offset in zip(self.specs, self.offsets):
-            rows = spec.rows[self.index]
-            pieces.append(out[offset:offset + rows * spec.row_numel].view(spec.piece_shape(self.index)))
-        return pieces
