@@ -109,10 +109,12 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
     rank = world.get_rank()
     coord = placement.coord_of(rank)
     device = device_for(placement)
+    meta = local.is_meta  # built on meta (every rank alike): a meta piece, nothing synced
     if simulated():  # gt.simulate: pieces hold no data
         local = local.to("meta")
-    elif local.device != device:
+    elif local.device != device and not meta:
         local = local.to(device)
+    sync_data = sync_data and not meta
     if check_meta:  # a rank outside the placement passes an ignored tensor: take the members'
         metas = [per_rank[0] for per_rank in exchange_meta([local], sbp=sbp)]  # by rank
         first_shape, dtype, _ = metas[placement.flat_ranks[0]]
@@ -128,7 +130,7 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
         shape = _even_shape(local.shape, placement, values)
     layout = trusted(placement, values, shape)  # the sbp was normalised once, above
     if coord is None:
-        piece = torch.empty((0,) * ndim, dtype=dtype, device=device)
+        piece = torch.empty((0,) * ndim, dtype=dtype, device="meta" if meta else device)
     else:
         piece = local.clone() if copy else local
         if sync_data and any(isinstance(v, Broadcast) for v in values):

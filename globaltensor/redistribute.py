@@ -14,10 +14,22 @@ from .world import world
 from .world.simulated import simulated
 from .layout import Layout
 from .materialize import meta_piece
+from .placement import Placement
 from .plan import plan
 from .runtime.agreement import check
 from .runtime.execute import run
 from .observe import redistribution, served_from_memo, watching
+from .sbp import replicated
+
+
+def whole_on_every_rank(layout: Layout) -> Layout:
+    """Broadcast on every rank of the world (so full_tensor and item reach ranks outside the
+    placement)."""
+    size = world.get_world_size()
+    placement = layout.placement
+    if placement.size != size or set(placement.flat_ranks) != set(range(size)):
+        placement = Placement(placement.type, list(range(size)))
+    return Layout(placement, replicated(placement.ndim), layout.shape)
 
 
 def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.Tensor:

@@ -19,7 +19,7 @@ from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .layout import Layout
 from .placement import Placement
-from .redistribute import redistribute_local
+from .redistribute import redistribute_local, whole_on_every_rank
 from .runtime.groups import create_placement_groups
 from .sbp import Broadcast, PartialSum, SbpSpec, SbpValue, format_sbp, replicated
 
@@ -162,7 +162,7 @@ class GlobalTensor(torch.Tensor):
                 f"full_tensor(): this global tensor (shape {list(self.shape)}) holds a meta "
                 f"piece, no data: a model built under torch.device('meta') and laid out is "
                 f"materialized by model.to_empty(device=...) and initialised (or loaded) first")
-        full = Redistribute.apply(self, _full_layout(self._layout), None, True)
+        full = Redistribute.apply(self, whole_on_every_rank(self._layout), None, True)
         return _ToLocal.apply(full, True)
 
     def numpy(self, *, force: bool = False) -> numpy.ndarray:
@@ -235,15 +235,6 @@ def _no_value_in_simulation(x: "GlobalTensor") -> None:
             f"tensor (shape {list(x.shape)}), and inside a simulation tensors hold no data "
             f"({debug.user_line(2)}); keep value reads (item(), print, tolist) out of the "
             f"simulated block, or guard them with `if not gt.env.simulated():`")
-
-
-def _full_layout(layout: Layout) -> Layout:
-    """Broadcast on every rank of the world (so full_tensor reaches ranks outside the placement)."""
-    size = world.get_world_size()
-    placement = layout.placement
-    if placement.size != size or set(placement.flat_ranks) != set(range(size)):
-        placement = Placement(placement.type, list(range(size)))
-    return Layout(placement, replicated(placement.ndim), layout.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 A non-scalar local tensor meeting a global one is an error, except where it is known to hold
 the same value on every rank: inside backward (autograd's own zeros) and in global mode, where
-it is taken as a broadcast value on the op's placement.
+it is taken as a broadcast value on the op's placement, and as the value ``copy_`` writes into
+a global tensor.
 """
 from __future__ import annotations
 
@@ -54,13 +55,23 @@ def agree_on_value(what: str, value: torch.Tensor) -> None:
           dtype=value.dtype)
 
 
+def _a_write_of_a_value(func, args) -> bool:
+    """``g.copy_(t)``, a global tensor set from a local one: the local tensor is the value to
+    write, the same on every rank (SPMD code computes it alike: HF's ``_init_weights`` copies a
+    rotary ``inv_freq`` it computed into the buffer, laid out by then). With GT_DEBUG the ranks'
+    values are compared."""
+    return func is torch.ops.aten.copy_.default and isinstance(args[0], GlobalTensor)
+
+
 def adopt_locals(func, args, kwargs, found):
     """A non-scalar local tensor among a global op's inputs is taken as a broadcast value on the
     placement of the global inputs where it is known to be one: inside backward (autograd makes
-    full-size local zeros for the gradients of unused outputs) and in global mode (mode/global_mode.py;
-    with GT_DEBUG the ranks' values are compared). Elsewhere it is a clear error."""
+    full-size local zeros for the gradients of unused outputs), in global mode
+    (mode/global_mode.py; with GT_DEBUG the ranks' values are compared) and as the source of
+    ``copy_`` into a global tensor. Elsewhere it is a clear error."""
     in_mode = active() is not None
-    if not in_mode and torch._C._current_graph_task_id() < 0:
+    in_backward = torch._C._current_graph_task_id() >= 0
+    if not in_mode and not in_backward and not _a_write_of_a_value(func, args):
         raise local_tensor_error(found, op_name(func))
     tensors = [v for v in tree_leaves((args, kwargs)) if isinstance(v, GlobalTensor)]
     if not tensors:
@@ -71,7 +82,7 @@ def adopt_locals(func, args, kwargs, found):
 
     def adopt(v):
         if isinstance(v, torch.Tensor) and not isinstance(v, GlobalTensor) and v.dim() != 0:
-            if in_mode and _debug.is_debug():
+            if _debug.is_debug() and (in_mode or _a_write_of_a_value(func, args)):
                 agree_on_value(f"aten.{op_name(func)}: a local input", v)
             layout = Layout(placement, replicated(placement.ndim), tuple(v.shape))
             if meta and not v.is_meta:

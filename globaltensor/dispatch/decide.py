@@ -5,6 +5,7 @@ from __future__ import annotations
 import collections
 
 import torch
+from torch.utils._pytree import tree_leaves
 
 from ..errors import GlobalTensorError
 from ..ops import MOVES, Choice, arg_value, choose, entry, qualified, rule_for
@@ -43,6 +44,8 @@ def decide(func, args, kwargs, tensors, key, context=None):
     if name.startswith("_foreach_"):
         return Special(foreach_on_pieces if pointwise_on_pieces(func, args, kwargs, tensors)
                        else foreach)
+    if name.split(".")[0] in _FILLS_OUT and _only_out_is_global(func, args, kwargs):
+        return Special(_fill_out)
     _check_no_out(func, name)
     index_scalars = _local_index_scalars(func, args, kwargs)
     if index_scalars:
@@ -139,6 +142,26 @@ def _local_index_scalars(func, args, kwargs) -> tuple[str, ...]:
         if type(v) is torch.Tensor and v.dim() == 0:
             found.append(a.name)
     return tuple(found)
+
+
+# deterministic factories torch's code calls with out= a tensor: nn.init.eye_'s
+# torch.eye(n, m, out=w); the full value is made once on each rank, then written by pieces
+_FILLS_OUT = frozenset({"eye", "arange", "linspace", "logspace", "zeros", "ones", "full"})
+
+
+def _only_out_is_global(func, args, kwargs) -> bool:
+    out = kwargs.get("out")
+    return isinstance(out, GlobalTensor) and not any(
+        isinstance(v, torch.Tensor) for v in tree_leaves((args, {k: v for k, v in kwargs.items()
+                                                                 if k != "out"})))
+
+
+def _fill_out(func, args, kwargs, tensors):
+    """A deterministic factory with a global ``out=``: its full value, made on each rank (the
+    one tensor: what ``eye_`` costs anywhere), written into ``out``'s pieces."""
+    out = kwargs["out"]
+    value = func(*args, **{**kwargs, "out": torch.empty(tuple(out.shape), dtype=out.dtype)})
+    return out.copy_(value)
 
 
 def _check_no_out(func, name):

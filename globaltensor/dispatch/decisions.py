@@ -93,13 +93,14 @@ class Plain:
         if self.kernel is not None:
             largs, lkwargs = self.local_args(args, kwargs, pieces)
             ctx = KernelContext(func, self.call, self.targets, self.outs, my_coord(self.placement),
-                                pieces, redistribute_local, lambda: empties(self.outs, pieces))
+                                pieces, redistribute_local,
+                                lambda: empties(self.outs, pieces, kwargs))
             try:
                 result = KERNELS[self.kernel](ctx, largs, lkwargs)
             except Exception as error:  # noqa: BLE001 - _failed re-raises what is not local
                 result = self._failed(error, pieces)
         elif _maybe_outside(pieces[0]) and my_coord(self.placement) is None:
-            result = empties(self.outs, pieces)
+            result = empties(self.outs, pieces, kwargs)
         else:
             largs, lkwargs = self.local_args(args, kwargs, pieces)
             if self.rewrite is not None:
@@ -150,7 +151,7 @@ class Plain:
             largs[slot] = t._local if layout is target or layout == target else moved(t, target)
         first = largs[slots[0]]
         if (first.numel() == 0 or first.dim() == 0) and my_coord(self.placement) is None:
-            result = empties(self.outs, [first])  # _maybe_outside, inline
+            result = empties(self.outs, [first], kwargs)  # _maybe_outside, inline
         else:
             pieces = None
             if self.rewrite is not None:  # local sizes from global ones (a view's)

@@ -227,12 +227,19 @@ def lazy_bits(out, piece) -> None:
         torch._C._set_neg(out, True)
 
 
-def empties(outs, pieces):
+def empties(outs, pieces, kwargs=None):
     """What a rank outside the placement holds for outputs ``outs``: empty pieces of their
-    ndim and dtype."""
-    device = pieces[0].device if pieces else torch.device("cpu")
+    ndim and dtype, on the device the op was asked for (``empty_like(x, device="cpu")`` of a
+    meta-built parameter: ``Module.to_empty``), else its first input's."""
+    device = (kwargs or {}).get("device")
+    if device is None:
+        device = pieces[0].device if pieces else torch.device("cpu")
+    return _empties(outs, device)
+
+
+def _empties(outs, device):
     if type(outs) is OutSpec:
         return torch.empty((0,) * len(outs.layout.shape), dtype=outs.dtype, device=device)
     if outs is None:
         return None
-    return type(outs)(empties(o, pieces) for o in outs)
+    return type(outs)(_empties(o, device) for o in outs)

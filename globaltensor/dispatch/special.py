@@ -7,7 +7,7 @@ import torch
 from .. import debug as _debug
 from ..errors import GlobalTensorError
 from ..layout import Layout
-from ..redistribute import redistribute_local
+from ..redistribute import redistribute_local, whole_on_every_rank
 from ..sbp import Broadcast, replicated
 from ..tensor import GlobalTensor
 from .decisions import my_coord
@@ -30,13 +30,23 @@ def _copy_(func, args, kwargs, tensors):
 
 
 def _local_scalar_dense(func, args, kwargs, tensors):
+    """``bool(x)``, ``float(x)``, ``int(x)`` of a global tensor: while every rank runs the
+    program, every rank gets the value, as ``x.item()`` (torch's own code branches on values:
+    ``trunc_normal_``'s ``if not mask.any()`` runs on ranks outside a pipeline stage's placement
+    at init). Inside a pipeline's stage (only its ranks run it) the placement's ranks only."""
+    from ..runtime.groups import groups_frozen
+
     x = tensors[0]
-    full = Layout(x._layout.placement, replicated(x._layout.placement.ndim), x._layout.shape)
+    if groups_frozen():
+        full = Layout(x._layout.placement, replicated(x._layout.placement.ndim), x._layout.shape)
+    else:
+        full = whole_on_every_rank(x._layout)
     piece = redistribute_local(x._local, x._layout, full)
     if my_coord(full.placement) is None:
         raise GlobalTensorError(
-            f"this rank is outside {x.placement!r}, so it holds no value to read; use "
-            f"x.item() (collective: every rank gets the value) instead of a local read")
+            f"this rank is outside {x.placement!r}, so it holds no value to read while only "
+            f"the ranks of a pipeline's stage run; read the value outside the stage's forward "
+            f"(x.item() there: every rank gets it)")
     return piece.item()
 
 

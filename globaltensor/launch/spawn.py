@@ -130,8 +130,23 @@ def _child(payload: bytes, local_rank: int, env: dict, conn, backend=None) -> No
             ("error", f"could not send the result back: {type(e).__name__}: {e}", "")))
         failed = True
     conn.close()
-    if failed:
-        sys.exit(1)
+    _end(1 if failed else 0)
+
+
+def _end(code: int) -> None:
+    """End the process as the interpreter would, short of its finalization: multiprocessing's
+    finalizers and the atexit hooks (the user's too) run, then ``os._exit``. In finalization a
+    gloo group something still held (a traced graph's functional collectives find theirs by
+    name) is destroyed by C++'s static destructors, which can abort the finished process
+    ("terminate called without an active exception")."""
+    import atexit
+    from multiprocessing import util
+
+    util._exit_function()
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _set_threads(omp: str | None) -> None:

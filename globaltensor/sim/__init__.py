@@ -2,10 +2,13 @@
 
     simulate.py   gt.simulate(world_size, rank=0): the block, its report and figures per rank
                   (StepTime: step_time's estimate and its parts)
-    factories.py  inside the block torch's factories make meta tensors (no data); scalars stay
+    factories.py  inside the block torch's factories make meta tensors (no data); scalars stay;
+                  they tell no_data.py which ones the user made on meta
     ranks.py      per-rank accounting: bytes of a layout's pieces on every rank, rank classes
     memory.py     gt.memory(): live tensor bytes by kind (this rank's in a real run, every
                   rank's in a simulation)
+    no_data.py    what costs nothing: a real run's meta tensors; a simulation's user-made meta
+                  tensors (a model built on meta) and what operators make from them alone
 
 The world is torch's fake process group (world/simulated.py), the executor's simulated emitter
 returns meta pieces of the right shapes (runtime/emit.py), and the figures come from the same

@@ -28,6 +28,7 @@ from the moment it exists, or the block's start, until it is freed or resized:
   - what is passed, ``gt.memory(model, opt, x)``: modules, optimizers and tensors (or
     containers of them), global or not (``MemTracker.track_external``'s way).
 
+A meta tensor costs nothing (a model built on meta, until ``to_empty``; sim/no_data.py).
 A plain (not global) tensor that is only reachable from a frame is not counted: a one-process
 reference model held in ``main()``'s locals is not this rank's parameters unless the block runs
 it or it is passed. Like torch's ``MemTracker``, nothing else made before the block is seen:
@@ -57,20 +58,9 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from ..observe import current, reset, set_watchers
 from ..tensor import GlobalTensor
+from .no_data import NoData, storage_of as _storage
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "communication")
-
-
-def _storage(t: torch.Tensor):
-    """The storage ``t``'s bytes live in: a global tensor's piece's (any wrapper subclass's
-    inner tensor: DTensor's local tensor too)."""
-    while hasattr(t, "__tensor_flatten__"):
-        names, _ = t.__tensor_flatten__()
-        t = getattr(t, names[0])
-    try:
-        return t.untyped_storage()
-    except (RuntimeError, NotImplementedError):  # a tensor without storage (a functional one)
-        return None
 
 
 class MemoryTracker:
@@ -95,12 +85,13 @@ class MemoryTracker:
         self._handles: list = []
         self._used = weakref.WeakSet()  # the modules whose forward ran in the block
         self._hooked = WeakIdKeyDictionary()  # the leaves with a gradient hook
+        self.no_data = NoData(simulated=bytes_of is not None)  # what costs nothing
 
     # ---- the accounting --------------------------------------------------------------------
     def add(self, t: torch.Tensor, kind: str) -> None:
         """Count ``t``'s storage as ``kind`` unless it is counted already."""
         storage = _storage(t)
-        if storage is None or id(storage) in self.live:
+        if storage is None or id(storage) in self.live or self.no_data.holds(storage):
             return
         self._set(t, storage, kind)
 
@@ -110,7 +101,7 @@ class MemoryTracker:
         seen then (it was live all along: every figure since the start grows by its bytes); one
         counted as ``activations`` becomes ``kind``; any other stays as it is."""
         storage = _storage(t)
-        if storage is None:
+        if storage is None or self.no_data.holds(storage):
             return
         entry = self.live.get(id(storage))
         if entry is not None:
@@ -139,7 +130,7 @@ class MemoryTracker:
         """``t``'s storage holds ``kind``, at its current size (counted anew if resized);
         ``parts``: the tensors whose pieces it concatenates (their bytes, rank by rank)."""
         storage = _storage(t)
-        if storage is None:
+        if storage is None or self.no_data.holds(storage):
             return
         nbytes = None
         if parts is not None and self.bytes_of is not None:
@@ -415,9 +406,11 @@ class _Mode(TorchDispatchMode):
         out = func(*args, **(kwargs or {}))
         tracker = self.tracker
         kind = "activations"  # the optimizer's state is classified when its step ends
+        count = tracker.no_data.mark if tracker.no_data.made(args, kwargs, tracker.live) else \
+            (lambda t: tracker.add(t, kind))
         for t in pytree.tree_leaves(out):
             if isinstance(t, torch.Tensor):
-                tracker.add(t, kind)
+                count(t)
         if tracker.on_op is not None:
             tracker.on_op(func, args, kwargs, out)
         return out

@@ -91,7 +91,7 @@ class Simulation:
     def __enter__(self) -> "Simulation":
         self._world = simulated.enter(self.world_size, self.rank)
         try:
-            self._factories = MetaFactories()
+            self._factories = MetaFactories(self.memory)
             self._factories.__enter__()
             self.memory.start(None)
             self.memory.on_op = self._count_flops

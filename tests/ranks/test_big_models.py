@@ -66,10 +66,14 @@ def test_to_empty_allocates_the_pieces_of_the_same_parameters_and_init_is_layout
     """Full values after to_empty + reset_parameters: bitwise equal on 1 rank, a line of 2
     (fully_shard) and a 2x2 grid (TP x fully_shard); a Linear's bound is 1/sqrt(global fan_in)."""
     def body(rank, how):
-        model = _lay_out(_meta_model(), how)
-        before = [id(p) for p in model.parameters()]
+        with gt.memory() as m:  # a meta tensor costs nothing; to_empty allocates the pieces
+            model = _lay_out(_meta_model(), how)
+            before = [id(p) for p in model.parameters()]
+            laid_out = m.live_bytes()
+            model.to_empty(device="cpu")
         full = _initialised(model)
         pieces = sum(p._local.numel() for p in model.parameters())
+        assert laid_out == 0 and m.peak_bytes() == 4 * pieces, (laid_out, m.peak_bytes(), pieces)
         assert [id(p) for p in model.parameters()] == before  # the units still hold them
         assert all(p._local.device.type == "cpu" for p in model.parameters())
         x = gt.ones(4, 8, placement=model[0].weight.placement, sbp=[B] * model[0].weight.placement.ndim)
@@ -265,9 +269,9 @@ def test_a_checkpoint_loads_into_a_model_built_on_meta_in_another_layout(tmp_pat
 
 def test_the_meta_flow_runs_in_a_simulation_with_each_ranks_pieces():
     """gt.simulate of the flow (built on meta, TP x fully_shard on 2x2, to_empty, init, an AdamW
-    step): to_empty keeps the pieces without data there, and each rank's optimizer state is two
-    of its pieces and a step count each. (Its parameter peak still counts the meta build:
-    issue 53, item 6.)"""
+    step): the model built on meta costs nothing, as in the real run; to_empty allocates each
+    rank's pieces, so its parameter peak is its pieces (never the whole model), and its
+    optimizer state is two of its pieces and a step count each."""
     def build_and_step():
         model = _lay_out(_meta_model(), "2x2")
         model.to_empty(device="cpu")
@@ -290,3 +294,4 @@ def test_the_meta_flow_runs_in_a_simulation_with_each_ranks_pieces():
         assert pieces < total
         steps = 4 * len(list(model.parameters()))  # AdamW's step count: a float32 each
         assert sim.peak_bytes(rank, "optimizer") == 2 * pieces + steps, rank
+        assert sim.peak_bytes(rank, "parameters") == pieces, (rank, pieces, total)

@@ -390,3 +390,29 @@ def test_an_executor_step_failing_on_one_rank_raises_at_once_on_every_rank(monke
         assert name == "LocalOpFailed", message
         assert "failed on rank 1 (MemoryError: no room for the gathered piece)" in message
         assert "redistribution" in message and elapsed < 20, (message, elapsed)
+
+
+def test_ranks_outside_the_placement_take_the_device_an_op_asks_for():
+    # rank 2 outside [0, 1]: empty_like / zeros_like / full_like(device=...) of a meta tensor
+    # (Module.to_empty's call) gave it a meta piece, so init on it returned early on rank 2 only
+    def body(rank):
+        p = gt.placement("cpu", [0, 1])
+        x = torch.empty(4, 6, device="meta").to_global(placement=p, sbp=S(0))
+        outs = (torch.empty_like(x, device="cpu"), torch.zeros_like(x, device="cpu"),
+                torch.full_like(x, 2.0, device="cpu"), torch.empty_like(x))
+        return [(o.to_local().device.type, o.device.type, tuple(o.to_local().shape)) for o in outs]
+    for rank, outs in enumerate(run_ranks(body, 3, timeout=60)):
+        piece = (4, 6) if rank < 2 else (0, 0)  # each member's (4, 6) is its piece
+        assert outs[:3] == [("cpu", "cpu", piece)] * 3, rank
+        assert outs[3] == ("meta", "meta", piece), rank  # no device asked: the input's
+
+
+def test_a_rank_outside_the_placement_reads_bool_float_and_int_as_every_rank_does():
+    # torch's own code branches on values (trunc_normal_'s `if not mask.any()`): every rank of
+    # the world runs it, so every rank must get the value, not only the placement's
+    def body(rank):
+        p = gt.placement("cpu", [0, 1])
+        x = torch.arange(4.0).to_global(placement=p, sbp=B).to_global(sbp=S(0))
+        return bool((x > 2).any()), bool((x > 5).any()), float(x.sum()), int(x.max())
+    for rank, got in enumerate(run_ranks(body, 3, timeout=60)):
+        assert got == (True, False, 6.0, 3), rank
