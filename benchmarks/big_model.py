@@ -1,0 +1,239 @@
+"""A model larger than one process would like (issue 53): memory per rank of the whole flow, and
+loading time, beside the old flow and FSDP2's meta flow, in the same kind of gloo processes.
+
+    python benchmarks/big_model.py [--world 4] [--layers 18] [--hidden 1024] [--inter 2816]
+                                   [--vocab 32000] [--reps 3] [--flows gt,old,fsdp2]
+                                   [--folder DIR]
+
+An HF Llama (defaults: 18 layers, hidden 1024, SwiGLU 2816, vocab 32000: 297M parameters, 1.19
+GB in float32) is saved once by HF's own ``save_pretrained`` (500 MB shards with the index), then
+each flow runs in ``--world`` fresh processes (``gt.spawn``), every rank the same:
+
+- ``gt``: build under ``torch.device("meta")``, ``gt.nn.fully_shard`` per decoder layer and the
+  root, ``gt.nn.load_pretrained(model, folder)`` (each rank reads the slices of its pieces; the
+  rotary buffer, which the folder does not hold, is ``to_empty``'d and computed), one training
+  step (forward, backward, AdamW), ``model.save_pretrained(dir)`` (one tensor at a time through
+  rank 0);
+- ``old``: the way before: ``LlamaForCausalLM.from_pretrained(folder)`` on every rank (the whole
+  model), then the same ``fully_shard``, step and save;
+- ``fsdp2``: torch's meta flow: build on meta, ``torch.distributed.fsdp.fully_shard`` per layer
+  and the root, ``to_empty``, ``dcp.load`` with ``HuggingFaceStorageReader`` (DTensor shards read
+  by slices), the rotary buffer computed, the step, and ``dcp.save`` with
+  ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)`` (rank 0 writes
+  one HF folder).
+
+Memory: the allocator's events (``torch.profiler(profile_memory=True)``; benchmarks/_common.py
+``allocation_peak``) from before the build, in two blocks: up to the optimizer's first step
+(build, layout, load, forward, backward) and from it (the step, the save); the second block's
+peak is added to what the first left alive. Printed per flow: the largest over ranks of each
+peak, against one full copy of the model and against the target (a rank's pieces plus twice the
+largest tensor, before the step). Load time: the slowest rank's, median of ``--reps`` runs of the
+flow, beside ``from_pretrained`` of the same folder in one process (median of ``--reps``).
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+
+import torch
+
+import globaltensor as gt
+from _common import allocation_peak  # benchmarks/ is on sys.path when a benchmark runs as a script
+
+SEQ, BATCH = 32, 1  # a sequence per rank
+
+
+def _config(args):
+    import transformers
+    return transformers.LlamaConfig(
+        vocab_size=args["vocab"], hidden_size=args["hidden"], intermediate_size=args["inter"],
+        num_hidden_layers=args["layers"], num_attention_heads=16, num_key_value_heads=8,
+        max_position_embeddings=SEQ, tie_word_embeddings=False)
+
+
+def _allocation_end(prof) -> int:
+    """What the profiled block left alive: allocations minus frees."""
+    from torch._C._profiler import _EventType
+
+    total, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
+    while stack:
+        e = stack.pop()
+        if e.typed[0] == _EventType.Allocation:
+            total += e.typed[1].alloc_size
+        stack.extend(e.children)
+    return total
+
+
+def _profile():
+    from torch.profiler import ProfilerActivity, profile
+    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
+
+
+def _rotary(model, config, device="cpu"):
+    """The rotary buffer the folder does not hold: materialized and computed, as HF's init does."""
+    import transformers
+    fresh = transformers.models.llama.modeling_llama.LlamaRotaryEmbedding(config)
+    rotary = model.model.rotary_emb
+    rotary.to_empty(device=device)
+    rotary.inv_freq.copy_(fresh.inv_freq)
+    rotary.original_inv_freq = fresh.original_inv_freq
+
+
+def _ids(config, rank):
+    g = torch.Generator().manual_seed(rank)
+    return torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
+
+
+def _flow(local_rank, name, args, folder, out):
+    """One flow on this rank: (peak before the step, peak of the whole run, load s, pieces bytes,
+    largest tensor bytes, loss)."""
+    import torch.distributed as dist
+    import transformers
+
+    gt.init()
+    torch.set_num_threads(1)
+    rank, world = gt.env.get_rank(), gt.env.get_world_size()
+    config = _config(args)
+    with _profile() as before:
+        if name == "old":
+            dist.barrier()
+            start = time.perf_counter()
+            model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+            load_s = time.perf_counter() - start
+        else:
+            with torch.device("meta"):
+                model = transformers.LlamaForCausalLM(config)
+        if name == "fsdp2":
+            from torch.distributed.device_mesh import init_device_mesh
+            from torch.distributed.fsdp import fully_shard
+            import torch.distributed.checkpoint as dcp
+
+            mesh = init_device_mesh("cpu", (world,))
+            for layer in model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+            model.to_empty(device="cpu")
+            state = {k: v for k, v in model.state_dict().items() if "inv_freq" not in k}
+            dist.barrier()
+            start = time.perf_counter()
+            dcp.load(state, storage_reader=dcp.HuggingFaceStorageReader(folder))
+            load_s = time.perf_counter() - start
+            _rotary(model, config)
+            ids = _ids(config, rank)
+        else:
+            p = gt.placement("cpu", list(range(world)))
+            for layer in model.model.layers:
+                gt.nn.fully_shard(layer, p)
+            gt.nn.fully_shard(model, p)
+            if name == "gt":
+                dist.barrier()
+                start = time.perf_counter()
+                gt.nn.load_pretrained(model, folder)
+                load_s = time.perf_counter() - start
+                _rotary(model, config)
+            ids = gt.tensor(torch.cat([_ids(config, r) for r in range(world)]), placement=p,
+                            sbp=gt.sbp.split(0))
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+    peak_before, left = allocation_peak(before), _allocation_end(before)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    with _profile() as after:
+        opt.step()
+        opt.zero_grad()
+        target = os.path.join(out, name)
+        if name == "fsdp2":
+            import torch.distributed.checkpoint as dcp
+            dcp.save(model.state_dict(), storage_writer=dcp.HuggingFaceStorageWriter(
+                target, save_distributed=True, enable_consolidation=True))
+        else:
+            model.save_pretrained(target)
+    pieces = sum(_local(t).numel() * t.element_size() for t in model.parameters())
+    largest = max(t.numel() * t.element_size() for t in model.parameters())
+    took = torch.tensor([load_s], dtype=torch.float64)
+    dist.all_reduce(took, op=dist.ReduceOp.MAX)
+    value = loss.full_tensor() if isinstance(loss, gt.GlobalTensor) else loss
+    return (peak_before, left + allocation_peak(after), took.item(), pieces, largest,
+            float(value.detach().mean()))
+
+
+def _local(t):
+    if isinstance(t, gt.GlobalTensor):
+        return t.to_local()
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _save_folder(args, folder) -> int:
+    """HF's own save_pretrained of a random model in one process (once per shape)."""
+    import transformers
+    stamp = os.path.join(folder, "bench.json")
+    if os.path.exists(stamp) and json.load(open(stamp)) == args:
+        return json.load(open(os.path.join(folder, "params.json")))
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(_config(args))
+    model.save_pretrained(folder, max_shard_size="500MB")
+    params = sum(p.numel() for p in model.parameters())
+    json.dump(params, open(os.path.join(folder, "params.json"), "w"))
+    json.dump(args, open(stamp, "w"))
+    return params
+
+
+def _from_pretrained_s(folder) -> float:
+    import transformers
+    start = time.perf_counter()
+    transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    return time.perf_counter() - start
+
+
+def _gb(n) -> str:
+    return f"{n / 1e9:.2f} GB"
+
+
+def main():
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--world", type=int, default=4)
+    parser.add_argument("--layers", type=int, default=18)
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--inter", type=int, default=2816)
+    parser.add_argument("--vocab", type=int, default=32000)
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--flows", default="gt,old,fsdp2")
+    parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "gt_big_model"))
+    a = parser.parse_args()
+    args = {k: getattr(a, k) for k in ("layers", "hidden", "inter", "vocab")}
+    os.makedirs(a.folder, exist_ok=True)
+    params = _save_folder(args, a.folder)
+    full = params * 4
+    print(f"HF Llama, {params / 1e6:.0f}M parameters ({_gb(full)} fp32), {a.world} gloo ranks, "
+          f"medians of {a.reps}")
+    one = statistics.median(_from_pretrained_s(a.folder) for _ in range(a.reps))
+    rows = []
+    for name in a.flows.split(","):
+        runs = []
+        for _ in range(a.reps):
+            with tempfile.TemporaryDirectory() as out:
+                runs.append(gt.spawn(_flow, args=(name, args, a.folder, out),
+                                     nproc_per_node=a.world, timeout=1800))
+        before = statistics.median(max(r[0] for r in run) for run in runs)
+        whole = statistics.median(max(r[1] for r in run) for run in runs)
+        load = statistics.median(run[0][2] for run in runs)
+        pieces, largest = max(r[3] for r in runs[0]), max(r[4] for r in runs[0])
+        rows.append((name, before, whole, load, pieces, largest, runs[0][0][5]))
+    print(f"\n| flow | peak before the step | peak, whole run | / one full copy | target "
+          f"(pieces + 2 x largest) | load s | load / from_pretrained in one process | loss |")
+    print("|---|---|---|---|---|---|---|---|")
+    for name, before, whole, load, pieces, largest, loss in rows:
+        target = pieces + 2 * largest
+        print(f"| {name} | {_gb(before)} | {_gb(whole)} | {whole / full:.2f} | {_gb(target)} "
+              f"({'met' if before <= target else 'missed'}) | {load:.2f} | {load / one:.2f} | "
+              f"{loss:.4f} |")
+    print(f"\nfrom_pretrained in one process: {one:.2f} s; one full copy {_gb(full)}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
