@@ -2,8 +2,13 @@
 
 The model is laid out first (built on meta, or materialized; docs/big_models.md). Each rank
 opens the folder's files (``model.safetensors``, or the shards ``model.safetensors.index.json``
-names) and reads, for each of the model's tensors, only the slice of its own piece
-(safetensors' ``get_slice``: the bytes of that box, nothing else), cast to the tensor's dtype.
+names) and reads, for each of the model's tensors, only the slice of its own piece, cast to
+the tensor's dtype: the file's header (safetensors: a length, a JSON of each tensor's dtype,
+shape and byte range, then the bytes) says where each tensor lies, the file is mapped (numpy's
+memmap, nothing read yet) and the box of the piece copied out of the mapping into a tensor of
+the piece's size, so only those bytes are read and nothing else is allocated. (safetensors' own
+``get_slice`` gives a view into a torch storage over the whole file: a piece would keep the
+mapping of a whole shard alive, counted by the allocator as the shard's size.)
 Before anything is written every rank checks the same things from the files' headers, with no
 data read: every key of the model is there (a tensor tied to another one, met under its first
 name, needs one), no key is extra (with ``strict``), every shape matches; and that every rank
@@ -15,7 +20,9 @@ from __future__ import annotations
 
 import json
 import os
+import struct
 
+import numpy as np
 import torch
 
 from ..comm import all_gather
@@ -42,21 +49,57 @@ def _files(folder: str) -> dict[str, str]:
     single = os.path.join(folder, _SINGLE)
     if not os.path.exists(single):
         raise FileNotFoundError(f"{folder!r} holds neither {_SINGLE} nor {_INDEX}")
-    from safetensors import safe_open
-
-    with safe_open(single, "pt") as f:
-        return {k: single for k in f.keys()}
+    return {k: single for k in _header(single)[0]}
 
 
 def _shapes(files: dict[str, str]) -> dict[str, tuple]:
-    from safetensors import safe_open
-
     out = {}
     for path in sorted(set(files.values())):
-        with safe_open(path, "pt") as f:
-            for key in f.keys():
-                out[key] = tuple(f.get_slice(key).get_shape())
+        for key, entry in _header(path)[0].items():
+            out[key] = tuple(entry["shape"])
     return out
+
+
+def _header(path: str) -> tuple[dict, int]:
+    """A safetensors file's entries (key -> dtype, shape, data_offsets) and where its data
+    starts; raises ValueError on a file that is not one."""
+    with open(path, "rb") as f:
+        head = f.read(8)
+        if len(head) != 8:
+            raise ValueError(f"{path!r} is not a safetensors file (shorter than its header)")
+        length = struct.unpack("<Q", head)[0]
+        header = json.loads(f.read(length))
+    header.pop("__metadata__", None)
+    return header, 8 + length
+
+
+_TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
+          "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
+          "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
+_BITS = {torch.bfloat16: torch.int16}  # dtypes numpy lacks: copied as their bits
+_NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
+          torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
+          torch.uint8: np.uint8, torch.bool: np.bool_}
+
+
+class _File:
+    """One safetensors file, mapped: ``box(key, slices)`` reads that box of one tensor."""
+
+    def __init__(self, path: str):
+        self.entries, self.start = _header(path)
+        self.data = np.memmap(path, dtype=np.uint8, mode="r")
+
+    def box(self, key: str, box: tuple) -> torch.Tensor:
+        entry = self.entries[key]
+        dtype = _TORCH[entry["dtype"]]
+        bits = _BITS.get(dtype, dtype)
+        begin, end = entry["data_offsets"]
+        whole = self.data[self.start + begin:self.start + end].view(_NUMPY[bits])
+        view = whole.reshape(entry["shape"])[box]
+        out = torch.empty(view.shape, dtype=dtype)
+        if out.numel():
+            np.copyto(out.view(bits).numpy(), view)  # only the box's pages are read
+        return out
 
 
 def _agree(found: str | None, what: str) -> None:
@@ -95,24 +138,22 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, strict: bool = True)
             ([f"shape mismatches: {'; '.join(wrong)}"] if wrong else [])
         raise GlobalTensorError(f"load_pretrained({str(folder)!r}): expected the model's keys and "
                                 f"shapes, found " + "; ".join(parts) + ". Nothing was loaded.")
-    from safetensors import safe_open
-
     by_file: dict[str, list] = {}
     for name in wanted:
         by_file.setdefault(files[name], []).append(name)
     with torch.no_grad():
         for path, names in by_file.items():
-            with safe_open(path, "pt") as f:
-                for name in names:
-                    _load_one(wanted[name], f.get_slice(name))
+            source = _File(path)
+            for name in names:
+                _load_one(wanted[name], lambda box, name=name: source.box(name, box))
+            del source  # the mapping closes with its last view
     return model
 
 
-def _load_one(t: torch.Tensor, source) -> None:
-    """This rank's piece of ``t`` from the file's slice ``source`` (only its box is read)."""
+def _load_one(t: torch.Tensor, read) -> None:
+    """This rank's piece of ``t``: ``read(box)`` gives that box of the file's tensor."""
     if not isinstance(t, GlobalTensor):
-        value = source[tuple(slice(0, n) for n in t.shape)] if t.dim() else source[()]
-        _write(t, value.to(t.dtype))
+        _write(t, read(()).to(t.dtype))
         return
     layout = t._layout
     if layout.is_partial:
@@ -123,8 +164,7 @@ def _load_one(t: torch.Tensor, source) -> None:
     if coord is None:  # a rank outside the tensor's placement holds nothing of it
         piece = torch.empty((0,) * t.dim(), dtype=t.dtype, device=device)
     else:
-        box = layout.slices(coord)
-        piece = (source[box] if box else source[()]).to(device=device, dtype=t.dtype)
+        piece = read(tuple(layout.slices(coord))).to(device=device, dtype=t.dtype)
     if t._local.is_meta:
         _materialize(t, GlobalTensor._make(piece.contiguous(), layout))
     else:

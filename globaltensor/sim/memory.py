@@ -54,7 +54,6 @@ import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 import torch.utils._pytree as pytree
-from torch.utils.weak import WeakIdKeyDictionary
 
 from ..observe import current, reset, set_watchers
 from ..tensor import GlobalTensor
@@ -84,7 +83,6 @@ class MemoryTracker:
         self.track: tuple = ()  # what gt.memory(...) was passed: alive at the start
         self._handles: list = []
         self._used = weakref.WeakSet()  # the modules whose forward ran in the block
-        self._hooked = WeakIdKeyDictionary()  # the leaves with a gradient hook
         self.no_data = NoData(simulated=bytes_of is not None)  # what costs nothing
 
     # ---- the accounting --------------------------------------------------------------------
@@ -346,13 +344,19 @@ class MemoryTracker:
             return
         if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
             self.found(t, "parameters")
-            if t.requires_grad and t not in self._hooked:  # a frozen one has no gradient
-                self._hooked[t] = True
+            if t.requires_grad and not self._hooks(t):  # a frozen one has no gradient
                 self._handles.append(t.register_post_accumulate_grad_hook(self._gradient_ready))
             if t.grad is not None:
                 self.found(t.grad, "gradients")
         else:
             self.found(t, kind)
+
+    def _hooks(self, t: torch.Tensor) -> bool:
+        """Whether ``t`` has this block's gradient hook. Read from the tensor itself: a weak
+        reference to it would make ``torch.utils.swap_tensors`` refuse it (``to_empty``,
+        ``gt.nn.load_pretrained`` inside the block)."""
+        hooks = getattr(t, "_post_accumulate_grad_hooks", None) or {}
+        return any(h == self._gradient_ready for h in hooks.values())
 
     def _visit_module(self, module: torch.nn.Module, seen: set, depth: int,
                       plain: bool = False) -> None:

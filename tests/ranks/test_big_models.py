@@ -204,7 +204,11 @@ def test_load_pretrained_reads_pieces_of_an_hf_folder_into_a_meta_built_2x2_mode
         for layer in model.model.layers:
             gt.nn.fully_shard(layer, grid, "dp")
         gt.nn.fully_shard(model, grid, "dp")
-        gt.nn.load_pretrained(model, tmp_path)
+        with gt.memory() as m:  # only the pieces are allocated, none of the files' bytes
+            gt.nn.load_pretrained(model, tmp_path)
+        held = sum(t._local.numel() * t.element_size() for t in model.state_dict().values()
+                   if not t._local.is_meta)
+        assert held <= m.peak_bytes() <= held + 2 ** 16, (m.peak_bytes(), held)
         model.model.rotary_emb.to_empty(device="cpu")  # a buffer the file does not hold:
         model.model.rotary_emb.inv_freq.copy_(  # computed, as HF's init does
             gt.tensor(one.model.rotary_emb.inv_freq, placement=grid, sbp=B))
