@@ -9,26 +9,28 @@ An HF Llama (defaults: 20 layers, hidden 1024, SwiGLU 2816, 8 of 16 heads for k/
 302M parameters, 1.21 GB in float32) is saved once by HF's own ``save_pretrained`` (500 MB shards with the index), then
 each flow runs in ``--world`` fresh processes (``gt.spawn``), every rank the same:
 
-- ``gt``: build under ``torch.device("meta")``, ``gt.nn.fully_shard`` per decoder layer and the
-  root, ``gt.nn.load_pretrained(model, folder)`` (each rank reads the slices of its pieces; the
+- ``gt``: build under ``torch.device("meta")``, ``gt.nn.fully_shard`` on the embedding, each
+  decoder layer and the head (torchtitan's units), then the root, ``gt.nn.load_pretrained(model, folder)`` (each rank reads the slices of its pieces; the
   rotary buffer, which the folder does not hold, is ``to_empty``'d and computed), one training
   step (forward, backward, AdamW), ``model.save_pretrained(dir)`` (one tensor at a time through
   rank 0);
 - ``old``: the way before: ``LlamaForCausalLM.from_pretrained(folder)`` on every rank (the whole
   model), then the same ``fully_shard``, step and save;
-- ``fsdp2``: torch's meta flow: build on meta, ``torch.distributed.fsdp.fully_shard`` per layer
-  and the root, ``to_empty``, ``dcp.load`` with ``HuggingFaceStorageReader`` (DTensor shards read
+- ``fsdp2``: torch's meta flow: build on meta, ``torch.distributed.fsdp.fully_shard`` on the
+  same units and the root, ``to_empty``, ``dcp.load`` with ``HuggingFaceStorageReader`` (DTensor shards read
   by slices), the rotary buffer computed, the step, and ``dcp.save`` with
   ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)`` (rank 0 writes
   one HF folder).
 
 Memory: the allocator's events (``torch.profiler(profile_memory=True)``; benchmarks/_common.py
-``allocation_peak``) from before the build, in two blocks: up to the optimizer's first step
-(build, layout, load, forward, backward) and from it (the step, the save); the second block's
-peak is added to what the first left alive. Printed per flow: the largest over ranks of each
+``allocation_peak``) from before the build, in three blocks: loading (build, layout, load),
+training up to the optimizer's first step (forward, backward), and from it (the step, the save);
+each block's peak is added to what the blocks before it left alive. Printed per flow: the largest over ranks of each
 peak, against one full copy of the model and against the target (a rank's pieces plus twice the
-largest tensor, before the step). Load time: the slowest rank's, median of ``--reps`` runs of the
-flow, beside ``from_pretrained`` of the same folder in one process (median of ``--reps``).
+largest tensor, once loaded). Load time: the slowest rank's, median of ``--reps`` runs of the
+flow, beside ``from_pretrained`` of the same folder in one process followed by one read of every
+weight (``from_pretrained`` maps the files; alone it reads nothing), median of ``--reps``.
+The loss is the batch's mean (FSDP2's per-rank losses averaged); the same data in every flow.
 """
 from __future__ import annotations
 
@@ -86,14 +88,20 @@ def _rotary(model, config, device="cpu"):
     rotary.original_inv_freq = fresh.original_inv_freq
 
 
+def _units(model):
+    """torchtitan's units: the embedding, each decoder layer, the head (the root keeps the
+    norm): the two largest tensors are gathered one at a time, not together in the root."""
+    return [model.model.embed_tokens, *model.model.layers, model.lm_head]
+
+
 def _ids(config, rank):
     g = torch.Generator().manual_seed(rank)
     return torch.randint(0, config.vocab_size, (BATCH, SEQ), generator=g)
 
 
 def _flow(local_rank, name, args, folder, out):
-    """One flow on this rank: (peak before the step, peak of the whole run, load s, pieces bytes,
-    largest tensor bytes, loss)."""
+    """One flow on this rank: (peak once loaded, peak before the step, peak of the whole run,
+    load s, pieces bytes, largest tensor bytes, loss)."""
     import torch.distributed as dist
     import transformers
 
@@ -116,8 +124,8 @@ def _flow(local_rank, name, args, folder, out):
             import torch.distributed.checkpoint as dcp
 
             mesh = init_device_mesh("cpu", (world,))
-            for layer in model.model.layers:
-                fully_shard(layer, mesh=mesh)
+            for unit in _units(model):
+                fully_shard(unit, mesh=mesh)
             fully_shard(model, mesh=mesh)
             model.to_empty(device="cpu")
             state = {k: v for k, v in model.state_dict().items() if "inv_freq" not in k}
@@ -129,8 +137,8 @@ def _flow(local_rank, name, args, folder, out):
             ids = _ids(config, rank)
         else:
             p = gt.placement("cpu", list(range(world)))
-            for layer in model.model.layers:
-                gt.nn.fully_shard(layer, p)
+            for unit in _units(model):
+                gt.nn.fully_shard(unit, p)
             gt.nn.fully_shard(model, p)
             if name == "gt":
                 dist.barrier()
@@ -161,7 +169,12 @@ def _flow(local_rank, name, args, folder, out):
     largest = max(t.numel() * t.element_size() for t in model.parameters())
     took = torch.tensor([load_s], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
-    value = loss.full_tensor() if isinstance(loss, gt.GlobalTensor) else loss
+    if isinstance(loss, gt.GlobalTensor):
+        value = loss.full_tensor().detach()
+    else:  # FSDP2's loss is this rank's sequence's: the mean over the ranks is the batch's
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        value /= world
     return (loaded, peak_before, max(peak_before, left + allocation_peak(after)), took.item(),
             pieces, largest, float(value.detach().mean()))
 
@@ -187,11 +200,21 @@ def _save_folder(args, folder) -> int:
     return params
 
 
-def _from_pretrained_s(folder) -> float:
+def _from_pretrained_s(folder) -> tuple[float, float, float]:
+    """Seconds of ``from_pretrained`` in one process; of it plus reading every weight once (it
+    maps the files: their bytes are read when first used); and of it plus copying every weight
+    into the process's own memory (what loading by pieces does with its pieces)."""
     import transformers
-    start = time.perf_counter()
-    transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
-    return time.perf_counter() - start
+    out = []
+    for then in (None, "read", "copy"):
+        start = time.perf_counter()
+        model = transformers.LlamaForCausalLM.from_pretrained(folder, dtype=torch.float32)
+        with torch.no_grad():
+            kept = [p.sum() if then == "read" else p.clone() for p in model.parameters()] \
+                if then else []
+        out.append(time.perf_counter() - start)
+        del model, kept
+    return tuple(out)
 
 
 def _gb(n) -> str:
@@ -215,7 +238,8 @@ def main():
     full = params * 4
     print(f"HF Llama, {params / 1e6:.0f}M parameters ({_gb(full)} fp32), {a.world} gloo ranks, "
           f"medians of {a.reps}")
-    one = statistics.median(_from_pretrained_s(a.folder) for _ in range(a.reps))
+    timings = [_from_pretrained_s(a.folder) for _ in range(a.reps)]
+    mapped, one, copied = (statistics.median(t[i] for t in timings) for i in range(3))
     rows = []
     for name in a.flows.split(","):
         runs = []
@@ -229,15 +253,17 @@ def main():
         pieces, largest = max(r[4] for r in runs[0]), max(r[5] for r in runs[0])
         rows.append((name, loaded, before, whole, load, pieces, largest, runs[0][0][6]))
     print(f"\n| flow | peak, loaded | target (pieces + 2 x largest) | peak before the step | "
-          f"peak, whole run | / one full copy | load s | / from_pretrained in one process | "
-          f"loss |")
+          f"peak, whole run | / one full copy | load s | / from_pretrained + one read "
+          f"in one process | loss |")
     print("|---|---|---|---|---|---|---|---|---|")
     for name, loaded, before, whole, load, pieces, largest, loss in rows:
         target = pieces + 2 * largest
         print(f"| {name} | {_gb(loaded)} | {_gb(target)} ({'met' if loaded <= target else 'missed'})"
               f" | {_gb(before)} | {_gb(whole)} | {whole / full:.2f} | {load:.2f} | "
               f"{load / one:.2f} | {loss:.4f} |")
-    print(f"\nfrom_pretrained in one process: {one:.2f} s; one full copy {_gb(full)}")
+    print(f"\nfrom_pretrained in one process: {mapped:.2f} s (the files mapped), {one:.2f} s "
+          f"with every weight read once, {copied:.2f} s with every weight copied into the "
+          f"process's memory; one full copy {_gb(full)}")
     return 0
 
 

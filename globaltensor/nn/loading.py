@@ -4,11 +4,11 @@ The model is laid out first (built on meta, or materialized; docs/big_models.md)
 opens the folder's files (``model.safetensors``, or the shards ``model.safetensors.index.json``
 names) and reads, for each of the model's tensors, only the slice of its own piece, cast to
 the tensor's dtype: the file's header (safetensors: a length, a JSON of each tensor's dtype,
-shape and byte range, then the bytes) says where each tensor lies, the file is mapped (numpy's
-memmap, nothing read yet) and the box of the piece copied out of the mapping into a tensor of
-the piece's size, so only those bytes are read and nothing else is allocated. (safetensors' own
-``get_slice`` gives a view into a torch storage over the whole file: a piece would keep the
-mapping of a whole shard alive, counted by the allocator as the shard's size.)
+shape and byte range, then the bytes) says where each tensor lies, and the rows of the piece's
+box are read straight into a tensor of the piece's size, so only those bytes are read and
+nothing else is allocated. (safetensors' own ``get_slice`` gives a view into a torch storage
+over the whole mapped file: a piece would keep a whole shard's mapping alive, counted by the
+allocator as the shard's size.)
 Before anything is written every rank checks the same things from the files' headers, with no
 data read: every key of the model is there (a tensor tied to another one, met under its first
 name, needs one), no key is extra (with ``strict``), every shape matches; and that every rank
@@ -19,10 +19,10 @@ parameter object: fully_shard's units keep holding it); a materialized one is wr
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 
-import numpy as np
 import torch
 
 from ..comm import all_gather
@@ -76,29 +76,47 @@ def _header(path: str) -> tuple[dict, int]:
 _TORCH = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16,
           "BF16": torch.bfloat16, "I64": torch.int64, "I32": torch.int32, "I16": torch.int16,
           "I8": torch.int8, "U8": torch.uint8, "BOOL": torch.bool}
-_BITS = {torch.bfloat16: torch.int16}  # dtypes numpy lacks: copied as their bits
-_NUMPY = {torch.float64: np.float64, torch.float32: np.float32, torch.float16: np.float16,
-          torch.int64: np.int64, torch.int32: np.int32, torch.int16: np.int16, torch.int8: np.int8,
-          torch.uint8: np.uint8, torch.bool: np.bool_}
-
-
 class _File:
-    """One safetensors file, mapped: ``box(key, slices)`` reads that box of one tensor."""
+    """One safetensors file: ``box(key, slices)`` reads that box of one tensor. The rows the
+    box spans (its range of dim 0) are one byte range of the file, read straight into the
+    result (one ``readinto``: no mapping, no page faults); a box that also cuts later dims (a
+    tensor-parallel split of dim 1) reads its rows' range, then keeps its columns (a temporary
+    of those rows: at most the tensor)."""
 
     def __init__(self, path: str):
         self.entries, self.start = _header(path)
-        self.data = np.memmap(path, dtype=np.uint8, mode="r")
+        self.file = open(path, "rb", buffering=0)
+
+    def close(self) -> None:
+        self.file.close()
 
     def box(self, key: str, box: tuple) -> torch.Tensor:
         entry = self.entries[key]
-        dtype = _TORCH[entry["dtype"]]
-        bits = _BITS.get(dtype, dtype)
-        begin, end = entry["data_offsets"]
-        whole = self.data[self.start + begin:self.start + end].view(_NUMPY[bits])
-        view = whole.reshape(entry["shape"])[box]
-        out = torch.empty(view.shape, dtype=dtype)
-        if out.numel():
-            np.copyto(out.view(bits).numpy(), view)  # only the box's pages are read
+        dtype, shape = _TORCH[entry["dtype"]], tuple(entry["shape"])
+        begin = self.start + entry["data_offsets"][0]
+        if not shape:
+            return self._read(torch.empty((), dtype=dtype), begin)
+        box = tuple(box) + (slice(None),) * (len(shape) - len(box))
+        first, last, _ = box[0].indices(shape[0])
+        row = math.prod(shape[1:]) * dtype.itemsize
+        rows = self._read(torch.empty((max(last - first, 0),) + shape[1:], dtype=dtype),
+                          begin + first * row)
+        rest = box[1:]
+        if all(b.indices(n)[:2] == (0, n) for b, n in zip(rest, shape[1:])):
+            return rows
+        return rows[(slice(None),) + rest].clone()
+
+    def _read(self, out: torch.Tensor, offset: int) -> torch.Tensor:
+        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.dim() else \
+            memoryview(out.view(1).view(torch.uint8).numpy())
+        self.file.seek(offset)
+        done = 0
+        while done < len(view):
+            n = self.file.readinto(view[done:])
+            if not n:
+                raise GlobalTensorError(f"load_pretrained: {self.file.name!r} ends before its "
+                                        f"header says (a truncated file?)")
+            done += n
         return out
 
 
@@ -144,9 +162,11 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, strict: bool = True)
     with torch.no_grad():
         for path, names in by_file.items():
             source = _File(path)
-            for name in names:
-                _load_one(wanted[name], lambda box, name=name: source.box(name, box))
-            del source  # the mapping closes with its last view
+            try:
+                for name in names:
+                    _load_one(wanted[name], lambda box, name=name: source.box(name, box))
+            finally:
+                source.close()
     return model
 
 

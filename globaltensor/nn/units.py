@@ -132,14 +132,14 @@ class Unit:
             self.comm.free()
 
     def gathered_values(self) -> list[torch.Tensor]:
-        """New global tensors over the unsharded storage's views (those of this forward)."""
-        views = self.comm.views if self.comm is not None else []
-        out = []
-        for p in self.params:
-            if p.spec_index is None:
-                continue
-            out.append(GlobalTensor._make(views[p.spec_index], p.gathered))
-        return out
+        """New global tensors over the unsharded storage's views (those of this forward); on a
+        rank outside the unit's placement (no comm: it runs the program, holds nothing), empty
+        pieces of the gathered layouts."""
+        if self.comm is None:
+            return [GlobalTensor._make(_empty_piece(p.sharded), p.gathered)
+                    for p in self.split_params]
+        views = self.comm.views
+        return [GlobalTensor._make(views[p.spec_index], p.gathered) for p in self.split_params]
 
     # ---- forward -------------------------------------------------------------------------
     def pre_forward(self, module, args, kwargs):
@@ -240,6 +240,9 @@ class Unit:
                 self.replicate_axes = self._replicate_axes(grads)
             partial = [self._partial_piece(p, g) for p, g in zip(self.split_params, grads)]
             del grads
+            if self.comm is None:  # outside the unit's placement: empty gradients of the pieces
+                return tuple(GlobalTensor._make(_empty_piece(p.sharded), p.sharded._layout)
+                             for p in self.split_params)
             self.reshard()
             reduce_dtype = self.mp.reduce_dtype or self.mp.param_dtype or self.split_params[0].sharded.dtype
             flat = self.comm.pack_gradients(partial, reduce_dtype)
@@ -298,6 +301,11 @@ class Unit:
                 if unit is not self:
                     unit.is_root = False
         self.is_root = True
+
+
+def _empty_piece(t: GlobalTensor) -> torch.Tensor:
+    """What a rank outside ``t``'s placement holds: an empty piece of its ndim and dtype."""
+    return torch.empty((0,) * t.dim(), dtype=t.dtype, device=t._local.device)
 
 
 class Unshard(torch.autograd.Function):

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import collections
 import math
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -75,7 +76,7 @@ class Recorder:
 class Simulation:
     """The block and its figures; ``gt.simulate(world_size, rank=0)`` makes one."""
 
-    def __init__(self, world_size: int, rank: int = 0):
+    def __init__(self, world_size: int, rank: int = 0, costs=None):
         for name, value in (("world_size", world_size), ("rank", rank)):
             if isinstance(value, bool) or not isinstance(value, int):
                 raise GlobalTensorError(f"gt.simulate: expected {name} to be an int, found {value!r}")
@@ -83,6 +84,7 @@ class Simulation:
             raise GlobalTensorError(f"gt.simulate: expected world_size >= 1 and 0 <= rank < "
                                     f"world_size, found world_size={world_size}, rank={rank}")
         self.world_size, self.rank = world_size, rank
+        self.costs = _figures(costs)  # what the plans are priced with (the report says)
         self.memory = MemoryTracker(ranks=world_size, bytes_of=bytes_of(world_size))
         self.recorder = Recorder(world_size)
         self._flops = 0
@@ -91,6 +93,8 @@ class Simulation:
     def __enter__(self) -> "Simulation":
         self._world = simulated.enter(self.world_size, self.rank)
         try:
+            from ..runtime.costs import set_costs
+            self._costs_before = set_costs(costs=self.costs)
             self._factories = MetaFactories(self.memory)
             self._factories.__enter__()
             self.memory.start(None)
@@ -107,6 +111,8 @@ class Simulation:
             self.memory.__exit__(*exc)
             self._factories.__exit__(*exc)
         finally:
+            from ..runtime.costs import set_costs
+            set_costs(costs=self._costs_before)
             simulated.leave(self._world)
         return False
 
@@ -181,7 +187,7 @@ class Simulation:
                 + [self.recorder.sent[k] for k in keys] + [self.recorder.counts[k] for k in keys])
         groups = classes(np.stack(rows)) if rows else [np.arange(self.world_size)]
         lines = [f"gt.simulate: {self.world_size} ranks, {len(groups)} rank class"
-                 f"{'' if len(groups) == 1 else 'es'}"]
+                 f"{'' if len(groups) == 1 else 'es'}; plans priced with {self.costs}"]
         for ranks in groups:
             r = int(ranks[0])
             lines.append(f"ranks {ranges(ranks)}:")
@@ -260,7 +266,30 @@ def _fmt(n) -> str:
     return f"{n} B"
 
 
-def simulate(world_size: int, *, rank: int = 0) -> Simulation:
+def _figures(costs):
+    """The figures a simulation prices its plans with: ``costs`` (figures from ``gt.costs()``
+    or ``gt.set_costs()``, "default", or GT_COSTS's "alpha=...,beta=..." text), else what
+    ``GT_COSTS`` asks the real job for ("default", given figures), else (GT_COSTS unset or
+    "measure": a simulation measures nothing) the figures in use in this process."""
+    from ..plan import cost
+    from ..runtime.costs import ENV, parse
+
+    if costs is None:
+        costs = os.environ.get(ENV, "measure")
+    if isinstance(costs, str):
+        costs = parse(costs)
+    if costs == "measure":
+        return cost.current()
+    if costs == "default":
+        return cost.DEFAULT
+    if not isinstance(costs, cost.Costs):
+        raise GlobalTensorError(
+            f"gt.simulate: expected costs= to be figures from gt.costs() or gt.set_costs(), "
+            f"'default' or 'alpha=SECONDS,beta=SECONDS', found {costs!r}")
+    return costs
+
+
+def simulate(world_size: int, *, rank: int = 0, costs=None) -> Simulation:
     """Run a job's code for ``world_size`` ranks in this one process, with no data and no
     messages, and read what every rank would hold and send (docs/simulate.md).
 
@@ -274,6 +303,11 @@ def simulate(world_size: int, *, rank: int = 0) -> Simulation:
         world_size: the ranks of the job simulated (an int >= 1).
         rank: the rank whose code path runs (keyword; default 0). SPMD code takes the same
             path on every rank; simulate once per stage for a pipeline's stages.
+        costs: the figures the plans are priced with, as the real job's would be: figures
+            from ``gt.costs()`` / ``gt.set_costs()``, ``"default"`` or ``"alpha=...,beta=..."``;
+            by default what ``GT_COSTS`` gives ("default" or figures); unset or "measure",
+            the figures in use here (a real job measures its own, which can choose other
+            plans: pass them, or set ``GT_COSTS`` for both). The report names them.
 
     Returns:
         A :class:`Simulation`, the context manager itself; after the block read
@@ -298,4 +332,4 @@ def simulate(world_size: int, *, rank: int = 0) -> Simulation:
     to compare layouts with, not a wall time). ``gt.comm`` collectives are counted, not sized.
     It refuses to start inside a joined world (before ``gt.init()`` only).
     """
-    return Simulation(world_size, rank)
+    return Simulation(world_size, rank, costs)

@@ -180,3 +180,27 @@ def test_step_time_is_its_parts_summed_on_the_slowest_rank():
     assert only_alpha.total == sum(sim.collectives(2).values()) == 3
     assert sim.step_time(alpha=0.0, bandwidth=1.0, flops=float("inf")).communication_total == \
         sum(sim.comm_bytes(2).values())  # bytes over 1 B/s: the bytes rank 2 sends
+
+
+def test_a_simulation_prices_its_plans_with_the_figures_the_real_job_would_use(monkeypatch):
+    """costs= or GT_COSTS ("default" or figures) price the block's plans, the report names
+    them, and the process's own figures are back after the block; unset or "measure", the
+    figures in use (a simulation measures nothing)."""
+    before = gt.costs()
+    with gt.simulate(2, costs="alpha=1e-3,beta=1e-9") as sim:
+        inside = gt.costs()
+    assert (inside.alpha, inside.beta, inside.source) == (1e-3, 1e-9, "given")
+    assert "alpha 1e+03 us per collective" in sim.report().splitlines()[0]
+    assert gt.costs() == before
+    monkeypatch.setenv("GT_COSTS", "alpha=2e-3,beta=2e-9")
+    with gt.simulate(2):
+        assert (gt.costs().alpha, gt.costs().beta) == (2e-3, 2e-9)
+    monkeypatch.setenv("GT_COSTS", "default")
+    with gt.simulate(2) as sim:
+        assert gt.costs().source == "default"
+    monkeypatch.setenv("GT_COSTS", "measure")
+    with gt.simulate(2):
+        assert gt.costs() == before
+    assert gt.costs() == before
+    with pytest.raises(GlobalTensorError, match="expected costs="):
+        gt.simulate(2, costs=3)
