@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 import globaltensor as gt
 from globaltensor.testing import run_ranks
+from test_big_models import _LLAMA_TP, _llama_config
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 TIMEOUT = 90
@@ -247,22 +248,14 @@ def test_a_cnn_initialises_bitwise_alike_in_every_layout():
 
 
 def test_an_hf_llama_initialises_bitwise_alike_in_every_layout():
-    transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(
-        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    tp = gt.nn.sbp_plan({
-        "*.q_proj": gt.nn.colwise("tp"), "*.k_proj": gt.nn.colwise("tp"),
-        "*.v_proj": gt.nn.colwise("tp"), "*.gate_proj": gt.nn.colwise("tp"),
-        "*.up_proj": gt.nn.colwise("tp"), "*.o_proj": gt.nn.rowwise("tp"),
-        "*.down_proj": gt.nn.rowwise("tp")})
+    transformers, config = _llama_config()
 
     def stages(model):
         layers = model.model.layers
         return [nn.ModuleDict({"embed": model.model.embed_tokens, "l0": layers[0]}),
                 nn.ModuleDict({"l1": layers[1], "norm": model.model.norm, "head": model.lm_head,
                                "rotary": model.model.rotary_emb})]
-    one = _run(lambda: transformers.LlamaForCausalLM(config), tp, lambda m: m.init_weights(),
+    one = _run(lambda: transformers.LlamaForCausalLM(config), _LLAMA_TP, lambda m: m.init_weights(),
                stages=stages)
     assert one["model.layers.0.self_attn.q_proj.weight"].std() == pytest.approx(0.02, rel=0.2)
 

@@ -11,6 +11,7 @@ import torch.nn.functional as F
 
 import globaltensor as gt
 from globaltensor.testing import run_ranks
+from test_pipeline import _one_process as pipeline_reference
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 H, STEPS = 8, 3
@@ -28,19 +29,9 @@ def _data(rows=12):
 
 
 def _one_process(model, x, y, microbatches=1):
-    model = copy.deepcopy(model)
-    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
-    losses = []
-    for _ in range(STEPS):
-        opt.zero_grad()
-        total = 0.0
-        for xm, ym in zip(torch.tensor_split(x, microbatches), torch.tensor_split(y, microbatches)):
-            loss = F.cross_entropy(model(xm), ym) / microbatches
-            loss.backward()
-            total += loss.item()
-        opt.step()
-        losses.append(total)
-    return losses, [p.detach() for p in model.parameters()]
+    """The same micro-batches in one process (test_pipeline's reference): losses, parameters."""
+    losses, params, _ = pipeline_reference([model], microbatches, x, y, steps=STEPS)
+    return losses, params
 
 
 @pytest.mark.parametrize("world", [3, 4])
