@@ -176,12 +176,12 @@ def comm_called(name: str) -> None:
         trace.comm_called(name)
 
 
-def unit_collective(op: str, collective: str, nbytes: int, dtype) -> None:
+def unit_collective(op: str, collective: str, nbytes: int, dtype, ranks=None) -> None:
     """A sharded unit's gather or reduce-scatter ran (nn/fully_shard.py), this rank sending
-    ``nbytes``."""
+    ``nbytes``, as does each of ``ranks`` (the unit's placement; None: every rank)."""
     watchers = current()
     for trace in watchers.traces() if watchers is not None else ():
-        trace.unit_collective(op, collective, nbytes, dtype)
+        trace.unit_collective(op, collective, nbytes, dtype, ranks)
 
 
 def pipeline_sent(what: str, nbytes: int, by_rank: dict) -> None:

@@ -275,5 +275,6 @@ def _unit_comm(module, placement: Placement, axis: int, params: list[ShardedPara
         dim = p.sharded.sbp[axis].dim
         specs.append(shard_spec(p.gathered.local_shape(coord), dim, n))
     name = type(module).__name__
-    return UnitComm(specs, group, members, members.index(rank), name, replicate, replicate_group)
+    return UnitComm(specs, group, members, members.index(rank), name, replicate, replicate_group,
+                    ranks=tuple(placement.flat_ranks))
 

@@ -99,8 +99,12 @@ class UnitComm:
     along the unit's axis (``members`` in axis order, ``index`` this rank's place in it)."""
 
     def __init__(self, specs: list[ShardSpec], group, members: tuple[int, ...], index: int,
-                 name: str, replicate: tuple[int, ...] = (), replicate_group=None):
+                 name: str, replicate: tuple[int, ...] = (), replicate_group=None,
+                 ranks: tuple[int, ...] | None = None):
         self.specs, self.group, self.members, self.index = specs, group, members, index
+        # every rank of the unit's placement: each group of it runs the same collectives (a
+        # simulation charges them to these ranks, not to the world)
+        self.ranks = members if ranks is None else ranks
         # HSDP: the axes whose sum follows the reduce-scatter, and (group, ranks) across them
         self.replicate, self.replicate_group = replicate, replicate_group
         self.n = len(members)
@@ -135,7 +139,8 @@ class UnitComm:
         if self.received.numel() and sends(self.group):
             self.work = all_gather_flat(self.received, send, group=self.group, async_op=True)
         observe.unit_collective(f"fully_shard all_gather ({self.name})", "all_gather",
-                                (self.n - 1) * self.block * send.element_size(), dtype)
+                                (self.n - 1) * self.block * send.element_size(), dtype,
+                                self.ranks)
 
     @property
     def gathering(self) -> bool:
@@ -231,7 +236,8 @@ class UnitComm:
             with guard(lambda: f"fully_shard's reduce-scatter of {self.name}", ranks=self.members):
                 reduce_scatter_flat(out, flat, group=self.group)
         observe.unit_collective(f"fully_shard reduce_scatter ({self.name})", "reduce_scatter",
-                                (self.n - 1) * self.block * flat.element_size(), flat.dtype)
+                                (self.n - 1) * self.block * flat.element_size(), flat.dtype,
+                                self.ranks)
         if replicate:
             self.all_reduce_shard(out)
         pieces = []
@@ -252,4 +258,4 @@ class UnitComm:
         ring = len(members)
         observe.unit_collective(f"fully_shard all_reduce ({self.name})", "all_reduce",
                                 2 * (ring - 1) * out.numel() * out.element_size() // ring,
-                                out.dtype)
+                                out.dtype, self.ranks)

@@ -54,20 +54,24 @@ class Recorder:
                 self._add(step.kind, name, members(step.after, self.world) | members(step.before, self.world),
                           step.bytes_sent(itemsize))
 
+    def _who(self, ranks) -> np.ndarray:
+        """1 on each of ``ranks`` (None: every rank of the world)."""
+        if ranks is None:
+            return self.everyone
+        who = np.zeros(self.world, dtype=np.int64)
+        who[list(ranks)] = 1
+        return who
+
     def bucket_reduced(self, count: int, nbytes: int, ranks=None, member: bool = True) -> None:
-        who = self.everyone
-        if ranks is not None:
-            who = np.zeros(self.world, dtype=np.int64)
-            who[list(ranks)] = 1
-        self._add("all_reduce", "gradient buckets", who, nbytes)
+        self._add("all_reduce", "gradient buckets", self._who(ranks), nbytes)
 
     def pipeline_sent(self, what: str, nbytes: int, by_rank: dict) -> None:
         ranks = list(by_rank)
         self.sent["send", "pipeline"][ranks] += np.array([by_rank[r] for r in ranks], dtype=np.int64)
         self.counts["send", "pipeline"][ranks] += 1
 
-    def unit_collective(self, op: str, collective: str, nbytes: int, dtype) -> None:
-        self._add(collective, "fully_shard", self.everyone, nbytes)
+    def unit_collective(self, op: str, collective: str, nbytes: int, dtype, ranks=None) -> None:
+        self._add(collective, "fully_shard", self._who(ranks), nbytes)
 
     def comm_called(self, name: str) -> None:
         self._add("gt.comm." + name, None, self.everyone, 0)

@@ -31,6 +31,10 @@ from ..observe import current, watched, watching
 from ..sbp import format_sbp
 
 
+_KINDS = ("redistribution", "gt.comm call", "gradient bucket", "fully_shard collective",
+          "pipeline send")
+
+
 @dataclass(frozen=True, slots=True)
 class Record:
     """One redistribution (or one ``gt.comm`` collective, with ``plan`` None)."""
@@ -42,6 +46,8 @@ class Record:
     collectives: tuple[str, ...]   # the collective of each step that communicates
     bytes_per_rank: int | None     # what the busiest rank sends; None for gt.comm calls
     dtype: torch.dtype | None
+    kind: str = "redistribution"   # or "gt.comm call", "gradient bucket", "fully_shard
+    #                                collective", "pipeline send": what announced it
 
     def layouts(self) -> str:
         if self.source is None:
@@ -81,13 +87,10 @@ class CommTrace:
         return iter(self.records)
 
     def table(self) -> str:
-        moves = sum(1 for r in self.records if r.source is not None)
-        buckets = sum(1 for r in self.records if r.op.startswith("gradient bucket"))
-        calls = len(self.records) - moves - buckets
-        lines = [f"comm_trace: {moves} redistribution{'s' * (moves != 1)}, {calls} gt.comm "
-                 f"call{'s' * (calls != 1)}, "
-                 + (f"{buckets} gradient bucket{'s' * (buckets != 1)}, " if buckets else "")
-                 + f"{_fmt_bytes(self.bytes_per_rank)} sent per rank"]
+        kinds = collections.Counter(r.kind for r in self.records)
+        parts = [f"{kinds[k]} {k}{'s' * (kinds[k] != 1)}" for k in _KINDS
+                 if kinds[k] or k in ("redistribution", "gt.comm call")]
+        lines = [f"comm_trace: {', '.join(parts)}, {_fmt_bytes(self.bytes_per_rank)} sent per rank"]
         if self.records:
             rows = [("#", "call", "source -> target", "shape", "bytes/rank", "steps")]
             for i, r in enumerate(self.records, 1):
@@ -123,23 +126,25 @@ class CommTrace:
             return
         self.add(Record(op=f"gradient bucket ({count} gradient{'' if count == 1 else 's'})",
                         source=None, target=None, steps=("all_reduce",),
-                        collectives=("all_reduce",), bytes_per_rank=nbytes, dtype=None))
+                        collectives=("all_reduce",), bytes_per_rank=nbytes, dtype=None,
+                        kind="gradient bucket"))
 
-    def unit_collective(self, op: str, collective: str, nbytes: int, dtype) -> None:
+    def unit_collective(self, op: str, collective: str, nbytes: int, dtype, ranks=None) -> None:
         """A sharded unit's flat gather or reduce-scatter (gt.nn.fully_shard)."""
         self.add(Record(op=op, source=None, target=None, steps=(collective,),
-                        collectives=(collective,), bytes_per_rank=nbytes, dtype=dtype))
+                        collectives=(collective,), bytes_per_rank=nbytes, dtype=dtype,
+                        kind="fully_shard collective"))
 
     def pipeline_sent(self, what: str, nbytes: int, by_rank: dict) -> None:
         """A pipeline stage's point-to-point sends of one micro-batch (gt.nn.Pipeline)."""
         self.add(Record(op=what, source=None, target=None, steps=("send",), collectives=("send",),
-                        bytes_per_rank=nbytes, dtype=None))
+                        bytes_per_rank=nbytes, dtype=None, kind="pipeline send"))
 
     def comm_called(self, name: str) -> None:
         """A ``gt.comm`` collective ran."""
         full = "gt.comm." + name
         self.add(Record(op=full, source=None, target=None, steps=(), collectives=(full,),
-                        bytes_per_rank=None, dtype=None))
+                        bytes_per_rank=None, dtype=None, kind="gt.comm call"))
 
     def __repr__(self):
         return f"<CommTrace: {len(self.records)} records, counts {self.counts()}>"

@@ -88,3 +88,37 @@ def test_a_pipeline_of_stages_sharded_per_block_on_their_pairs_trains_as_one_pro
         assert got == pytest.approx(losses, rel=1e-5), rank
         for a, b in zip(got_params, params):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+
+
+def test_a_unit_on_a_sub_placement_is_traced_and_simulated_on_its_ranks_only():
+    """comm_trace's header names fully_shard's collectives as such (not as gt.comm calls), and a
+    simulation charges them to the unit's ranks, not to the world; the real run's counts per
+    rank are the simulation's."""
+    built = _model()
+    x, y = _data()
+    inner = gt.placement("cpu", [0, 1])
+
+    def step():
+        model = copy.deepcopy(built)
+        gt.nn.fully_shard(model, inner)
+        gx, gy = gt.tensor(x, placement=inner, sbp=S(0)), gt.tensor(y, placement=inner, sbp=S(0))
+        with gt.comm_trace() as trace:
+            F.cross_entropy(model(gx), gy).backward()
+        return trace
+
+    def body(rank):
+        trace = step()
+        units = {k: v for k, v in trace.counts().items() if k in ("all_gather", "reduce_scatter")}
+        return trace.table().splitlines()[0], [r.kind for r in trace.records], units
+    real = run_ranks(body, 3, timeout=60)
+    header, kinds, _ = real[0]
+    assert kinds.count("fully_shard collective") == 2 and "gt.comm call" not in kinds, kinds
+    assert "2 fully_shard collectives" in header and "0 gt.comm calls" in header, header
+    with gt.simulate(3) as sim:
+        step()
+    fully_shard = {(k, a): int(c.sum()) for (k, a), c in sim.recorder.counts.items()
+                   if a == "fully_shard"}
+    assert fully_shard == {("all_gather", "fully_shard"): 2, ("reduce_scatter", "fully_shard"): 2}
+    for rank in range(3):
+        units = {k: v for k, v in sim.collectives(rank).items() if k in ("all_gather", "reduce_scatter")}
+        assert units == (real[rank][2] if rank < 2 else {}), (rank, units, real[rank][2])
