@@ -15,6 +15,7 @@ import torch
 from torch.types import Number
 
 from .world import world
+from .world.simulated import simulated, wrapper_device
 from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .layout import Layout
@@ -39,12 +40,13 @@ class GlobalTensor(torch.Tensor):
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
         # torch's default strides are the contiguous ones of the global shape; every keyword
         # left out is parsed less on this warm path (a redistribution makes one wrapper per call)
+        device = wrapper_device(local, layout.placement)
         if requires_grad:
             out = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype,
-                                                      device=local.device, requires_grad=True)
+                                                      device=device, requires_grad=True)
         else:
             out = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype,
-                                                      device=local.device)
+                                                      device=device)
         out._local = local
         out._layout = layout
         return out
@@ -227,7 +229,7 @@ def _no_value_in_simulation(x: "GlobalTensor") -> None:
     """Inside ``gt.simulate`` tensors hold no data: reading one's value is an error naming the
     user's line."""
     from . import debug
-    from .world.simulated import simulated
+    from .world.simulated import wrapper_device
 
     if simulated():
         raise GlobalTensorError(

@@ -31,7 +31,7 @@ from ..runtime.failure import local_failure
 from ..runtime.meta import object_from
 from ..tensor import GlobalTensor
 from .args import local_args
-from .outputs import OutSpec, canonical, empties, lazy_bits, new_wrapper, wrap
+from .outputs import OutSpec, canonical, empties, lazy_bits, new_wrapper, wrap, wrapper_device
 from .aliasing import LINK, link, write_back, write_into
 
 
@@ -165,7 +165,7 @@ class Plain:
             return _written(args[0])
         outs = self.outs
         if type(outs) is OutSpec:  # wrap, inline: one output (outputs.wrap)
-            out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=result.device)
+            out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=wrapper_device(result, outs.layout.placement))
             out._local, out._layout = result, outs.layout
             if outs.complex:
                 lazy_bits(out, result)

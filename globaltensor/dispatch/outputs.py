@@ -11,6 +11,7 @@ from .._cache import Bounded
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..tensor import GlobalTensor
+from ..world.simulated import wrapper_device
 
 
 def _to_meta(value):
@@ -206,7 +207,7 @@ def wrap(result, outs):
     if type(outs) is OutSpec:
         # GlobalTensor._make inline: keywords left out are parsed less (requires_grad=False
         # and the contiguous strides are the defaults)
-        out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=result.device)
+        out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=wrapper_device(result, outs.layout.placement))
         out._local = result
         out._layout = outs.layout
         if outs.complex:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextvars
 
+import torch
 import torch.distributed as dist
 
 from ..errors import GlobalTensorError
@@ -36,3 +37,16 @@ def leave(token: contextvars.Token) -> None:
     _SIMULATED.reset(token)
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+def wrapper_device(local: torch.Tensor, placement) -> torch.device:
+    """The device a global tensor reports: its piece's; inside gt.simulate, where the piece is
+    meta, the device the job runs on (the placement's): torch chooses kernels by the device
+    (scaled_dot_product_attention takes its math decomposition on meta, the fused flash kernel
+    on CPU), so the simulation dispatches as the real run. A CUDA placement simulated without a
+    GPU reports CPU."""
+    device = local.device
+    if device.type != "meta" or not _SIMULATED.get():
+        return device
+    kind = placement.type
+    return torch.device(kind if kind == "cpu" or torch.cuda.is_available() else "cpu")

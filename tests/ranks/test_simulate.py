@@ -204,3 +204,25 @@ def test_a_simulation_prices_its_plans_with_the_figures_the_real_job_would_use(m
     assert gt.costs() == before
     with pytest.raises(GlobalTensorError, match="expected costs="):
         gt.simulate(2, costs=3)
+
+
+def test_a_simulation_dispatches_attention_as_the_real_device_would():
+    """Causal SDPA on q, k, v split on the heads, forward and backward: on meta pieces torch
+    took its math decomposition (whose rules gather the heads); a global tensor reports the
+    job's device in a simulation, so the CPU flash kernel runs, which keeps the heads split and
+    sends nothing, as the real run; and without global mode it no longer fails."""
+    import torch.nn.functional as F
+
+    def program():
+        p = gt.placement("cpu", [0, 1])
+        q, k, v = (gt.randn(8, 4, 16, 16, placement=p, sbp=S(1), requires_grad=True)
+                   for _ in range(3))
+        with gt.comm_trace() as trace:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True).sum().backward()
+        return trace.counts(), q.device.type
+    real = run_ranks(lambda rank: program(), 2, timeout=TIMEOUT)
+    with gt.simulate(2) as sim:
+        simulated, device = program()
+    assert device == "cpu"
+    assert simulated == real[0][0], (simulated, real[0][0])
+    assert "all_gather" not in {k for k, _ in sim.recorder.counts}
