@@ -15,7 +15,7 @@ import torch
 from torch.types import Number
 
 from .world import world
-from .world.simulated import simulated, wrapper_device
+from .world.simulated import no_value_in_simulation, wrapper_device
 from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .layout import Layout
@@ -159,7 +159,7 @@ class GlobalTensor(torch.Tensor):
         gradient), not as a part of it. Never an alias: where the piece already is the whole
         value (broadcast on every rank of the world), a copy; ``to_local()`` is the alias."""
         if self._local.is_meta:
-            _no_value_in_simulation(self)
+            no_value_in_simulation(self)
             raise GlobalTensorError(
                 f"full_tensor(): this global tensor (shape {list(self.shape)}) holds a meta "
                 f"piece, no data: a model built under torch.device('meta') and laid out is "
@@ -223,20 +223,6 @@ def coerce_plain_tangent(self: torch.Tensor, layout, expected_type=None):
         return None
     with torch.no_grad():
         return as_global_grad(self, layout)
-
-
-def _no_value_in_simulation(x: "GlobalTensor") -> None:
-    """Inside ``gt.simulate`` tensors hold no data: reading one's value is an error naming the
-    user's line."""
-    from . import debug
-    from .world.simulated import wrapper_device
-
-    if simulated():
-        raise GlobalTensorError(
-            f"gt.simulate: {debug.user_call(2) or 'reading a value'} reads the value of a global "
-            f"tensor (shape {list(x.shape)}), and inside a simulation tensors hold no data "
-            f"({debug.user_line(2)}); keep value reads (item(), print, tolist) out of the "
-            f"simulated block, or guard them with `if not gt.env.simulated():`")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ from .. import debug as _debug
 from ..errors import GlobalTensorError
 from ..layout import Layout
 from ..redistribute import redistribute_local, whole_on_every_rank
+from ..world.simulated import no_value_in_simulation
 from ..sbp import Broadcast, replicated
 from ..tensor import GlobalTensor
 from .decisions import my_coord
@@ -37,6 +38,8 @@ def _local_scalar_dense(func, args, kwargs, tensors):
     from ..runtime.groups import groups_frozen
 
     x = tensors[0]
+    if x._local.is_meta:
+        no_value_in_simulation(x)  # (outside a simulation: a meta-built model's forward checks)
     if groups_frozen():
         full = Layout(x._layout.placement, replicated(x._layout.placement.ndim), x._layout.shape)
     else:

@@ -334,6 +334,7 @@ def simulate(world_size: int, *, rank: int = 0, costs=None) -> Simulation:
     ranks' flops (the simulating rank's are taken as every rank's); in ``step_time``, overlap
     of communication with compute, contention and real bandwidth curves (an alpha-beta bound
     to compare layouts with, not a wall time). ``gt.comm`` collectives are counted, not sized.
-    It refuses to start inside a joined world (before ``gt.init()`` only).
+    Inside a process that joined a real world, that world is set aside for the block and
+    comes back after it.
     """
     return Simulation(world_size, rank, costs)

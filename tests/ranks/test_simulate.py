@@ -226,3 +226,20 @@ def test_a_simulation_dispatches_attention_as_the_real_device_would():
     assert device == "cpu"
     assert simulated == real[0][0], (simulated, real[0][0])
     assert "all_gather" not in {k for k, _ in sim.recorder.counts}
+
+
+def test_a_value_read_inside_a_simulation_is_a_clear_error_naming_the_line():
+    """HF's causal mask reads the position ids (`if ... .all():`) when use_cache=False: inside a
+    simulation, where tensors hold no data, that is a GlobalTensorError naming HF's line, not
+    torch's raw "Tensor.item() cannot be called on meta tensors"."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    with pytest.raises(GlobalTensorError, match=r"masking_utils\.py:\d+"):
+        with gt.simulate(2):
+            p = gt.placement("cpu", [0, 1])
+            model = transformers.LlamaForCausalLM(config)
+            model.to_global(p)
+            ids = gt.randint(0, 64, (2, 8), placement=p, sbp=S(0))
+            model(ids, use_cache=False)
