@@ -165,15 +165,18 @@ class Simulation:
         formulas on its pieces, for the ops that have one: matmuls, convolutions, attention)."""
         return self._flops
 
-    def step_time(self, alpha: float = 1e-5, bandwidth: float = 25e9, flops: float = 1e14,
-                  axes: dict | None = None) -> "StepTime":
+    def step_time(self, alpha: float | None = None, bandwidth: float | None = None,
+                  flops: float = 1e14, axes: dict | None = None) -> "StepTime":
         """The step's seconds on the slowest rank, with its parts (a :class:`StepTime`): each
         collective costs ``alpha`` plus its bytes over ``bandwidth`` (or the ``(alpha,
-        bandwidth)`` given for its placement axis in ``axes``), summed per axis; the
+        bandwidth)`` given for its placement axis in ``axes``), summed per axis; by default the
+        figures the block's plans were priced with (``self.costs``: alpha, 1 / beta); the
         computation is this rank's flop count over ``flops``. The slowest rank is the one whose
         communication is largest (the flop count is the simulating rank's, taken as every
         rank's); ``total`` is its axes' seconds plus the compute seconds, exactly."""
         axes = axes or {}
+        alpha = self.costs.alpha if alpha is None else alpha
+        bandwidth = 1 / self.costs.beta if bandwidth is None else bandwidth
         per_axis: dict = {}
         for key, count in self.recorder.counts.items():
             a, bw = axes.get(key[1], (alpha, bandwidth))

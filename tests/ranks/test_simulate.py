@@ -243,3 +243,12 @@ def test_a_value_read_inside_a_simulation_is_a_clear_error_naming_the_line():
             model.to_global(p)
             ids = gt.randint(0, 64, (2, 8), placement=p, sbp=S(0))
             model(ids, use_cache=False)
+
+
+def test_step_time_defaults_to_the_figures_the_plans_were_priced_with():
+    with gt.simulate(2, costs="alpha=1e-3,beta=1e-9") as sim:
+        p = gt.placement("cpu", [0, 1])
+        gt.ones(64, 64, placement=p, sbp=S(0)).to_global(sbp=B)
+    assert sim.step_time().total == pytest.approx(
+        sim.step_time(alpha=1e-3, bandwidth=1e9).total)
+    assert sim.step_time().total != pytest.approx(sim.step_time(alpha=1e-5, bandwidth=25e9).total)
