@@ -40,7 +40,7 @@ class GlobalTensor(torch.Tensor):
     def __new__(cls, local: torch.Tensor, layout: Layout, requires_grad: bool = False):
         # torch's default strides are the contiguous ones of the global shape; every keyword
         # left out is parsed less on this warm path (a redistribution makes one wrapper per call)
-        device = wrapper_device(local, layout.placement)
+        device = local.device if not local.is_meta else wrapper_device(local, layout.placement)
         if requires_grad:
             out = torch.Tensor._make_wrapper_subclass(cls, layout.shape, dtype=local.dtype,
                                                       device=device, requires_grad=True)

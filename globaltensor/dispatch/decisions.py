@@ -165,7 +165,7 @@ class Plain:
             return _written(args[0])
         outs = self.outs
         if type(outs) is OutSpec:  # wrap, inline: one output (outputs.wrap)
-            out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=wrapper_device(result, outs.layout.placement))
+            out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=wrapper_device(result, outs.layout.placement) if result.is_meta else result.device)
             out._local, out._layout = result, outs.layout
             if outs.complex:
                 lazy_bits(out, result)

@@ -207,7 +207,9 @@ def wrap(result, outs):
     if type(outs) is OutSpec:
         # GlobalTensor._make inline: keywords left out are parsed less (requires_grad=False
         # and the contiguous strides are the defaults)
-        out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=wrapper_device(result, outs.layout.placement))
+        device = result.device if not result.is_meta else \
+            wrapper_device(result, outs.layout.placement)  # gt.simulate: the job's
+        out = new_wrapper(GlobalTensor, outs.shape, dtype=result.dtype, device=device)
         out._local = result
         out._layout = outs.layout
         if outs.complex:
