@@ -19,6 +19,7 @@ from .world.simulated import no_value_in_simulation, wrapper_device
 from .compile_support import never_compiled
 from .errors import GlobalTensorError
 from .layout import Layout
+from .materialize import meta_message
 from .placement import Placement
 from .redistribute import redistribute_local, whole_on_every_rank
 from .runtime.groups import create_placement_groups
@@ -160,10 +161,7 @@ class GlobalTensor(torch.Tensor):
         value (broadcast on every rank of the world), a copy; ``to_local()`` is the alias."""
         if self._local.is_meta:
             no_value_in_simulation(self)
-            raise GlobalTensorError(
-                f"full_tensor(): this global tensor (shape {list(self.shape)}) holds a meta "
-                f"piece, no data: a model built under torch.device('meta') and laid out is "
-                f"materialized by model.to_empty(device=...) and initialised (or loaded) first")
+            raise GlobalTensorError(meta_message("full_tensor()", "this global tensor", self))
         full = Redistribute.apply(self, whole_on_every_rank(self._layout), None, True)
         return _ToLocal.apply(full, True)
 

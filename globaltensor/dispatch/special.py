@@ -7,6 +7,7 @@ import torch
 from .. import debug as _debug
 from ..errors import GlobalTensorError
 from ..layout import Layout
+from ..materialize import meta_message
 from ..redistribute import redistribute_local, whole_on_every_rank
 from ..world.simulated import no_value_in_simulation
 from ..sbp import Broadcast, replicated
@@ -38,8 +39,10 @@ def _local_scalar_dense(func, args, kwargs, tensors):
     from ..runtime.groups import groups_frozen
 
     x = tensors[0]
-    if x._local.is_meta:
-        no_value_in_simulation(x)  # (outside a simulation: a meta-built model's forward checks)
+    if x._local.is_meta:  # a simulation's, or a model built on meta and not materialized
+        no_value_in_simulation(x)
+        raise GlobalTensorError(meta_message("reading a value (bool, float, int)",
+                                             "this global tensor", x))
     if groups_frozen():
         full = Layout(x._layout.placement, replicated(x._layout.placement.ndim), x._layout.shape)
     else:

@@ -107,8 +107,7 @@ class _File:
         return rows[(slice(None),) + rest].clone()
 
     def _read(self, out: torch.Tensor, offset: int) -> torch.Tensor:
-        view = memoryview(out.view(-1).view(torch.uint8).numpy()) if out.dim() else \
-            memoryview(out.view(1).view(torch.uint8).numpy())
+        view = memoryview(out.view(-1).view(torch.uint8).numpy())  # (a 0-dim one too)
         self.file.seek(offset)
         done = 0
         while done < len(view):

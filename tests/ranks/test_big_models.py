@@ -94,7 +94,7 @@ def test_to_empty_allocates_the_pieces_of_the_same_parameters_and_init_is_layout
     assert torch.equal(weights["3.weight"], torch.ones(8))
 
 
-@pytest.mark.parametrize("use", ["forward", "full_tensor", "step"])
+@pytest.mark.parametrize("use", ["forward", "full_tensor", "bool", "step"])
 @pytest.mark.parametrize("how", ["to_global", "fully_shard"])
 def test_using_a_model_still_on_meta_is_a_clear_error_on_every_rank(use, how):
     def body(rank):
@@ -110,6 +110,8 @@ def test_using_a_model_still_on_meta_is_a_clear_error_on_every_rank(use, how):
                 model(gt.ones(2, 8, placement=placement, sbp=S(0)))
             elif use == "full_tensor":
                 model[0].weight.full_tensor()
+            elif use == "bool":
+                bool(model[0].weight.sum() > 0)
             else:
                 opt.step()
         except GlobalTensorError as e:
