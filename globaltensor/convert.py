@@ -109,7 +109,9 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
     rank = world.get_rank()
     coord = placement.coord_of(rank)
     device = device_for(placement)
-    meta = local.is_meta  # built on meta (every rank alike): a meta piece, nothing synced
+    # built on meta (every rank alike): a meta piece, nothing synced; in gt.simulate every piece
+    # is meta, and only the user's meta tensors hold no data in the real run
+    meta = local.is_meta and (not simulated() or observe.holds_no_data(local))
     if simulated():  # gt.simulate: pieces hold no data
         local = local.to("meta")
     elif local.device != device and not meta:
@@ -147,9 +149,10 @@ def _sync_broadcast(piece, layout: Layout, rank: int, already_copied: bool):
     if not already_copied:
         piece = piece.clone()
     piece = piece.contiguous()
+    nbytes = layout.max_local_numel() * piece.element_size()
     for axis, v in enumerate(layout.sbp):
         if isinstance(v, Broadcast):
-            broadcast_along(layout.placement, axis, piece, rank)
+            broadcast_along(layout.placement, axis, piece, rank, nbytes)
     return piece
 
 

@@ -34,6 +34,7 @@ from .errors import GlobalTensorError
 from .plan import plan
 from .runtime.groups import group_across, groups_across
 from .runtime.buckets import Bucket
+from .runtime.wire import axis_name
 from .plan import AllReduce
 from .tensor import GlobalTensor, redistribute
 
@@ -198,8 +199,8 @@ class _Bucket:
 
     __slots__ = ("params", "flat")
 
-    def __init__(self, group, size: int, ranks):
-        self.params, self.flat = [], Bucket(group, size, ranks)
+    def __init__(self, group, size: int, placement, axis):
+        self.params, self.flat = [], Bucket(group, size, placement, axis)
 
     @property
     def nbytes(self) -> int:
@@ -238,7 +239,7 @@ class _Reductions:
         if bucket is None:
             placement, axes = key[0], key[1]
             size = math.prod(placement.shape[a] for a in axes)
-            bucket = self.open[key] = _Bucket(group, size, placement.flat_ranks)
+            bucket = self.open[key] = _Bucket(group, size, placement, axis_name(placement, axes))
         bucket.add(param, piece, nbytes)
         cap = BUCKET_CAP_MB.get()
         if key not in self.started:

@@ -2,8 +2,8 @@
 (tools/policy.py) and ``gt.verify``'s check of explicit ``to_global`` (tools/verify.py).
 
 The core announces its events here (:func:`redistribution`, :func:`served_from_memo`,
-:func:`bucket_reduced`, :func:`comm_called`, :func:`unit_collective`, :func:`storage_kind` for
-``gt.memory()``) and never imports ``tools/``: the watchers in this
+:func:`sent`: the one event of every call that moves data, from runtime/wire.py;
+:func:`comm_called`, :func:`storage_kind` for ``gt.memory()``) and never imports ``tools/``: the watchers in this
 context's ContextVar are the tools' own objects (a trace's ``moved``, a verifier's
 ``redistributed``), and the policy check is the one function ``tools/policy.py`` plugs in when
 it is imported (:func:`plug`, a registry filled once, like the ops' registry).
@@ -136,15 +136,20 @@ def redistribution(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         return run(plan, local, rank)  # GT_COMMUNICATION was just read: nothing watches
     call = debug.user_call(2) or "redistribute"
     _policy(watchers, call, plan, local)
-    if watchers is not None:
-        for trace in watchers.traces():
-            trace.moved(call, plan, local, rank)
-    if not _profiler._is_profiler_enabled:
-        result = run(plan, local, rank)
-    else:
-        with torch.profiler.record_function(
-                f"gt.redistribute: {call}", f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
+    row = watchers.trace if watchers is not None else None
+    if row is not None:  # comm_trace's row; the wire's events of the plan's steps fill it
+        row.moved(call, plan, local, rank)
+    try:
+        if not _profiler._is_profiler_enabled:
             result = run(plan, local, rank)
+        else:
+            with torch.profiler.record_function(
+                    f"gt.redistribute: {call}",
+                    f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
+                result = run(plan, local, rank)
+    finally:
+        if row is not None:
+            row.moved_done()
     if watchers is not None and watchers.memory is not None:
         watchers.memory.weigh(result, plan.dst, local)
     if watchers is not None and watchers.verifier is not None:
@@ -161,12 +166,12 @@ def served_from_memo(plan, piece: torch.Tensor) -> None:
         _policy(watchers, debug.user_call(2) or "redistribute", plan, piece, memo=True)
 
 
-def bucket_reduced(count: int, nbytes: int, ranks=None, member: bool = True) -> None:
-    """A bucket of ``count`` gradients was all-reduced, each of ``ranks`` sending ``nbytes``
-    (grads.py); ``member``: this rank is one of them (a trace records only its own)."""
+def sent(event) -> None:
+    """The one event of every call that moves data (runtime/wire.py ``Sent``): each trace
+    (gt.comm_trace's, a simulation's recorder) hears it."""
     watchers = current()
     for trace in watchers.traces() if watchers is not None else ():
-        trace.bucket_reduced(count, nbytes, ranks, member)
+        trace.wire_event(event)
 
 
 def comm_called(name: str) -> None:
@@ -176,20 +181,13 @@ def comm_called(name: str) -> None:
         trace.comm_called(name)
 
 
-def unit_collective(op: str, collective: str, nbytes: int, dtype, ranks=None) -> None:
-    """A sharded unit's gather or reduce-scatter ran (nn/fully_shard.py), this rank sending
-    ``nbytes``, as does each of ``ranks`` (the unit's placement; None: every rank)."""
+def holds_no_data(t: torch.Tensor) -> bool:
+    """Whether ``t``'s storage holds no data in the run being measured (a simulation's model
+    built on meta): what it sends is nothing, as in the real run."""
     watchers = current()
-    for trace in watchers.traces() if watchers is not None else ():
-        trace.unit_collective(op, collective, nbytes, dtype, ranks)
-
-
-def pipeline_sent(what: str, nbytes: int, by_rank: dict) -> None:
-    """A pipeline stage posted its sends of one micro-batch's activations or gradients
-    (nn/pipeline.py): this rank sends ``nbytes``, each rank of the stage ``by_rank[rank]``."""
-    watchers = current()
-    for trace in watchers.traces() if watchers is not None else ():
-        trace.pipeline_sent(what, nbytes, by_rank)
+    if watchers is None or watchers.memory is None:
+        return False
+    return watchers.memory.holds_no_data(t)
 
 
 def storage_kind(t: torch.Tensor, kind: str, parts=None) -> None:
@@ -202,5 +200,5 @@ def storage_kind(t: torch.Tensor, kind: str, parts=None) -> None:
 
 
 __all__ = ["Watchers", "watching", "current", "watched", "set_watchers", "POLICIES", "plug",
-           "redistribution", "served_from_memo", "bucket_reduced", "comm_called",
-           "unit_collective", "pipeline_sent", "storage_kind"]
+           "redistribution", "served_from_memo", "sent", "comm_called", "holds_no_data",
+           "storage_kind"]

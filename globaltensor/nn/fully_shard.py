@@ -29,6 +29,7 @@ from ..errors import GlobalTensorError
 from ..placement import Placement
 from ..runtime.groups import group_along, groups_across, groups_along, ranks_across
 from ..runtime.unshard import UnitComm, shard_spec
+from ..runtime.wire import axis_name
 from ..sbp import Broadcast, PartialSum, Split, replicated
 from ..tensor import GlobalTensor
 from ..world import world
@@ -276,5 +277,6 @@ def _unit_comm(module, placement: Placement, axis: int, params: list[ShardedPara
         specs.append(shard_spec(p.gathered.local_shape(coord), dim, n))
     name = type(module).__name__
     return UnitComm(specs, group, members, members.index(rank), name, replicate, replicate_group,
-                    ranks=tuple(placement.flat_ranks))
+                    ranks=placement, axis=axis_name(placement, axis),
+                    replicate_axis=axis_name(placement, replicate))
 

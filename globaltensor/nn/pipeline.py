@@ -21,7 +21,6 @@ from typing import Callable
 
 import torch
 
-from .. import observe
 from ..errors import GlobalTensorError
 from ..grads import deferred_reduction, reduce_gradients
 from ..layout import Layout, box_numel, split_sizes
@@ -30,7 +29,9 @@ from ..plan import exchange
 from ..runtime import failure
 from ..runtime.groups import create_placement_groups, no_new_groups
 from ..runtime.meta import object_from
-from ..runtime.stage_p2p import Incoming, Outgoing, recv_object, send_object, send_piece
+from ..runtime import wire
+from ..runtime.stage_p2p import (Incoming, Outgoing, object_bytes, recv_object, send_object,
+                                 send_piece)
 from ..sbp import replicated
 from ..tensor import GlobalTensor, redistribute
 from ..world import world
@@ -267,17 +268,19 @@ class _Run:
         out = Outgoing()
         what = f"pipeline: stage {s} -> {s + 1} activations (micro-batch {m})"
         moves = [(exchange(src, dst), t.element_size()) for t, (src, dst, _, _) in zip(outs, layouts)]
-        if self.sim:
+        first = key not in pipe._sent_meta
+        if first:  # the layouts, once per input shape: the stage's first rank sends them
+            pipe._sent_meta.add(key)
             pipe._layouts[key] = layouts
+            why = wire.Why("metadata", f"pipeline: stage {s} -> {s + 1} layouts", "pipeline")
+            wire.announce("send", why, (pipe.placements[s].flat_ranks[0],),
+                          object_bytes(layouts, len(nxt.flat_ranks)))
+        if self.sim:
             self.mailbox[(_ACTIVATION, s + 1, m)] = [(t, dst) for t, (_, dst, _, _) in zip(outs, layouts)]
             self._announce(what, moves, s)
             return out
-        head = self.rank == pipe.placements[s].flat_ranks[0]
-        if key not in pipe._sent_meta:
-            pipe._sent_meta.add(key)
-            pipe._layouts[key] = layouts
-            if head:
-                send_object(out, layouts, nxt.flat_ranks, _tag(_META, s, m, len(pipe.stages)))
+        if first and self.rank == pipe.placements[s].flat_ranks[0]:
+            send_object(out, layouts, nxt.flat_ranks, _tag(_META, s, m, len(pipe.stages)))
         control = out.nbytes  # the layouts: not the model's traffic (as a plan's first-use check)
         tag = _tag(_ACTIVATION, s, m, len(pipe.stages))
         for t, (ex, _) in zip(outs, moves):
@@ -286,13 +289,15 @@ class _Run:
         return out
 
     def _announce(self, what: str, moves, s: int, nbytes: int = 0) -> None:
-        """gt.comm_trace and gt.simulate hear of one micro-batch's sends from stage ``s``."""
+        """The wire hears of one micro-batch's sends from stage ``s`` (each of its ranks'
+        bytes, from the moves; ``nbytes``: this rank's, as posted)."""
         by_rank = dict.fromkeys(self.pipe.placements[s].flat_ranks, 0)
         for ex, itemsize in moves:
             for move in ex.moves:
                 others = sum(1 for d in move.dsts if d != move.src)
                 by_rank[move.src] += others * itemsize * box_numel(move.region)
-        observe.pipeline_sent(what, nbytes, by_rank)
+        wire.announce("send", wire.Why("pipeline", what, "pipeline"), tuple(by_rank),
+                      max(by_rank.values(), default=0), by_rank=by_rank)
 
     def _send_gradients(self, s: int, m: int, args) -> None:
         layouts = self.pipe._layouts[(s - 1, self.keys[m])]

@@ -5,8 +5,10 @@
     meta.py       one shape/dtype exchange (to_global's check_meta, gt.comm's value all_gather)
     guard.py      timeouts that explain: ``guard``, ``step_guard``, ``@guarded``
     agreement.py  GT_DEBUG: every rank agrees on each global operation (``check``)
-    emit.py       the executor's two emitters, eager (torch.distributed) and traced (functional
-                  collectives under torch.compile): every eager/traced difference
+    wire.py       the one wire: every torch.distributed data call of the tensor side, each
+                  with a Why, announcing one event (kind, ranks, bytes from plan/cost.py)
+    emit.py       the executor's emitters, eager, traced (functional collectives under
+                  torch.compile) and simulated, over the wire: every eager/traced difference
     exchange.py   an Exchange step, eager (isend/irecv, broadcasts) and traced (one all_to_all)
     pairwise.py   gathers and reductions as batches of isend/irecv (the CPU path)
     buckets.py    gradient buckets: pieces all-reduced as one flat buffer, asynchronously

@@ -6,8 +6,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from .. import observe
-from .groups import sends
+from . import wire
 from .guard import guard
 
 
@@ -31,14 +30,15 @@ class Bucket:
     """Pieces (None on a rank outside the placement) summed over ``group`` as one buffer;
     ``nbytes`` counts what the caller says each piece weighs (the same on every rank)."""
 
-    __slots__ = ("group", "pieces", "nbytes", "flat", "work", "size", "ranks")
+    __slots__ = ("group", "pieces", "nbytes", "flat", "work", "size", "placement", "why")
 
-    def __init__(self, group, size: int, ranks: tuple[int, ...]):
-        """``size``: the all-reduce group's size; ``ranks``: every rank that takes part in one
-        of the bucket's all-reduces (the placement's), what a simulation counts."""
+    def __init__(self, group, size: int, placement, axis: str | None):
+        """``size``: the all-reduce group's size; ``placement``: each of its groups runs one
+        of the bucket's all-reduces, along ``axis`` (a name, ``+``-joined for several)."""
         self.group, self.pieces, self.nbytes = group, [], 0
         self.flat = self.work = None
-        self.size, self.ranks = size, ranks
+        self.size, self.placement = size, placement
+        self.why = wire.Why("gradient bucket", axis=axis)
 
     def add(self, piece, nbytes: int) -> None:
         self.pieces.append(piece)
@@ -50,11 +50,11 @@ class Bucket:
         member = bool(pieces) and self.group is not None
         if member:
             self.flat = _packed(pieces)
-            if sends(self.group):  # not in gt.simulate's world
-                self.work = dist.all_reduce(self.flat, group=self.group, async_op=True)
-        n = self.size  # what a ring all-reduce sends from each member
-        observe.bucket_reduced(len(self.pieces), -(-2 * (n - 1) * self.nbytes // n), self.ranks,
-                               member)
+        count = len(self.pieces)
+        why = wire.Why("gradient bucket", f"gradient bucket ({count} gradient{'s' * (count != 1)})",
+                       self.why.axis)
+        self.work = wire.all_reduce(self.flat if member else None, self.group, why,
+                                    self.placement, async_op=True, n=self.size, nbytes=self.nbytes)
 
     def reduced(self) -> list:
         """Wait for the all-reduce; each piece's sum, a view of the flat buffer (None where the

@@ -20,6 +20,9 @@ import torch.distributed as dist
 from .. import _cache
 from ..errors import GlobalTensorError
 from ..plan import cost
+from . import wire
+
+_WHY = wire.Why("cost probe", "gt.measure_costs()")
 
 ENV = "GT_COSTS"  # "measure" (the default), "default", or "alpha=1e-4,beta=1e-9"
 CACHE_ENV = "GT_COSTS_CACHE"  # a JSON file keeping measured figures per backend, size and hosts
@@ -112,11 +115,11 @@ def measure(device: str = "cpu", cache: str | None = None) -> cost.Costs:
     if dist.get_world_size() == 1:
         return cost.current()  # a world of one sends nothing: there is nothing to measure
     key = _cache_key(device) if cache else None
-    found = [_read(cache, key) if cache and dist.get_rank() == 0 else None]
+    found = _read(cache, key) if cache and dist.get_rank() == 0 else None
     if cache:
-        dist.broadcast_object_list(found, src=0)
-    if found[0] is not None:
-        figures = cost.Costs(*found[0], source="cache")
+        found = wire.broadcast_object(found, 0, _WHY)
+    if found is not None:
+        figures = cost.Costs(*found, source="cache")
     else:
         figures = _probe(device)
         if cache and dist.get_rank() == 0:
@@ -147,7 +150,7 @@ def _probe(device: str) -> cost.Costs:
             if device != "cpu":
                 torch.cuda.synchronize(device)
             start = time.perf_counter()
-            dist.all_reduce(t)
+            wire.all_reduce(t, None, _WHY, None)
             if device != "cpu":
                 torch.cuda.synchronize(device)
             times.append(time.perf_counter() - start)
@@ -159,15 +162,14 @@ def _probe(device: str) -> cost.Costs:
     sent = 2 * (n - 1) / n * PROBE_BYTES
     beta = max(timed(big, _BANDWIDTH_CALLS) - alpha, 0.0) / sent
     agreed = torch.tensor([alpha, beta], dtype=torch.float64, device=device)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
+    wire.all_reduce(agreed, None, _WHY, None, op=dist.ReduceOp.MAX)
     alpha, beta = agreed.tolist()
     # a floor far below any real link: a probe lost in timer noise still prices bytes
     return cost.Costs(max(alpha, 1e-7), max(beta, 1e-13), source="measured")
 
 
 def _cache_key(device: str) -> str:
-    hosts = [None] * dist.get_world_size()
-    dist.all_gather_object(hosts, socket.gethostname())
+    hosts = wire.all_gather_object(socket.gethostname(), _WHY)
     backend = dist.get_backend()
     return f"{backend}/{device}/{len(hosts)} ranks/{','.join(sorted(set(hosts)))}"
 

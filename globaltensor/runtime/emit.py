@@ -1,38 +1,30 @@
-"""The executor's emitters: how one collective of a plan's step is issued (and, for
-``gt.simulate``'s meta pieces, a third that issues nothing: :class:`Simulated`).
+"""The executor's emitters: how one step of a plan is issued, eager, traced or simulated.
 
-``EAGER`` calls torch.distributed's in-place collectives on real pieces (the executor's own
-point-to-point paths for CPU gathers and reductions stay in execute.py / pairwise.py).
-``TRACED`` runs under ``torch.compile`` (the pieces are fake or functional tensors): it emits
-the functional collectives of ``torch.ops._c10d_functional`` (what
-``torch.distributed._functional_collectives`` lowers to; gloo and NCCL run them), each followed
-by its ``wait_tensor``, so the traced graph holds the collectives as values. The executor picks
-an emitter once per plan with :func:`emitter_for`; every step is worked out the same way for
-both (shapes, padding, orders, trims), only the call differs. Every other eager/traced
-difference is the emitter's too (the executor never asks which it holds): the first-use tag,
-what a failing step becomes, the result's freshness, the Exchange step, and whether gathers may
-run point to point.
+Each is a wire's data calls (runtime/wire.py: every byte goes through there, each step
+announced as one event) plus the executor's policy for that kind of piece: ``EAGER`` on real
+pieces (torch.distributed in place; the point-to-point CPU paths of pairwise.py and
+exchange.py go through the wire too), ``TRACED`` under ``torch.compile`` (the pieces are fake
+or functional tensors; functional collectives, so the traced graph holds them as values),
+``SIMULATED`` on ``gt.simulate``'s meta pieces (nothing sent; results of the shapes they would
+have) and ``NO_DATA`` on a meta piece in a real world (a model built on meta: nothing moves and
+nothing is announced). The executor picks one per plan with :func:`emitter_for`; every step is
+worked out the same way for all (shapes, padding, orders, trims), only the call differs. Every
+other eager/traced difference is the emitter's too (the executor never asks which it holds):
+the first-use tag, what a failing step becomes, the result's freshness, the Exchange step, and
+whether gathers may run point to point.
 """
 from __future__ import annotations
 
-import functools
-
 import torch
-import torch.distributed as dist
 
 from ..plan import LocalSlice, ZeroFill
 from ..world import world
+from ..world.simulated import simulated
 from .exchange import exchange_eager, exchange_traced
 from .failure import executor_failure
-from .groups import all_gather_flat, byte_view, group_name, reduce_scatter_flat
 from .guard import step_ranks, step_words
 from .layoutcheck import check_first_use
-
-@functools.cache
-def _ops():
-    """torch's traceable collectives (importing funcol registers them), looked up once."""
-    import torch.distributed._functional_collectives  # noqa: F401 - registers the ops
-    return torch.ops._c10d_functional
+from .wire import EagerWire, NoDataWire, SimulatedWire, TracedWire
 
 
 def is_traced(piece: torch.Tensor) -> bool:
@@ -44,7 +36,7 @@ def is_traced(piece: torch.Tensor) -> bool:
     return is_fake(piece)
 
 
-class Eager:
+class Eager(EagerWire):
     """Real collectives, in place into buffers made here."""
 
     point_to_point = True  # gloo's gathers and reductions may run as isend/irecv batches
@@ -70,44 +62,11 @@ class Eager:
             return out.clone(memory_format=torch.contiguous_format)
         return out.contiguous()
 
-    @staticmethod
-    def exchange(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
-        return exchange_eager(step, local, rank, tag)
-
-    @staticmethod
-    def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:
-        """The members' ``send`` buffers stacked along dim 0, in the group's rank order."""
-        buf = send.new_empty([n * send.shape[0]] + list(send.shape[1:]))
-        if buf.numel():  # any dtype: its bytes (gloo rejects some: int16, uint16, float8...)
-            all_gather_flat(byte_view(buf), byte_view(send), group=group)
-        return buf
-
-    @staticmethod
-    def reduce_scatter(send: torch.Tensor, n: int, group) -> torch.Tensor:
-        """The sum over members of block ``g`` of ``send`` (dim 0 cut in ``n``) on group rank g."""
-        out = send.new_empty([send.shape[0] // n] + list(send.shape[1:]))
-        if out.numel():
-            reduce_scatter_flat(out, send, group=group)
-        return out
-
-    @staticmethod
-    def all_reduce(local: torch.Tensor, group) -> torch.Tensor:
-        out = local.clone(memory_format=torch.contiguous_format)
-        dist.all_reduce(out, group=group)
-        return out
-
-    @staticmethod
-    def all_to_all(send, recv_splits, send_splits, group, communicate: bool) -> torch.Tensor:
-        recv = send.new_empty(sum(recv_splits))
-        if communicate:  # any dtype: its bytes
-            size = send.element_size()
-            dist.all_to_all_single(byte_view(recv), byte_view(send),
-                                   [k * size for k in recv_splits],
-                                   [k * size for k in send_splits], group=group)
-        return recv
+    def exchange(self, step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
+        return exchange_eager(step, local, rank, tag, self)
 
 
-class Traced:
+class Traced(TracedWire):
     """Functional collectives: each returns a new tensor, recorded in the graph being traced."""
 
     point_to_point = False  # a traced graph holds collectives only
@@ -129,42 +88,9 @@ class Traced:
     def exchange(self, step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
         return exchange_traced(step, local, rank, self)
 
-    @staticmethod
-    def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:
-        if send.numel() == 0:
-            return send.new_empty([n * send.shape[0]] + list(send.shape[1:]))
-        c10d = _ops()
-        out = c10d.all_gather_into_tensor(send.contiguous(), n, group_name(group))
-        return c10d.wait_tensor(out)
 
-    @staticmethod
-    def reduce_scatter(send: torch.Tensor, n: int, group) -> torch.Tensor:
-        if send.numel() == 0:
-            return send.new_empty([send.shape[0] // n] + list(send.shape[1:]))
-        c10d = _ops()
-        out = c10d.reduce_scatter_tensor(send.contiguous(), "sum", n, group_name(group))
-        return c10d.wait_tensor(out)
-
-    @staticmethod
-    def all_reduce(local: torch.Tensor, group) -> torch.Tensor:
-        c10d = _ops()
-        out = c10d.all_reduce(local.contiguous(), "sum", group_name(group))
-        return c10d.wait_tensor(out)
-
-    @staticmethod
-    def all_to_all(send, recv_splits, send_splits, group, communicate: bool) -> torch.Tensor:
-        if not communicate:
-            return send.new_empty(sum(recv_splits))
-        c10d = _ops()
-        out = c10d.all_to_all_single(send.contiguous(), list(recv_splits), list(send_splits),
-                                     group_name(group))
-        return c10d.wait_tensor(out)
-
-
-class Simulated:
-    """``gt.simulate``: meta pieces, nothing sent; each collective's result is an empty (meta)
-    tensor of the shape it would have. What was sent is recorded from the plan by the
-    simulation's trace (observe.py), as ``gt.comm_trace`` records it in a real run."""
+class _Meta:
+    """Meta pieces (a simulation's, or a meta-built model's in a real world): nothing sent."""
 
     point_to_point = False
 
@@ -184,29 +110,21 @@ class Simulated:
     def exchange(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
         return local.new_empty(step.after.local_shape_of_rank(rank))
 
-    @staticmethod
-    def all_gather(send: torch.Tensor, n: int, group) -> torch.Tensor:
-        return send.new_empty([n * send.shape[0]] + list(send.shape[1:]))
 
-    @staticmethod
-    def reduce_scatter(send: torch.Tensor, n: int, group) -> torch.Tensor:
-        return send.new_empty([send.shape[0] // n] + list(send.shape[1:]))
-
-    @staticmethod
-    def all_reduce(local: torch.Tensor, group) -> torch.Tensor:
-        return torch.empty_like(local, memory_format=torch.contiguous_format)
-
-    @staticmethod
-    def all_to_all(send, recv_splits, send_splits, group, communicate: bool) -> torch.Tensor:
-        return send.new_empty(sum(recv_splits))
+class Simulated(_Meta, SimulatedWire):
+    """``gt.simulate``: each step announced as the real run announces it, nothing sent."""
 
 
-EAGER, TRACED, SIMULATED = Eager(), Traced(), Simulated()
+class NoData(_Meta, NoDataWire):
+    """A meta piece in a real world: nothing moves, nothing is announced."""
+
+
+EAGER, TRACED, SIMULATED, NO_DATA = Eager(), Traced(), Simulated(), NoData()
 
 
 def emitter_for(piece: torch.Tensor):
     """The emitter for a plan run on ``piece``: TRACED while tracing, SIMULATED on a meta piece
-    (``gt.simulate``), else EAGER."""
+    in ``gt.simulate`` (NO_DATA in a real world), else EAGER."""
     if type(piece) is torch.Tensor and piece.is_meta:
-        return SIMULATED
+        return SIMULATED if simulated() else NO_DATA
     return TRACED if is_traced(piece) else EAGER

@@ -14,7 +14,7 @@ import torch
 import torch.distributed as dist
 
 from ..layout import box_numel, box_shape, relative
-from .groups import byte_view, group_of_ranks, groups_frozen
+from .groups import group_of_ranks, groups_frozen
 from .pairwise import send_recv
 
 
@@ -61,8 +61,9 @@ def _any_traffic(step) -> bool:
     return any(dst != move.src for move in step.moves for dst in move.dsts)
 
 
-def exchange_eager(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
-    """Sends/recvs as one batch, then broadcasts in plan order; pieces land in a new tensor."""
+def exchange_eager(step, local: torch.Tensor, rank: int, tag: int, emit) -> torch.Tensor:
+    """Sends/recvs as one batch, then broadcasts in plan order (``emit``: the eager
+    emitter); pieces land in a new tensor."""
     before, after = step.before, step.after
     broadcasts = step.broadcasts
     if groups_frozen():  # only some ranks run this (a pipeline's stage): no new groups
@@ -82,20 +83,20 @@ def exchange_eager(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tens
             out[relative(move.region, want)] = local[relative(move.region, have)]
         if move.src == rank:
             region = local[relative(move.region, have)].contiguous()
-            ops += [dist.P2POp(dist.isend, region, dst, tag=tag) for dst in move.dsts if dst != rank]
+            ops += [(True, region, dst, tag) for dst in move.dsts if dst != rank]
         elif rank in move.dsts:
             buf = local.new_empty(box_shape(move.region))
-            ops.append(dist.P2POp(dist.irecv, buf, move.src, tag=tag))
+            ops.append((False, buf, move.src, tag))
             landing.append((move.region, buf))
     send_recv(ops)
     for region, buf in landing:
         out[relative(region, want)] = buf
     for move in broadcasts:
         if rank == move.src:
-            dist.broadcast(byte_view(local[relative(move.region, have)].contiguous()),
-                           src=move.src, group=group_of_ranks(move.group))
+            emit.broadcast(local[relative(move.region, have)].contiguous(), move.src,
+                           group_of_ranks(move.group))
         elif rank in move.dsts:
             buf = local.new_empty(box_shape(move.region))
-            dist.broadcast(byte_view(buf), src=move.src, group=group_of_ranks(move.group))
+            emit.broadcast(buf, move.src, group_of_ranks(move.group))
             out[relative(move.region, want)] = buf
     return out

@@ -47,6 +47,7 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
         return local.clone() if local.is_contiguous() else local.clone(memory_format=torch.contiguous_format)
     out = local
     for index, step in enumerate(plan.steps):
+        emit.announce(step, out)  # the wire's one event of a step that communicates
         try:
             with step_guard(plan, index):  # a timeout names the step and its ranks
                 out = _run_step(step, out, rank, tag, emit)

@@ -27,11 +27,6 @@ from ..placement import Placement
 from ..world.simulated import simulated
 from ..world.world import world_timeout
 
-# torch 2.13 renames the flat collectives; older versions only have the old names
-all_gather_flat = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-reduce_scatter_flat = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-
-
 def byte_view(t: "torch.Tensor") -> "torch.Tensor":
     """A contiguous tensor's bytes as one flat uint8 view (no copy). Collectives that only move
     data (gathers, all_to_all, broadcast) send these: gloo's typed collectives reject int16,

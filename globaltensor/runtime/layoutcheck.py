@@ -28,14 +28,13 @@ import weakref
 import zlib
 
 import torch
-import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
 
 from .. import debug
 from .._cache import ById
 from ..errors import ShapeMismatchError
 from ..plan import LocalSlice, ZeroFill
-from . import failure
+from . import failure, wire
 from .guard import step_guard
 from .pairwise import send_recv
 
@@ -90,7 +89,7 @@ def check_first_use(plan, local: torch.Tensor, rank: int) -> int:
     if rank not in members:
         return tag
     call = debug.user_call(2)  # only on a first use: microseconds
-    records = _exchange(plan, local, record, [r for r in members if r != rank])
+    records = _exchange(plan, local, record, [r for r in members if r != rank], rank)
     records[rank] = record
     if any(r != record for r in records.values()):
         raise _mismatch(records, call)
@@ -112,13 +111,15 @@ def _seen_in_world() -> set | None:
     return seen
 
 
-def _exchange(plan, local, record: bytes, peers: list[int]) -> dict[int, bytes]:
+def _exchange(plan, local, record: bytes, peers: list[int], rank: int) -> dict[int, bytes]:
     """Send ``record`` to every peer and receive each peer's, as one batch."""
     mine = torch.frombuffer(bytearray(record), dtype=torch.uint8).to(local.device)
     received = {peer: torch.empty(RECORD_BYTES, dtype=torch.uint8, device=local.device)
                 for peer in peers}
-    ops = [dist.P2POp(dist.isend, mine, peer, tag=CHECK_TAG) for peer in peers]
-    ops += [dist.P2POp(dist.irecv, buf, peer, tag=CHECK_TAG) for peer, buf in received.items()]
+    wire.announce("send", wire.Why("layout check", "first use of a plan"), tuple(peers) + (rank,),
+                  RECORD_BYTES * len(peers), torch.uint8)
+    ops = [(True, mine, peer, CHECK_TAG) for peer in peers]
+    ops += [(False, buf, peer, CHECK_TAG) for peer, buf in received.items()]
     with step_guard(plan, 0):  # a rank that skips the plan: named as for its first step
         send_recv(ops)
     return {peer: bytes(buf.cpu().numpy()) for peer, buf in received.items()}

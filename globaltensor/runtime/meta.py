@@ -6,14 +6,13 @@ from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
-import torch.distributed.distributed_c10d as c10d
 
 from ..world import world
-from ..world.simulated import simulated
 from ..errors import GlobalTensorError
 from ..placement import Placement
 from ..sbp import Broadcast, PartialSum, Split
-from .groups import all_gather_flat, byte_view, group_along, groups_along, sends
+from . import wire
+from .groups import group_along, groups_along
 from .guard import guard
 
 MAX_NDIM = 64  # fixed-size records, so every rank's fit in one collective
@@ -88,15 +87,9 @@ def exchange_meta(tensors, group=None, what: str = "to_global: exchanging piece 
     rows = _records(tensors, sbp, what)
     if group is None and _world_of_one():
         return [[Meta(tuple(t.shape), t.dtype, sbp) for t in tensors]]
-    if simulated():  # gt.simulate: every rank runs this same code, with these same pieces
-        return [[Meta(tuple(t.shape), t.dtype, sbp) for t in tensors]] * dist.get_world_size(group)
-    device = torch.device(c10d._get_object_coll_device(group))
-    mine = torch.tensor(rows, dtype=torch.int64, device=device).reshape(len(rows), ROW)
-    n = dist.get_world_size(group)
-    table = mine.new_empty((n,) + tuple(mine.shape))
-    if mine.numel():
-        with guard(what):
-            all_gather_flat(table.view(-1), mine.reshape(-1), group=group)
+    mine = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), ROW)
+    with guard(what):  # in gt.simulate every rank is taken to hold these same pieces
+        table = wire.all_gather_rows(mine, group, wire.Why("metadata", what))
     return [[_meta(rec) for rec in per_rank] for per_rank in table.cpu().tolist()]
 
 
@@ -106,37 +99,35 @@ def all_objects(value, what: str) -> list:
     (``gt.verify``), not for the hot path."""
     if _world_of_one():
         return [value]
-    if simulated():
-        return [value] * dist.get_world_size()
-    out = [None] * dist.get_world_size()
     with guard(what):
-        dist.all_gather_object(out, value)
-    return out
+        return wire.all_gather_object(value, wire.Why("metadata", what))
 
 
-def object_from(src: int, value):
+def object_from(src: int, value, what: str = "an object from one rank"):
     """``value`` as rank ``src`` holds it, on every rank of the world (picklable objects; the
     other ranks pass anything)."""
-    box = [value if world.get_rank() == src else None]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
+    return wire.broadcast_object(value, src, wire.Why("metadata", what))
 
 
-def broadcast_along(placement: Placement, axis: int, tensor: torch.Tensor, rank: int) -> None:
+def broadcast_along(placement: Placement, axis: int, tensor: torch.Tensor, rank: int,
+                    nbytes: int | None = None) -> None:
     """In place: every rank along ``axis`` gets the piece of the rank at coordinate 0 of that axis.
 
     Every rank of the world must call it (group creation is collective); ranks outside the
-    placement only take part in creating the groups.
+    placement only take part in creating the groups and announce the broadcasts (the wire's
+    event, ``nbytes`` the largest piece's: a simulation plays one rank for all).
     """
     if _world_of_one():
         return
     groups_along(placement, axis)
+    if placement.shape[axis] == 1:
+        return
+    why = wire.Why("sync_data", "to_global (sync_data=True)", wire.axis_name(placement, axis))
     coord = placement.coord_of(rank)
-    if coord is None or placement.shape[axis] == 1:
+    if coord is None:
+        wire.announce("broadcast", why, placement, nbytes or 0, tensor.dtype)
         return
     group, ranks = group_along(placement, axis, coord)
-    if not sends(group):  # gt.simulate: no data to agree on
-        return
     with guard(lambda: f"to_global: broadcasting rank {ranks[0]}'s data along axis {axis} of "
                        f"{placement!r} (sync_data=True)", ranks=ranks):
-        dist.broadcast(byte_view(tensor), src=ranks[0], group=group)  # any dtype: its bytes
+        wire.broadcast(tensor, ranks[0], group, why, placement, nbytes)  # any dtype: its bytes

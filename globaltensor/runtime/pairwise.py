@@ -8,12 +8,12 @@ P -> B ends with the same bits. Waits are bounded by the world's timeout.
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from .._cache import ById
 from ..layout import box_shape
 from ..plan import AllGather, AllReduce, ReduceScatter
 from ..world.world import world_timeout
+from .wire import point_to_point
 
 # (id(step), coord) -> _Pairs: who a step exchanges with at one coordinate, and how it cuts
 _PAIRS = ById(4096)
@@ -47,8 +47,9 @@ def send_recv(ops) -> None:
 
 
 def post(ops) -> list:
-    """Start a batch of isend/irecv; their works (none for no ops)."""
-    return list(dist.batch_isend_irecv(ops)) if ops else []
+    """Start a batch of ``(send, tensor, peer, tag)`` messages through the wire; their works
+    (none for no ops)."""
+    return point_to_point(ops)
 
 
 def prod(xs) -> int:
@@ -71,11 +72,11 @@ def gather_pairwise(step: AllGather, local, coord, tag: int = 0) -> torch.Tensor
     ops, landing = [], []
     for k, peer in m.peers:
         if send.numel():
-            ops.append(dist.P2POp(dist.isend, send, peer, tag=tag))
+            ops.append((True, send, peer, tag))
         place = out.narrow(d, m.starts[k], m.sizes[k])
         if place.numel():  # (a member's piece with another dim of size 0 is not sent either)
             buf = place if d == 0 else local.new_empty(place.shape)
-            ops.append(dist.P2POp(dist.irecv, buf, peer, tag=tag))
+            ops.append((False, buf, peer, tag))
             landing.append((place, buf))
     send_recv(ops)
     for place, buf in landing:
@@ -119,10 +120,10 @@ def reduce_scatter_pairwise(step: ReduceScatter, local, coord, tag: int = 0) -> 
     for k, peer in m.peers:
         chunk = local.narrow(d, m.starts[k], m.sizes[k])
         if chunk.numel():  # every member's piece has the same shape: the peer expects it
-            ops.append(dist.P2POp(dist.isend, chunk.contiguous(), peer, tag=tag))
+            ops.append((True, chunk.contiguous(), peer, tag))
         parts[k] = local.new_empty(mine.shape)  # (empty, and nothing sent, if mine is)
         if mine.numel():
-            ops.append(dist.P2POp(dist.irecv, parts[k], peer, tag=tag))
+            ops.append((False, parts[k], peer, tag))
     send_recv(ops)
     return sum_in_order(parts, len(m.sizes))
 
@@ -151,18 +152,18 @@ def all_reduce_pairwise(step: AllReduce, local, coord, tag: int = 0) -> torch.Te
     first, gather, parts = [], [], {m.me: runs[m.me]}
     for k, peer in m.peers:
         if m.sizes[k]:
-            first.append(dist.P2POp(dist.isend, runs[k], peer, tag=tag))
-            gather.append(dist.P2POp(dist.irecv, places[k], peer, tag=tag + 1))
+            first.append((True, runs[k], peer, tag))
+            gather.append((False, places[k], peer, tag + 1))
         parts[k] = flat.new_empty(m.sizes[m.me])
         if m.sizes[m.me]:
-            first.append(dist.P2POp(dist.irecv, parts[k], peer, tag=tag))
+            first.append((False, parts[k], peer, tag))
     timeout = world_timeout()
     scattering = post(first)
     gathering = post(gather)
     for work in scattering:
         work.wait(timeout)
     sum_in_order(parts, n, out=places[m.me])
-    sends = [dist.P2POp(dist.isend, places[m.me], peer, tag=tag + 1)
+    sends = [(True, places[m.me], peer, tag + 1)
              for _, peer in m.peers if m.sizes[m.me]]
     for work in gathering + post(sends):
         work.wait(timeout)

@@ -13,10 +13,10 @@ from __future__ import annotations
 import pickle
 
 import torch
-import torch.distributed as dist
 
 from ..layout import box_shape, relative
 from ..world.world import world_timeout
+from . import wire
 from .guard import guard
 
 
@@ -39,7 +39,7 @@ class Outgoing:
 
     def send(self, tensor: torch.Tensor, dst: int, tag: int) -> None:
         self.buffers.append(tensor)
-        self.works.append((dist.isend(tensor, dst, tag=tag), dst))
+        self.works.append((wire.isend(tensor, dst, tag), dst))
         self.nbytes += tensor.numel() * tensor.element_size()
 
     def wait(self) -> None:
@@ -77,12 +77,12 @@ class Incoming:
         mine = [m for m in exchange.moves if rank in m.dsts and m.src != rank]
         if len(mine) == 1 and mine[0].region == self.want:  # the whole piece from one rank
             if self.piece.numel():
-                self.works.append((dist.irecv(self.piece, mine[0].src, tag=tag), mine[0].src))
+                self.works.append((wire.irecv(self.piece, mine[0].src, tag), mine[0].src))
             return
         for move in mine:
             buf = torch.empty(box_shape(move.region), dtype=dtype, device=device)
             if buf.numel():
-                self.works.append((dist.irecv(buf, move.src, tag=tag), move.src))
+                self.works.append((wire.irecv(buf, move.src, tag), move.src))
             self.landing.append((move.region, buf))
 
     def wait(self) -> torch.Tensor:
@@ -92,6 +92,11 @@ class Incoming:
         for region, buf in self.landing:
             self.piece[relative(region, self.want)] = buf
         return self.piece
+
+
+def object_bytes(value, peers: int) -> int:
+    """What :func:`send_object` sends of ``value`` to ``peers`` ranks: its length, its bytes."""
+    return peers * (8 + len(pickle.dumps(value)))
 
 
 def send_object(out: Outgoing, value, dsts, tag: int) -> None:
@@ -107,7 +112,7 @@ def recv_object(src: int, tag: int):
     """What :func:`send_object` sent this rank from ``src``."""
     timeout = world_timeout()
     size = torch.empty(1, dtype=torch.int64)
-    _wait(dist.irecv(size, src, tag=tag), timeout, "receive from", src)
+    _wait(wire.irecv(size, src, tag), timeout, "receive from", src)
     data = torch.empty(int(size.item()), dtype=torch.uint8)
-    _wait(dist.irecv(data, src, tag=tag), timeout, "receive from", src)
+    _wait(wire.irecv(data, src, tag), timeout, "receive from", src)
     return pickle.loads(data.numpy().tobytes())

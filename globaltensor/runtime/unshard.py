@@ -22,7 +22,7 @@ import torch
 
 from .. import observe
 from ..layout import split_sizes
-from .groups import all_gather_flat, reduce_scatter_flat, sends
+from . import wire
 from .guard import guard
 
 
@@ -100,7 +100,7 @@ class UnitComm:
 
     def __init__(self, specs: list[ShardSpec], group, members: tuple[int, ...], index: int,
                  name: str, replicate: tuple[int, ...] = (), replicate_group=None,
-                 ranks: tuple[int, ...] | None = None):
+                 ranks=None, axis: str | None = None, replicate_axis: str | None = None):
         self.specs, self.group, self.members, self.index = specs, group, members, index
         # every rank of the unit's placement: each group of it runs the same collectives (a
         # simulation charges them to these ranks, not to the world)
@@ -109,6 +109,7 @@ class UnitComm:
         self.replicate, self.replicate_group = replicate, replicate_group
         self.n = len(members)
         self.name = name
+        self.axis, self.replicate_axis = axis, replicate_axis  # their names (wire.Why)
         self.offsets = []  # of each parameter's segment in a member's block
         offset = 0
         for spec in specs:
@@ -136,11 +137,8 @@ class UnitComm:
                 srcs.append(piece)
         if dsts:
             torch._foreach_copy_(dsts, srcs)
-        if self.received.numel() and sends(self.group):
-            self.work = all_gather_flat(self.received, send, group=self.group, async_op=True)
-        observe.unit_collective(f"fully_shard all_gather ({self.name})", "all_gather",
-                                (self.n - 1) * self.block * send.element_size(), dtype,
-                                self.ranks)
+        self.work = wire.all_gather(self.received, send, self.group,
+                                    self._why("all_gather"), self.ranks, async_op=True)
 
     @property
     def gathering(self) -> bool:
@@ -232,12 +230,8 @@ class UnitComm:
         replicate axes too (:meth:`all_reduce_shard`)."""
         observe.storage_kind(flat, "communication")
         out = flat.new_empty(self.block)
-        if out.numel() and sends(self.group):
-            with guard(lambda: f"fully_shard's reduce-scatter of {self.name}", ranks=self.members):
-                reduce_scatter_flat(out, flat, group=self.group)
-        observe.unit_collective(f"fully_shard reduce_scatter ({self.name})", "reduce_scatter",
-                                (self.n - 1) * self.block * flat.element_size(), flat.dtype,
-                                self.ranks)
+        with guard(lambda: f"fully_shard's reduce-scatter of {self.name}", ranks=self.members):
+            wire.reduce_scatter(out, flat, self.group, self._why("reduce_scatter"), self.ranks)
         if replicate:
             self.all_reduce_shard(out)
         pieces = []
@@ -251,11 +245,10 @@ class UnitComm:
         axes: FSDP2's order, reduce-scatter over the shard axis first, then all-reduce the 1/n
         shard), in place."""
         group, members = self.replicate_group
-        if out.numel() and sends(group):
-            with guard(lambda: f"fully_shard's all-reduce of {self.name} over its replicate "
-                               f"axes", ranks=members):
-                torch.distributed.all_reduce(out, group=group)
-        ring = len(members)
-        observe.unit_collective(f"fully_shard all_reduce ({self.name})", "all_reduce",
-                                2 * (ring - 1) * out.numel() * out.element_size() // ring,
-                                out.dtype, self.ranks)
+        why = wire.Why("fully_shard", f"fully_shard all_reduce ({self.name})", self.replicate_axis)
+        with guard(lambda: f"fully_shard's all-reduce of {self.name} over its replicate axes",
+                   ranks=members):
+            wire.all_reduce(out, group, why, self.ranks, n=len(members))
+
+    def _why(self, collective: str) -> "wire.Why":
+        return wire.Why("fully_shard", f"fully_shard {collective} ({self.name})", self.axis)

@@ -124,6 +124,11 @@ class MemoryTracker:
         self.totals[kind] += entry[1]
         self._update(kind)
 
+    def holds_no_data(self, t: torch.Tensor) -> bool:
+        """Whether ``t``'s storage holds no data in the run measured (observe.holds_no_data)."""
+        storage = _storage(t)
+        return storage is not None and self.no_data.holds(storage)
+
     def classify(self, t: torch.Tensor, kind: str, parts=None) -> None:
         """``t``'s storage holds ``kind``, at its current size (counted anew if resized);
         ``parts``: the tensors whose pieces it concatenates (their bytes, rank by rank)."""

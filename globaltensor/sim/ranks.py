@@ -31,10 +31,10 @@ def piece_bytes(layout: Layout, itemsize: int, world: int) -> np.ndarray:
 
 
 @memo(4096)
-def members(layout: Layout, world: int) -> np.ndarray:
-    """1 on each rank of ``layout``'s placement, 0 elsewhere."""
+def placement_members(placement, world: int) -> np.ndarray:
+    """1 on each rank of ``placement``, 0 elsewhere."""
     out = np.zeros(world, dtype=np.int64)
-    out[list(layout.placement.flat_ranks)] = 1
+    out[np.asarray(placement.flat_ranks)] = 1
     return out
 
 

@@ -24,7 +24,11 @@ from ..observe import reset, set_watchers
 from ..world import simulated
 from .factories import MetaFactories
 from .memory import KINDS, MemoryTracker
-from .ranks import bytes_of, classes, members, ranges
+from ..placement import Placement
+from .ranks import bytes_of, classes, placement_members, ranges
+
+# a wire event's labels that carry metadata, not the model's data (kept apart from the counts)
+_METADATA = ("metadata", "layout check", "cost probe")
 
 __all__ = ["simulate", "Simulation", "StepTime"]
 
@@ -43,35 +47,31 @@ class Recorder:
         self.sent[kind, axis] += who * nbytes
         self.counts[kind, axis] += who
 
-    def moved(self, call: str, plan, local: torch.Tensor, rank: int = 0) -> None:
-        itemsize = local.element_size()
-        for step in plan.steps:
-            if step.communicates():
-                axis = getattr(step, "axis", None)
-                placement = step.after.placement
-                name = None if axis is None else (placement.axes[axis] if placement.axes
-                                                  else f"axis {axis}")
-                self._add(step.kind, name, members(step.after, self.world) | members(step.before, self.world),
-                          step.bytes_sent(itemsize))
-
     def _who(self, ranks) -> np.ndarray:
-        """1 on each of ``ranks`` (None: every rank of the world)."""
+        """1 on each of ``ranks`` (a Placement, placements, ranks; None: the whole world)."""
         if ranks is None:
             return self.everyone
+        if isinstance(ranks, Placement):
+            return placement_members(ranks, self.world)
         who = np.zeros(self.world, dtype=np.int64)
-        who[list(ranks)] = 1
+        for r in ranks:
+            if isinstance(r, Placement):
+                who |= placement_members(r, self.world)
+            else:
+                who[r] = 1
         return who
 
-    def bucket_reduced(self, count: int, nbytes: int, ranks=None, member: bool = True) -> None:
-        self._add("all_reduce", "gradient buckets", self._who(ranks), nbytes)
-
-    def pipeline_sent(self, what: str, nbytes: int, by_rank: dict) -> None:
-        ranks = list(by_rank)
-        self.sent["send", "pipeline"][ranks] += np.array([by_rank[r] for r in ranks], dtype=np.int64)
-        self.counts["send", "pipeline"][ranks] += 1
-
-    def unit_collective(self, op: str, collective: str, nbytes: int, dtype, ranks=None) -> None:
-        self._add(collective, "fully_shard", self._who(ranks), nbytes)
+    def wire_event(self, event) -> None:
+        """The wire's one event (runtime/wire.py ``Sent``), charged to each of its ranks under
+        (collective, axis); metadata exchanges under the axis ``"metadata"``."""
+        axis = "metadata" if event.why.label in _METADATA else event.why.axis
+        key = (event.collective, axis)
+        if event.by_rank is None:
+            self._add(event.collective, axis, self._who(event.ranks), event.nbytes)
+            return
+        ranks = list(event.by_rank)
+        self.sent[key][ranks] += np.array([event.by_rank[r] for r in ranks], dtype=np.int64)
+        self.counts[key][ranks] += 1
 
     def comm_called(self, name: str) -> None:
         self._add("gt.comm." + name, None, self.everyone, 0)
@@ -144,20 +144,23 @@ class Simulation:
         optimizer's state: what the next step starts from)."""
         return self.memory.live_bytes(kind, rank=self._rank(rank))
 
-    def comm_bytes(self, rank: int) -> dict[str, int]:
-        """{collective: bytes ``rank`` sends}, as ``gt.comm_trace`` counts them."""
+    def comm_bytes(self, rank: int, metadata: bool = False) -> dict[str, int]:
+        """{collective: bytes ``rank`` sends}, as ``gt.comm_trace`` counts them (``metadata``:
+        with the shape and object exchanges, as ``bytes_per_rank_with_metadata`` does)."""
         rank = self._rank(rank)
         out = collections.Counter()
-        for (kind, _), sent in self.recorder.sent.items():
-            out[kind] += int(sent[rank])
+        for (kind, axis), sent in self.recorder.sent.items():
+            if metadata or axis != "metadata":
+                out[kind] += int(sent[rank])
         return {k: v for k, v in out.items() if v or k.startswith("gt.comm")}
 
-    def collectives(self, rank: int) -> dict[str, int]:
-        """{collective: how many times ``rank`` runs it}."""
+    def collectives(self, rank: int, metadata: bool = False) -> dict[str, int]:
+        """{collective: how many times ``rank`` runs it}, as ``gt.comm_trace().counts()``."""
         rank = self._rank(rank)
         out = collections.Counter()
-        for (kind, _), count in self.recorder.counts.items():
-            out[kind] += int(count[rank])
+        for (kind, axis), count in self.recorder.counts.items():
+            if metadata or axis != "metadata":
+                out[kind] += int(count[rank])
         return {k: v for k, v in out.items() if v}
 
     def flops(self) -> int:

@@ -16,7 +16,7 @@ What it costs when neither is on: one ContextVar read and one module attribute r
 redistribution (redistribute.py), nothing per operator that moves no data. The call's name is read
 from the stack only while a trace, the profiler, a communication policy (policy.py) or
 ``gt.verify`` is on: they share one ContextVar (observe.py), which announces each event to the
-active trace's methods (``moved``, ``bucket_reduced``, ``comm_called``).
+active trace's methods (``moved``, ``sent``, ``comm_called``).
 """
 from __future__ import annotations
 
@@ -29,13 +29,18 @@ import torch
 from ..layout import Layout
 from ..observe import current, watched, watching
 from ..sbp import format_sbp
+from ..world import world
 
 
 _KINDS = ("redistribution", "gt.comm call", "gradient bucket", "fully_shard collective",
           "pipeline send")
+# a wire event's label (runtime/wire.py Why) -> the kind of its row
+_KIND = {"gradient bucket": "gradient bucket", "sync_data": "redistribution", "fully_shard": "fully_shard collective",
+         "pipeline": "pipeline send", "metadata": "metadata exchange",
+         "layout check": "metadata exchange", "cost probe": "metadata exchange"}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class Record:
     """One redistribution (or one ``gt.comm`` collective, with ``plan`` None)."""
 
@@ -63,22 +68,33 @@ class CommTrace:
 
     def __init__(self, parent: "CommTrace | None" = None):
         self.records: list[Record] = []
+        self.metadata: list[Record] = []  # shape, layout and object exchanges: not the model's data
         self._parent = parent
+        self._open: Record | None = None  # the redistribution running now
+        self._rank = 0
 
     def add(self, record: Record) -> None:
         trace = self
         while trace is not None:  # an enclosing trace sees what an inner one saw
-            trace.records.append(record)
+            (trace.metadata if record.kind == "metadata exchange" else trace.records).append(record)
             trace = trace._parent
 
-    def counts(self) -> dict[str, int]:
-        """How many times each collective ran: {'all_gather': 2, 'gt.comm.all_reduce': 1}."""
-        return dict(collections.Counter(c for r in self.records for c in r.collectives))
+    def counts(self, metadata: bool = False) -> dict[str, int]:
+        """How many times each collective ran: {'all_gather': 2, 'gt.comm.all_reduce': 1};
+        ``metadata``: with the shape, layout and object exchanges (``self.metadata``)."""
+        rows = self.records + self.metadata if metadata else self.records
+        return dict(collections.Counter(c for r in rows for c in r.collectives))
 
     @property
     def bytes_per_rank(self) -> int:
-        """Bytes the busiest rank sent, summed over the redistributions."""
+        """Bytes this rank sent (the busiest rank, for a redistribution's steps), summed over
+        the records (the metadata exchanges apart: ``metadata_bytes``)."""
         return sum(r.bytes_per_rank or 0 for r in self.records)
+
+    @property
+    def metadata_bytes(self) -> int:
+        """Bytes this rank sent in metadata exchanges (shapes, layouts, first-use checks)."""
+        return sum(r.bytes_per_rank or 0 for r in self.metadata)
 
     def __len__(self):
         return len(self.records)
@@ -87,7 +103,7 @@ class CommTrace:
         return iter(self.records)
 
     def table(self) -> str:
-        kinds = collections.Counter(r.kind for r in self.records)
+        kinds = collections.Counter(r.kind for r in self.records)  # metadata: its own line
         parts = [f"{kinds[k]} {k}{'s' * (kinds[k] != 1)}" for k in _KINDS
                  if kinds[k] or k in ("redistribution", "gt.comm call")]
         lines = [f"comm_trace: {', '.join(parts)}, {_fmt_bytes(self.bytes_per_rank)} sent per rank"]
@@ -102,6 +118,9 @@ class CommTrace:
                       for row in rows]
         counts = self.counts()
         shown = ", ".join(f"{k} {v}" for k, v in sorted(counts.items())) or "none"
+        if self.metadata:
+            lines.append(f"metadata exchanges (shapes, layouts, objects): {len(self.metadata)}, "
+                         f"{_fmt_bytes(self.metadata_bytes)} sent")
         lines.append(f"collectives: {shown}")
         return "\n".join(lines)
 
@@ -109,36 +128,38 @@ class CommTrace:
 
     # --- the observer side (observe.py announces; these record) ------------------------------
     def moved(self, call: str, plan, local: torch.Tensor, rank: int) -> None:
-        """A redistribution ``plan`` of ``local`` run for ``call`` on ``rank`` (not recorded
-        where the rank is in neither placement: it sends and receives nothing)."""
+        """A redistribution ``plan`` of ``local`` starts for ``call`` on ``rank``: its row,
+        which the wire's events of its steps fill (none where the rank is in neither
+        placement: it sends and receives nothing)."""
+        self._rank = rank
         if rank not in plan.src.placement and rank not in plan.dst.placement:
+            self._open = None
             return
-        self.add(Record(
+        self._open = Record(
             op=call, source=plan.src, target=plan.dst,
             steps=tuple(" ".join(f"{s.kind} {s.where()}".split()) for s in plan.steps),
-            collectives=tuple(s.kind for s in plan.steps if s.communicates()),
-            bytes_per_rank=plan.bytes_per_rank(local.element_size()), dtype=local.dtype))
+            collectives=(), bytes_per_rank=0, dtype=local.dtype)
+        self.add(self._open)
 
-    def bucket_reduced(self, count: int, nbytes: int, ranks=None, member: bool = True) -> None:
-        """A bucket of ``count`` gradients was all-reduced, this rank sending ``nbytes`` (if
-        it is a ``member``: a rank outside the placement sends nothing)."""
-        if not member:
+    def moved_done(self) -> None:
+        self._open = None
+
+    def wire_event(self, event) -> None:
+        """The wire's one event (runtime/wire.py ``Sent``): a step of the open redistribution
+        adds to its row; any other call is a row of its own. Only this rank's part is kept."""
+        rank = self._rank if event.why.label == "redistribution" else world.get_rank()
+        if not event.involves(rank):
             return
-        self.add(Record(op=f"gradient bucket ({count} gradient{'' if count == 1 else 's'})",
-                        source=None, target=None, steps=("all_reduce",),
-                        collectives=("all_reduce",), bytes_per_rank=nbytes, dtype=None,
-                        kind="gradient bucket"))
-
-    def unit_collective(self, op: str, collective: str, nbytes: int, dtype, ranks=None) -> None:
-        """A sharded unit's flat gather or reduce-scatter (gt.nn.fully_shard)."""
-        self.add(Record(op=op, source=None, target=None, steps=(collective,),
-                        collectives=(collective,), bytes_per_rank=nbytes, dtype=dtype,
-                        kind="fully_shard collective"))
-
-    def pipeline_sent(self, what: str, nbytes: int, by_rank: dict) -> None:
-        """A pipeline stage's point-to-point sends of one micro-batch (gt.nn.Pipeline)."""
-        self.add(Record(op=what, source=None, target=None, steps=("send",), collectives=("send",),
-                        bytes_per_rank=nbytes, dtype=None, kind="pipeline send"))
+        nbytes = event.sent_by(rank)
+        if event.why.label == "redistribution":
+            if self._open is not None:
+                self._open.collectives += (event.collective,)
+                self._open.bytes_per_rank += nbytes
+            return
+        self.add(Record(op=event.why.op or event.why.label, source=None, target=None,
+                        steps=(event.collective,), collectives=(event.collective,),
+                        bytes_per_rank=nbytes, dtype=event.dtype,
+                        kind=_KIND.get(event.why.label, event.why.label)))
 
     def comm_called(self, name: str) -> None:
         """A ``gt.comm`` collective ran."""

@@ -286,6 +286,49 @@ def test_torch_distributed_is_called_only_from_the_effects_layer():
         assert not found, f"{name} imports {found}: go through runtime/ (or world/, comm/)"
 
 
+# torch.distributed's calls that move data (process groups, ranks and stores are not data)
+DATA_CALLS = {"all_reduce", "all_gather", "all_gather_into_tensor", "all_gather_single",
+              "reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single", "all_to_all",
+              "all_to_all_single", "broadcast", "send", "recv", "isend", "irecv",
+              "batch_isend_irecv", "P2POp", "all_gather_object", "broadcast_object_list",
+              "send_object_list", "recv_object_list", "gather", "scatter", "reduce", "barrier",
+              "monitored_barrier", "gather_object", "scatter_object_list", "_c10d_functional"}
+# the tensor side: all but the user's gt.comm, the world, the launcher, DCP and the test harness
+NOT_TENSOR_SIDE = ("comm", "world", "launch", "checkpoint")
+
+
+def _distributed_data_calls(path: pathlib.Path) -> list[str]:
+    tree = ast.parse(path.read_text())
+    aliases = {"dist", "c10d"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            aliases.update(a.asname for a in node.names
+                           if a.asname and a.name.startswith("torch.distributed"))
+        elif isinstance(node, ast.ImportFrom) and (node.module or "").startswith("torch.distributed"):
+            found += [f"{a.name} (line {node.lineno})" for a in node.names if a.name in DATA_CALLS]
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr in DATA_CALLS:
+            base = node.value
+            named = isinstance(base, ast.Name) and base.id in aliases
+            dotted = isinstance(base, ast.Attribute) and base.attr in ("distributed", "ops")
+            if named or dotted:
+                found.append(f"{ast.unparse(node)} (line {node.lineno})")
+    return found
+
+
+def test_every_byte_goes_through_the_wire():
+    # DESIGN "One wire": runtime/wire.py is the only module of the tensor side that calls
+    # torch.distributed's data calls; each of its calls announces one event
+    for name, path in _MODULES.items():
+        if (_unit(name) in NOT_TENSOR_SIDE or name in ("globaltensor.testing",
+                                                       "globaltensor.runtime.wire")):
+            continue
+        found = _distributed_data_calls(path)
+        assert not found, f"{name} moves data itself: {found}; go through runtime/wire.py"
+    assert _distributed_data_calls(PKG / "runtime" / "wire.py")  # the check sees real calls
+
+
 def test_op_families_import_neither_the_planner_nor_the_choice():
     for name, edges in _graph().items():
         if _unit(name) != "ops" or name.startswith("globaltensor.ops.choice") or name == "globaltensor.ops":

@@ -156,7 +156,8 @@ def test_step_time_is_its_parts_summed_on_the_slowest_rank():
         grid = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "tp"))
         x = torch.randn(4, 8).to_global(grid, (S(0), S(1)))  # global 8 x 16
         z = x.to_global(sbp=(S(0), B)).to_global(sbp=(B, B))  # one all_gather on tp, one on dp
-        z @ torch.randn(16, 32).to_global(grid, (B, B))  # 2 * 8 * 16 * 32 flops, on every rank
+        # 2 * 8 * 16 * 32 flops, on every rank (no sync_data: a broadcast along each axis)
+        z @ torch.randn(16, 32).to_global(grid, (B, B), sync_data=False)
         pair = gt.placement("cpu", [2, 3], axes=("pair",))  # ranks 2 and 3 send more
         torch.randn(2, 4).to_global(pair, S(0)).to_global(sbp=B)
     assert sim.flops() == 2 * 8 * 16 * 32
@@ -166,20 +167,24 @@ def test_step_time_is_its_parts_summed_on_the_slowest_rank():
     assert t.communication == pytest.approx({
         "tp": 1e-4 + 4 * 8 * float32 / 1e8,  # each rank sends its 4 x 8 piece
         "dp": 1e-3 + 4 * 16 * float32 / 1e6,  # then its 4 x 16 half
-        "pair": 1e-3 + 2 * 4 * float32 / 1e6}, rel=1e-12)
+        "pair": 1e-3 + 2 * 4 * float32 / 1e6,
+        # each to_global of a local tensor exchanges its piece's shape (check_meta): one
+        # all_gather of an int64 record of 83 numbers over the 4 ranks
+        "metadata": 3 * (1e-3 + 3 * 83 * 8 / 1e6)}, rel=1e-12)
     assert t.compute == 2 * 8 * 16 * 32 / 1e9
     assert t.total == math.fsum([*t.communication.values(), t.compute])  # exactly
     assert t.communication_total == math.fsum(t.communication.values())
     assert float(t) == t.total and f"{t:.6f}" == f"{t.total:.6f}"
     assert float(t) + 1 == t.total + 1  # arithmetic on the total as before
-    assert str(t) == ("step 2.4 ms on rank 2: compute 8.19 us, communication 2.39 ms "
-                      "(tp 101 us, dp 1.26 ms, pair 1.03 ms)")
+    assert str(t) == ("step 11.4 ms on rank 2: compute 8.19 us, communication 11.4 ms "
+                      "(metadata 8.98 ms, tp 101 us, dp 1.26 ms, pair 1.03 ms)")
     assert "StepTime(total=" in repr(t)
     only_alpha = sim.step_time(alpha=1.0, bandwidth=float("inf"), flops=float("inf"))
-    assert only_alpha.communication == {"tp": 1.0, "dp": 1.0, "pair": 1.0}
-    assert only_alpha.total == sum(sim.collectives(2).values()) == 3
+    assert only_alpha.communication == {"metadata": 3.0, "tp": 1.0, "dp": 1.0, "pair": 1.0}
+    assert only_alpha.total == sum(sim.collectives(2, metadata=True).values()) == 6
+    assert sum(sim.collectives(2).values()) == 3  # the model's data, as comm_trace counts it
     assert sim.step_time(alpha=0.0, bandwidth=1.0, flops=float("inf")).communication_total == \
-        sum(sim.comm_bytes(2).values())  # bytes over 1 B/s: the bytes rank 2 sends
+        sum(sim.comm_bytes(2, metadata=True).values())  # over 1 B/s: the bytes rank 2 sends
 
 
 def test_a_simulation_prices_its_plans_with_the_figures_the_real_job_would_use(monkeypatch):
