@@ -104,7 +104,11 @@ class _Meta:
 
     @staticmethod
     def fresh(out: torch.Tensor, local: torch.Tensor, plan) -> torch.Tensor:
-        return out if out is not local else out.clone()
+        """A piece of its own size: a view into a padded collective's buffer is copied out,
+        as the CPU's point-to-point gathers land exactly (a simulation weighs storages)."""
+        if out is local or out.untyped_storage().nbytes() > out.numel() * out.element_size():
+            return out.clone(memory_format=torch.contiguous_format)
+        return out
 
     @staticmethod
     def exchange(step, local: torch.Tensor, rank: int, tag: int) -> torch.Tensor:
