@@ -12,7 +12,7 @@ import torch
 from . import debug as _debug
 from . import env
 from .world import world
-from .world.simulated import simulated
+from .world.simulated import knowable, simulated
 from ._cache import ById, memo
 from .compile_support import nonstrict
 from .errors import GlobalTensorError, SbpError, ShapeMismatchError
@@ -112,7 +112,7 @@ def _local_to_global(local: torch.Tensor, placement, sbp, grad_sbp, check_meta, 
     # built on meta (every rank alike): a meta piece, nothing synced; in gt.simulate every piece
     # is meta, and only the user's meta tensors hold no data in the real run
     meta = local.is_meta and (not simulated() or observe.holds_no_data(local))
-    if simulated():  # gt.simulate: pieces hold no data
+    if simulated() and not knowable(local):  # gt.simulate: no data, but known positions
         local = local.to("meta")
     elif local.device != device and not meta:
         local = local.to(device)

@@ -18,7 +18,7 @@ from .layout import Layout
 from .convert import check_placement, device_for
 from .runtime.agreement import check
 from .tensor import GlobalTensor
-from .world.simulated import simulated
+from .world.simulated import knowable, simulated
 
 
 def _size(size) -> tuple[int, ...]:
@@ -235,7 +235,7 @@ def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None,
     dtype = dtype or (torch.int64 if is_int else torch.get_default_dtype())
     a, b = layout.box(coord)[0] if coord is not None else (0, 0)
     index = torch.arange(a, b, dtype=torch.int64 if is_int else torch.float64)
-    local = (start + step * index).to(dtype).to(device_for(layout.placement))
+    local = _placed((start + step * index).to(dtype), layout)
     return _finish(local, layout, coord, requires_grad)
 
 
@@ -252,7 +252,14 @@ def _indexed(n: int, placement, sbp, requires_grad, values) -> GlobalTensor:
     coord = layout.placement.coord_of(env.get_rank())
     a, b = layout.box(coord)[0] if coord is not None else (0, 0)
     local = values(torch.arange(a, b, dtype=torch.int64))
-    return _finish(local.to(device_for(layout.placement)), layout, coord, requires_grad)
+    return _finish(_placed(local, layout), layout, coord, requires_grad)
+
+
+def _placed(local: torch.Tensor, layout: Layout) -> torch.Tensor:
+    """``local`` on the placement's device (in gt.simulate: meta, unless ``knowable``)."""
+    if simulated() and knowable(local):
+        return local
+    return local.to(device_for(layout.placement))
 
 
 def _linspace_at(start, end, steps: int, index: torch.Tensor, dtype) -> torch.Tensor:

@@ -48,6 +48,8 @@ def _local_scalar_dense(func, args, kwargs, tensors):
     else:
         full = whole_on_every_rank(x._layout)
     piece = redistribute_local(x._local, x._layout, full)
+    if piece.is_meta:  # a simulation's known value, summed or gathered: no longer known
+        no_value_in_simulation(x)
     if my_coord(full.placement) is None:
         raise GlobalTensorError(
             f"this rank is outside {x.placement!r}, so it holds no value to read while only "

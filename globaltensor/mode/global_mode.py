@@ -46,7 +46,7 @@ from ..dispatch.adopt import active, agree_on_value, modes
 from . import packed, rnn
 from ..runtime.emit import is_traced
 from ..tensor import GlobalTensor
-from ..world.simulated import simulated
+from ..world.simulated import knowable, simulated
 
 @contextlib.contextmanager
 def global_mode(placement, sbp=None):
@@ -144,7 +144,7 @@ class GlobalMode(TorchFunctionMode):
         return layout if layout is not None else _LAYOUTS.put(key, Layout(*key))
 
     def _wrap(self, full: torch.Tensor, *, sync: bool, placement=None) -> GlobalTensor:
-        if simulated():  # gt.simulate: global tensors hold no data
+        if simulated() and not knowable(full):  # gt.simulate: no data but known positions
             full = full.to("meta")
         layout = self._layout(full, placement)
         if sync:  # the first rank's draw, sent to the others (to_global's broadcast)
@@ -238,5 +238,6 @@ def _piece_of(full: torch.Tensor, layout: Layout) -> GlobalTensor:
             local = full
         else:
             local = local.contiguous()
-    out = GlobalTensor._make(local if local.is_meta else local.to(device), layout)
+    keep = local.is_meta or (simulated() and knowable(local))  # a simulation's known positions
+    out = GlobalTensor._make(local if keep else local.to(device), layout)
     return out.requires_grad_() if requires_grad else out

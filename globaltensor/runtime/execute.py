@@ -23,6 +23,7 @@ from ..layout import box_shape, relative
 from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
                      ReduceScatter, ZeroFill)
 from ..sbp import Broadcast
+from ..world.simulated import simulated
 from .emit import EAGER, emitter_for
 from .groups import group_along, groups_along
 from .guard import step_guard
@@ -37,6 +38,8 @@ def run(plan: Plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     if local.is_conj() or local.is_neg():  # a lazy view's bits (a _conj piece): no collective
         local = local.resolve_conj().resolve_neg()  # sends them, so move the values they mean
     _check_summable(plan, local.dtype)
+    if not local.is_meta and simulated() and not _STATIC.computed(plan, "local", _local_only):
+        local = local.to("meta")  # a simulation's known value, sent: no longer known (knowable.py)
     emit = emitter_for(local)  # under torch.compile: functional collectives (emit.py)
     tag = emit.first_use_tag(plan, local, rank)  # ranks that disagree: an error, not a crash
     cuts = _STATIC.computed(plan, rank, _cuts)
@@ -88,6 +91,10 @@ def _sum_message(plan: Plan, where) -> str | None:
 # only on the plan or step and the rank or coordinate, never on the world, so thread-ranks
 # share them. An entry pins obj, so its id is not reused while the entry lives.
 _STATIC = ById(4096)
+
+
+def _local_only(plan: Plan, where) -> bool:
+    return all(isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
 
 
 def _cuts(plan: Plan, rank: int):

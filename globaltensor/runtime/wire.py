@@ -158,7 +158,11 @@ def all_gather_rows(mine: torch.Tensor, group, why: Why) -> torch.Tensor:
         mine = mine.to(c10d._get_object_coll_device(group))
     ranks = (None if group is None else group.members if isinstance(group, SimulatedGroup)
              else tuple(dist.get_process_group_ranks(group)))
-    table = mine.new_empty((_members(group),) + tuple(mine.shape))
+    n = _members(group)
+    if not _live(group):  # every simulated rank holds these rows: one copy, seen n times
+        announce("all_gather", why, ranks, cost.gather_sent(n, _nbytes(mine)), mine.dtype)
+        return mine.unsqueeze(0).expand((n,) + tuple(mine.shape))
+    table = mine.new_empty((n,) + tuple(mine.shape))
     if mine.numel():
         all_gather(table.view(-1), mine.reshape(-1), group, why, ranks)
     return table

@@ -9,6 +9,8 @@
                   rank's in a simulation)
     no_data.py    what costs nothing: a real run's meta tensors; a simulation's user-made meta
                   tensors (a model built on meta) and what operators make from them alone
+    knowable.py   values known without data (small integer aranges: positions) keep them;
+                  where they meet meta tensors they become meta too
 
 The world is torch's fake process group (world/simulated.py), the executor's simulated emitter
 returns meta pieces of the right shapes (runtime/emit.py), and the figures come from the same

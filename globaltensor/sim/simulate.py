@@ -23,6 +23,7 @@ from ..errors import GlobalTensorError
 from ..observe import reset, set_watchers
 from ..world import simulated
 from .factories import MetaFactories
+from .knowable import Unify
 from .memory import KINDS, MemoryTracker
 from ..placement import Placement
 from .ranks import bytes_of, classes, placement_members, ranges
@@ -101,6 +102,8 @@ class Simulation:
             self._costs_before = set_costs(costs=self.costs)
             self._factories = MetaFactories(self.memory)
             self._factories.__enter__()
+            self._unify = Unify()  # known values meeting meta ones (sim/knowable.py)
+            self._unify.__enter__()
             self.memory.start(None)
             self.memory.on_op = self._count_flops
             self._watch = set_watchers(recorder=self.recorder)
@@ -113,6 +116,7 @@ class Simulation:
         try:
             reset(self._watch)
             self.memory.__exit__(*exc)
+            self._unify.__exit__(*exc)
             self._factories.__exit__(*exc)
         finally:
             from ..runtime.costs import set_costs

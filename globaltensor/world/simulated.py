@@ -99,3 +99,13 @@ def no_value_in_simulation(x: torch.Tensor) -> None:
             f"tensor (shape {list(x.shape)}), and inside a simulation tensors hold no data "
             f"({debug.user_line(2)}); keep value reads (item(), print, tolist, if x.any()) out "
             f"of the simulated block, or guard them with `if not gt.env.simulated():`")
+
+
+KNOWABLE_NUMEL = 1 << 16  # positions of a 64k-token batch; larger integer tensors go to meta
+
+
+def knowable(t) -> bool:
+    """Whether a simulation keeps ``t``'s values (sim/knowable.py): a small integer or boolean
+    tensor with data (positions, masks built from them), made by a deterministic factory."""
+    return (not t.is_meta and not (t.is_floating_point() or t.is_complex())
+            and t.numel() <= KNOWABLE_NUMEL)

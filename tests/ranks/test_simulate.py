@@ -233,21 +233,42 @@ def test_a_simulation_dispatches_attention_as_the_real_device_would():
     assert "all_gather" not in {k for k, _ in sim.recorder.counts}
 
 
-def test_a_value_read_inside_a_simulation_is_a_clear_error_naming_the_line():
-    """HF's causal mask reads the position ids (`if ... .all():`) when use_cache=False: inside a
-    simulation, where tensors hold no data, that is a GlobalTensorError naming HF's line, not
-    torch's raw "Tensor.item() cannot be called on meta tensors"."""
+def test_hf_use_cache_false_runs_in_a_simulation_on_known_positions():
+    """Issue 54, item 4: HF's causal mask reads the position ids (masking_utils'
+    ``if ... .all():``) when use_cache=False. Positions are knowable without data (an integer
+    arange), so a simulation keeps their values and the model runs, with the traffic of the
+    real run; a value computed from data is still a GlobalTensorError naming the line."""
     transformers = pytest.importorskip("transformers")
     config = transformers.LlamaConfig(
         vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
-    with pytest.raises(GlobalTensorError, match=r"masking_utils\.py:\d+"):
-        with gt.simulate(2):
-            p = gt.placement("cpu", [0, 1])
-            model = transformers.LlamaForCausalLM(config)
-            model.to_global(p)
-            ids = gt.randint(0, 64, (2, 8), placement=p, sbp=S(0))
-            model(ids, use_cache=False)
+
+    def program():
+        p = gt.placement("cpu", [0, 1])
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        model.to_global(p)
+        ids = gt.randint(0, 64, (2, 8), placement=p, sbp=S(0))
+        with gt.comm_trace() as trace:
+            model(ids, labels=ids, use_cache=False).loss.backward()
+        return trace.counts()
+
+    real = run_ranks(lambda rank: program(), 2, timeout=TIMEOUT)
+    with gt.simulate(2) as sim:
+        simulated = program()
+    assert simulated == real[0], (simulated, real[0])  # the step's traffic, as the real run's
+
+    with gt.simulate(2):
+        p = gt.placement("cpu", [0, 1])
+        positions = gt.arange(8, placement=p, sbp=B)
+        assert bool((positions.diff() == 1).all()) and int(positions[-1]) == 7  # known
+        assert int(positions[2:][0]) == 2  # local slices of a known value stay known
+        split = gt.arange(8, placement=p, sbp=S(0))
+        noise = gt.randn(8, placement=p, sbp=B)
+        with pytest.raises(GlobalTensorError, match=r"test_simulate\.py:\d+"):
+            bool(((positions + noise) > 0).all())  # computed from data: no value
+        with pytest.raises(GlobalTensorError, match=r"test_simulate\.py:\d+"):
+            int(split.sum())  # summed over ranks: only this rank's piece is known here
 
 
 def test_step_time_defaults_to_the_figures_the_plans_were_priced_with():
