@@ -62,7 +62,11 @@ def exchange_traffic(before: Layout, after: Layout) -> tuple[int, int, bool]:
     pair_t, box, region = pair_t[remote], box[remote], region[remote]
     recvs = np.bincount(pair_t, minlength=len(ranks))
     # a need: one source piece and one target piece (its region); receivers in grid order
-    _, need, inverse, n_dsts = np.unique(np.vstack([box[None], tlo[:, pair_t]]), axis=1,
+    target = np.zeros(tlo.shape[1], dtype=np.int64)  # each target coordinate's piece
+    for lo in tlo:
+        starts = np.unique(lo)
+        target = target * len(starts) + np.searchsorted(starts, lo)
+    _, need, inverse, n_dsts = np.unique(box * (int(target.max()) + 1) + target[pair_t],
                                          return_index=True, return_inverse=True,
                                          return_counts=True)
     inverse = inverse.reshape(-1)
