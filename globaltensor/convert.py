@@ -178,8 +178,7 @@ def _check_same_sbp(metas, ndim: int) -> None:
             return resolve(values, ndim)
         except SbpError:  # a dim the tensor lacks: resolve (below) raises it, on every rank
             return values
-    distinct = {id(meta): meta for meta in metas}  # a simulation's ranks share one record
-    if len({key(meta.sbp) for meta in distinct.values()}) == 1:
+    if metas.count(metas[0]) == len(metas):  # one record (a simulation's ranks share one)
         return
     ranks_of: dict = {}
     for rank, meta in enumerate(metas):
@@ -194,12 +193,21 @@ def _check_same_sbp(metas, ndim: int) -> None:
             f"that differ per rank still go with one sbp")
 
 
-def _coords_to_check(layout: Layout, metas, distinct: set):
+def _alike(metas, members) -> bool:
+    """Whether every member passed one record (as a simulation's ranks do): a C-level count
+    where the members are the whole world."""
+    first = metas[members[0]]
+    if len(members) == len(metas):
+        return metas.count(first) == len(metas)
+    return all(metas[r] == first for r in members)
+
+
+def _coords_to_check(layout: Layout, alike: bool):
     """The coordinates whose pieces :func:`_checked_global_shape` compares with the rule: every
-    one, unless every member passed one record (a simulation) and the rule cuts one piece
-    shape for every coordinate: then the first coordinate stands for all."""
+    one, unless every member passed one record (``alike``) and the rule cuts one piece shape
+    for every coordinate: then the first coordinate stands for all."""
     placement = layout.placement
-    if len(distinct) > 1 or not _one_piece_shape(layout):
+    if not alike or not _one_piece_shape(layout):
         return placement.coords()
     return [(0,) * placement.ndim]
 
@@ -221,8 +229,8 @@ def _checked_global_shape(metas, placement: Placement, values):
     checking they agree in ndim and dtype and follow the uneven split rule."""
     members = placement.flat_ranks  # row-major, as coords()
     first = members[0]
-    distinct = {id(metas[r]) for r in members}  # a simulation's members share one record
-    for r in members if len(distinct) > 1 else (first,):
+    alike = _alike(metas, members)
+    for r in (first,) if alike else members:
         if len(metas[r][0]) != len(metas[first][0]):
             raise ShapeMismatchError(
                 f"to_global: expected every rank of {placement!r} to pass a piece with "
@@ -236,7 +244,7 @@ def _checked_global_shape(metas, placement: Placement, values):
             )
     shape = _global_shape_from_pieces(placement, values, metas, len(metas[first][0]))
     layout = trusted(placement, values, shape)  # values: normalised and resolved by the caller
-    for c in _coords_to_check(layout, metas, distinct):
+    for c in _coords_to_check(layout, alike):
         r = placement.rank_at(c)
         if metas[r][0] != layout.local_shape(c):
             expected = {placement.rank_at(k): list(layout.local_shape(k)) for k in placement.coords()}

@@ -15,6 +15,8 @@ Pure: no torch.distributed, no rank.
 """
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from .._cache import memo
@@ -51,11 +53,15 @@ def exchange_traffic(before: Layout, after: Layout) -> tuple[int, int, bool]:
     if before.placement != after.placement or after.is_partial:
         raise ValueError("exchange_traffic: one placement and a non-partial target only")
     ranks = np.asarray(before.placement.flat_ranks, dtype=np.int64)
-    piece, keys, order_of, per_dim = _source_pieces(before)
+    piece, keys, per_dim = _source_pieces(before)
     if not len(keys):
         return 0, 1, False
     tlo, thi = grid_ranges(after)
-    pair_t, box, region = _pairs(per_dim, keys, order_of, tlo, thi)
+    if (piece >= 0).sum() == len(keys):  # every source piece has one holder: no choice to make
+        found = _one_holder(before, after, piece, tlo, thi)
+        if found is not None:
+            return found
+    pair_t, box, region = _pairs(per_dim, keys, tlo, thi)
     remote = piece[pair_t] != keys[box]  # a rank that holds the source piece copies it
     if not remote.any():
         return 0, 1, False
@@ -88,9 +94,9 @@ def exchange_traffic(before: Layout, after: Layout) -> tuple[int, int, bool]:
 
 
 def _source_pieces(before: Layout):
-    """Per coordinate its source piece's key (-1 for an empty piece); the keys, sorted; each
-    key's place in holder order (first appearance in the grid); per dim the distinct non-empty
-    ranges (a partition: (starts, ends), sorted). A piece is one range per dim."""
+    """Per coordinate its source piece's key (-1 for an empty piece); the keys, sorted; per
+    dim the distinct non-empty ranges (a partition: (starts, ends), sorted). A piece is one
+    range per dim."""
     slo, shi = grid_ranges(before)
     full = np.all(shi > slo, axis=0)
     per_dim, index = [], np.zeros(full.shape, dtype=np.int64)
@@ -99,17 +105,58 @@ def _source_pieces(before: Layout):
         per_dim.append((starts, ends))
         index = index * len(starts) + np.searchsorted(starts, slo[d])
     piece = np.where(full, index, -1)
-    keys, first = np.unique(piece[full], return_index=True)
-    order_of = np.empty(len(keys), dtype=np.int64)
-    order_of[np.argsort(np.flatnonzero(full)[first], kind="stable")] = np.arange(len(keys))
-    return piece, keys, order_of, per_dim
+    return piece, np.unique(piece[full]), per_dim
 
 
-def _pairs(per_dim, keys, order_of, tlo, thi):
-    """Every (target coordinate, overlapping source piece) pair, in the moves' order (targets
-    in grid order, a target's pieces in holder order): the target's grid position, the piece
-    (an index into ``keys``) and the region's numel. Along each dim a target range overlaps a
-    run of consecutive source ranges."""
+def _one_holder(before: Layout, after: Layout, piece, tlo, thi):
+    """:func:`exchange_traffic` where each source piece has one holder, per coordinate from
+    per-dim counts, never pair by pair; None where a need has three receivers or fewer (then
+    whether it is a broadcast depends on the pair). The target pieces partition the tensor,
+    so a holder sends its piece whole but for what its own target piece keeps, and receives
+    its target piece whole but for that; each need has the F receivers of its target piece
+    (F: the replicas of a piece, the sizes of the axes that split nothing), less the holder
+    where that is its own target piece; three or more take one broadcast."""
+    fiber = math.prod(n for v, n in zip(after.sbp, after.placement.shape)
+                      if not (isinstance(v, Split) and n > 1))
+    if fiber == 3:
+        return None
+    slo, shi = grid_ranges(before)
+    full_s, full_t = piece >= 0, np.all(thi > tlo, axis=0)
+    own = np.ones(len(piece), dtype=np.int64)  # what a coordinate's source piece gives its target
+    src_n, tgt_n = own.copy(), own.copy()  # the pieces' numels
+    k_src, k_tgt = own.copy(), own.copy()  # the targets one source piece meets, and vice versa
+    for d in range(before.ndim):
+        own *= np.maximum(0, np.minimum(shi[d], thi[d]) - np.maximum(slo[d], tlo[d]))
+        src_n *= shi[d] - slo[d]
+        tgt_n *= thi[d] - tlo[d]
+        k_src *= _meets(tlo[d][full_t], thi[d][full_t], slo[d], shi[d])
+        k_tgt *= _meets(slo[d][full_s], shi[d][full_s], tlo[d], thi[d])
+    own = np.where(full_s & full_t, own, 0)
+    keeps = own > 0
+    share, near_share = (1 if fiber >= 3 else fiber), (1 if fiber - 1 >= 3 else fiber - 1)
+    sent = np.where(full_s, share * (src_n - own) + near_share * own, 0)
+    sends = np.where(full_s, share * (k_src - keeps) + near_share * keeps, 0)
+    if fiber >= 3:  # every need a broadcast: a receiver forwards each region once
+        sent = sent + np.where(full_t, tgt_n - own, 0)
+    recvs = np.where(full_t, k_tgt - keeps, 0)
+    if not recvs.any():
+        return 0, 1, False
+    return int(sent.max()), max(1, int(np.maximum(sends, recvs).max())), True
+
+
+def _meets(lo, hi, a, b):
+    """Per range [a, b) (non-empty), how many of the distinct ranges [lo, hi) (a partition of
+    the dim, non-empty) it overlaps: a run, found by two searches."""
+    starts, ends = np.unique(lo), np.unique(hi)
+    return np.maximum(0, np.searchsorted(starts, b, side="left") - np.searchsorted(ends, a, side="right"))
+
+
+def _pairs(per_dim, keys, tlo, thi):
+    """Every (target coordinate, overlapping source piece) pair, targets in grid order: the
+    target's grid position, the piece (an index into ``keys``) and the region's numel. Along
+    each dim a target range overlaps a run of consecutive source ranges. (The moves take a
+    target's pieces in holder order; the greedy never compares two pieces of one target: a
+    piece's needs are ordered by their first receivers, each at another grid position.)"""
     pair_t = np.flatnonzero(np.all(thi > tlo, axis=0))
     pair_key = np.zeros(len(pair_t), dtype=np.int64)
     region = np.ones(len(pair_t), dtype=np.int64)
@@ -121,9 +168,7 @@ def _pairs(per_dim, keys, order_of, tlo, thi):
         pair_t, pair_key, region = pair_t[rep], pair_key[rep] * len(starts) + idx, region[rep]
         region = region * (np.minimum(ends[idx], thi[d][pair_t])
                            - np.maximum(starts[idx], tlo[d][pair_t]))
-    box = np.searchsorted(keys, pair_key)
-    sort = np.lexsort((order_of[box], pair_t))
-    return pair_t[sort], box[sort], region[sort]
+    return pair_t, np.searchsorted(keys, pair_key), region
 
 
 def _greedy(piece, keys, ranks, box, near, size) -> np.ndarray:
