@@ -173,7 +173,12 @@ def _pairs(per_dim, keys, tlo, thi):
 
 def _greedy(piece, keys, ranks, box, near, size) -> np.ndarray:
     """The grid position of each pick's source (picks sorted by box, in order within a box):
-    the least loaded holder of its box, then the nearest rank to ``near``, then the lowest."""
+    the least loaded holder of its box, then the nearest rank to ``near``, then the lowest.
+
+    A box whose picks are all of one size takes them in blocks of H (its holders): from equal
+    loads, each pick goes to a holder not yet picked in the block, so every block gives each
+    holder one pick, and only the last, partial block's choices need working out (which
+    holder takes which pick of a full block changes no one's count)."""
     held = np.flatnonzero(piece >= 0)
     held = held[np.lexsort((held, np.searchsorted(keys, piece[held])))]
     per = len(held) // len(keys)  # every non-empty piece has as many holders
@@ -181,16 +186,31 @@ def _greedy(piece, keys, ranks, box, near, size) -> np.ndarray:
     table = held.reshape(len(keys), per)  # grid positions of each piece's holders
     if per == 1:
         return table[box, 0]
-    # round r takes the r-th pick of every box that has one
-    start = np.searchsorted(box, np.arange(len(keys)))
-    rnd = np.arange(len(box)) - start[box]
+    count = np.bincount(box, minlength=len(keys))
+    start = np.cumsum(count) - count
+    rnd = np.arange(len(box)) - start[box]  # a pick's place in its box
+    some = count > 0
+    uniform = np.zeros(len(keys), dtype=bool)
+    uniform[some] = (np.minimum.reduceat(size, start[some])
+                     == np.maximum.reduceat(size, start[some]))
+    blocks = np.where(uniform, count // per * per, 0)  # the picks of full blocks
+    late = rnd >= blocks[box]
+    column = rnd % per  # in a full block: one pick per holder, in any order
+    if late.any():
+        column[late] = _rounds(box[late], (rnd - blocks[box])[late], near[late], size[late],
+                               ranks[table])
+    return table[box, column]
+
+
+def _rounds(box, rnd, near, size, held_ranks) -> np.ndarray:
+    """Per pick, the column of ``held_ranks`` (its box's holders) the greedy picks: round r
+    takes the r-th pick of every box that has one."""
     rounds = np.lexsort((box, rnd))
     bounds = np.searchsorted(rnd[rounds], np.arange(int(rnd.max()) + 2))
-    load = np.zeros((len(keys), per), dtype=np.int64)
-    held_ranks = ranks[table]
+    load = np.zeros(held_ranks.shape, dtype=np.int64)
     out = np.empty(len(box), dtype=np.int64)
     far = np.int64(1) << 62
-    scale = np.int64(int(ranks.max()) + 1)
+    scale = np.int64(int(held_ranks.max()) + 1)
     for r in range(len(bounds) - 1):
         at = rounds[bounds[r]:bounds[r + 1]]
         b = box[at]
@@ -199,7 +219,7 @@ def _greedy(piece, keys, ranks, box, near, size) -> np.ndarray:
         key = np.where(least, np.abs(held_ranks[b] - near[at, None]) * scale + held_ranks[b], far)
         j = np.argmin(key, axis=1)
         load[b, j] += size[at]
-        out[at] = table[b, j]
+        out[at] = j
     return out
 
 

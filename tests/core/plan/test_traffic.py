@@ -111,3 +111,31 @@ def test_one_holder_counts_per_coordinate_where_no_need_is_ambiguous():
                 assert found is None or found == want, (before, after)
                 answered += found is not None
     assert answered > 100
+
+
+def test_greedy_blocks_give_each_holder_what_the_rounds_give():
+    # one-size boxes skip their full blocks (one pick per holder each); per holder, the load
+    # and the picks equal the round-by-round greedy over every pick
+    from globaltensor.plan.traffic import _greedy, _rounds
+
+    rng = np.random.default_rng(0)
+    for _ in range(200):
+        n_keys, per = int(rng.integers(1, 5)), int(rng.integers(2, 5))
+        order = rng.permutation(n_keys * per)
+        piece = np.repeat(np.arange(n_keys), per)[order]
+        ranks = rng.permutation(n_keys * per + 3)[: n_keys * per]
+        keys = np.arange(n_keys)
+        count = rng.integers(0, 3 * per + 2, n_keys)
+        box = np.repeat(keys, count)
+        one_size = rng.random(n_keys) < 0.7
+        size = np.where(one_size[box], 5, rng.integers(4, 7, len(box)))
+        near = rng.integers(0, n_keys * per + 3, len(box))
+        got = _greedy(piece, keys, ranks, box, near, size)
+        held = np.flatnonzero(piece >= 0)
+        table = held[np.lexsort((held, piece[held]))].reshape(n_keys, per)
+        rnd = np.arange(len(box)) - (np.cumsum(count) - count)[box]
+        want = table[box, _rounds(box, rnd, near, size, ranks[table])] if len(box) else box
+        for src in (got, want):
+            assert len(src) == len(box)
+        assert (np.bincount(got, size, minlength=len(piece)) == np.bincount(want, size, minlength=len(piece))).all()
+        assert (np.bincount(got, minlength=len(piece)) == np.bincount(want, minlength=len(piece))).all()
