@@ -55,7 +55,7 @@ def non_partial(before: Layout) -> None:
             f"{format_sbp(before.sbp)}; reduce its partial axes first")
 
 
-@memo(256)
+@memo(4096)
 def exchange_moves(before: Layout, after: Layout) -> tuple[Move, ...]:
     """Point-to-point moves that build every piece of ``after`` from the pieces of ``before``.
 
