@@ -7,6 +7,8 @@ the plan of the dual layout. A repeated sbp-only call on one layout takes a warm
 """
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from . import debug as _debug
@@ -83,8 +85,8 @@ def _global_shape_from_pieces(placement: Placement, sbp, metas, ndim):
     shape = []
     for dim in range(ndim):
         axes = [a for a, v in enumerate(sbp) if isinstance(v, Split) and v.dim == dim]
-        along = [c for c in placement.coords()
-                 if all(c[a] == 0 for a in range(placement.ndim) if a not in axes)]
+        along = itertools.product(*[range(n) if a in axes else (0,)  # row-major, as coords()
+                                    for a, n in enumerate(placement.shape)])
         shape.append(sum(metas[placement.rank_at(c)][0][dim] for c in along))
     return tuple(shape)
 
@@ -179,6 +181,8 @@ def _check_same_sbp(metas, ndim: int) -> None:
             return resolve(values, ndim)
         except SbpError:  # a dim the tensor lacks: resolve (below) raises it, on every rank
             return values
+    if metas.count(metas[0]) == len(metas):  # one record (a simulation's ranks share one)
+        return
     ranks_of: dict = {}
     for rank, meta in enumerate(metas):
         ranks_of.setdefault(key(meta.sbp), []).append(rank)
@@ -192,12 +196,44 @@ def _check_same_sbp(metas, ndim: int) -> None:
             f"that differ per rank still go with one sbp")
 
 
+def _alike(metas, members) -> bool:
+    """Whether every member passed one record (as a simulation's ranks do): a C-level count
+    where the members are the whole world."""
+    first = metas[members[0]]
+    if len(members) == len(metas):
+        return metas.count(first) == len(metas)
+    return all(metas[r] == first for r in members)
+
+
+def _coords_to_check(layout: Layout, alike: bool):
+    """The coordinates whose pieces :func:`_checked_global_shape` compares with the rule: every
+    one, unless every member passed one record (``alike``) and the rule cuts one piece shape
+    for every coordinate: then the first coordinate stands for all."""
+    placement = layout.placement
+    if not alike or not _one_piece_shape(layout):
+        return placement.coords()
+    return [(0,) * placement.ndim]
+
+
+def _one_piece_shape(layout: Layout) -> bool:
+    """Whether every coordinate's piece has one shape (each split cuts even pieces, at every
+    level of a nested split: the longest piece, ceil, equals the shortest, floor)."""
+    lengths = list(layout.shape)
+    for value, n in zip(layout.sbp, layout.placement.shape):
+        if isinstance(value, Split) and n > 1:
+            if lengths[value.dim] % n:
+                return False
+            lengths[value.dim] //= n
+    return True
+
+
 def _checked_global_shape(metas, placement: Placement, values):
     """The global shape the members' pieces (``metas``: (shape, dtype) by rank) make, after
     checking they agree in ndim and dtype and follow the uneven split rule."""
-    members = [placement.rank_at(c) for c in placement.coords()]
+    members = placement.flat_ranks  # row-major, as coords()
     first = members[0]
-    for r in members:
+    alike = _alike(metas, members)
+    for r in (first,) if alike else members:
         if len(metas[r][0]) != len(metas[first][0]):
             raise ShapeMismatchError(
                 f"to_global: expected every rank of {placement!r} to pass a piece with "
@@ -211,7 +247,7 @@ def _checked_global_shape(metas, placement: Placement, values):
             )
     shape = _global_shape_from_pieces(placement, values, metas, len(metas[first][0]))
     layout = trusted(placement, values, shape)  # values: normalised and resolved by the caller
-    for c in placement.coords():
+    for c in _coords_to_check(layout, alike):
         r = placement.rank_at(c)
         if metas[r][0] != layout.local_shape(c):
             expected = {placement.rank_at(k): list(layout.local_shape(k)) for k in placement.coords()}

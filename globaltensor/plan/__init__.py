@@ -13,7 +13,8 @@ Pure: no torch.distributed, no rank. Plans depend only on (src, dst) and the cos
 (``cost.current()``: the defaults, or those ``gt.set_costs`` / the start-up probe set, which
 clear every cache) and are cached. This
 module only re-exports; one file per part (docs/architecture.md, docs/planner.md):
-steps · cost · codes · ranges · space · messages · exchange · bound · search · reference ·
+steps · cost · codes · ranges · space · messages · moves · traffic · exchange · bound · search ·
+reference ·
 oracle (a plan run over every rank's full set of pieces in one process: the tests' and
 ``gt.verify``'s oracle, imported on its own: ``from globaltensor.plan import oracle``).
 """

@@ -1,5 +1,6 @@
 """Point-to-point exchanges between layouts given as values (a change of placement, or where
-the search prefers one), and what an exchange must move, counted on those values: the oracle
+the search prefers one; their moves are :mod:`.moves`', their cost :mod:`.traffic`'s), and
+what an exchange must move, counted on those values: the oracle
 of the int-coded counts of :mod:`.messages`, and the bound's terms across placements.
 """
 from __future__ import annotations
@@ -8,100 +9,20 @@ import itertools
 import math
 
 from .._cache import memo
-from ..errors import GlobalTensorError
-from ..layout import Box, Layout, box_numel, boxes, intersect, overlap_numel
-from ..sbp import PartialSum, Split, broadcast, format_sbp
-from .steps import Exchange, Move, coords_and_ranks
-
-def _pick(holders, load, near: int) -> int:
-    """The least loaded holder, then the nearest rank, then the lowest: deterministic."""
-    return min(holders, key=lambda r: (load.get(r, 0), abs(r - near), r))
+from ..layout import Layout, box_numel, boxes, intersect, overlap_numel
+from ..sbp import PartialSum, Split, broadcast
+from .moves import (partial_key, split_key, coords_and_ranks, dim_ranges, exchange_moves,
+                    non_partial)
+from .steps import Exchange
 
 
 @memo(16384)
 def exchange(before: Layout, after: Layout) -> Exchange:
-    """Point-to-point moves that build every piece of ``after`` from the pieces of ``before``.
-
-    ``before`` must be non-partial. A region that three or more ranks need, and more than
-    hold it, is broadcast from one holder; any other is sent by the least loaded holder. On
-    the partial axes of ``after``, one partial coordinate per box (the one whose ranks already
-    hold most of it) gets the value and every other rank holds zeros.
-    """
-    if before.is_partial:
-        raise GlobalTensorError(
-            f"expected a non-partial source for a point-to-point exchange, found "
-            f"{format_sbp(before.sbp)}; reduce its partial axes first")
-    holders: dict[Box, list[int]] = {}
-    for coord, rank in coords_and_ranks(before):
-        box = before.box(coord)
-        if box_numel(box):
-            holders.setdefault(box, []).append(rank)
-    owners = _owners(before, after)
-    ranges, order = dim_ranges(before), {box: i for i, box in enumerate(holders)}
-    moves, needs = [], {}
-    for coord, rank in coords_and_ranks(after):
-        target = after.box(coord)
-        if not box_numel(target) or owners.get(_split_key(after, coord), ()) != _partial_key(after, coord):
-            continue
-        for box in _overlapping(order, ranges, target):
-            ranks, region = holders[box], intersect(box, target)
-            if rank in ranks:
-                moves.append(Move(rank, (rank,), region))
-            else:
-                needs.setdefault((box, region), []).append(rank)
-    return Exchange(tuple(moves) + _assign(holders, needs), before, after)
-
-
-def _overlapping(order: dict, ranges, target: Box) -> list[Box]:
-    """The boxes of ``order`` (box -> its place) that overlap ``target``, in that order: each is
-    a product of one of ``ranges`` per dim, so only the overlapping ranges are combined."""
-    near = [[r for r in rs if r[0] < r[1] and r[0] < hi and lo < r[1]] for rs, (lo, hi) in zip(ranges, target)]
-    found = [box for box in itertools.product(*near) if box in order]
-    if len(found) > 1:
-        found.sort(key=order.__getitem__)
-    return found
-
-
-def _split_key(layout: Layout, coord) -> tuple[int, ...]:
-    return tuple(c for c, v in zip(coord, layout.sbp) if isinstance(v, Split))
-
-
-def _partial_key(layout: Layout, coord) -> tuple[int, ...]:
-    return tuple(c for c, v in zip(coord, layout.sbp) if isinstance(v, PartialSum))
-
-
-def _owners(before: Layout, after: Layout) -> dict:
-    """For each split coordinate of ``after``, the partial coordinate that holds the value:
-    the one whose ranks already hold the most of their boxes, then the lowest."""
-    if not after.is_partial:
-        return {}
-    held: dict = {}
-    for coord, rank in coords_and_ranks(after):
-        key = (_split_key(after, coord), _partial_key(after, coord))
-        mine = before.placement.coord_of(rank)
-        part = intersect(before.box(mine), after.box(coord)) if mine is not None else None
-        held[key] = held.get(key, 0) + (box_numel(part) if part else 0)
-    best: dict = {}
-    for (skey, pkey), amount in held.items():
-        if skey not in best or (-amount, pkey) < (-best[skey][1], best[skey][0]):
-            best[skey] = (pkey, amount)
-    return {skey: pkey for skey, (pkey, _) in best.items()}
-
-
-def _assign(holders, needs) -> tuple[Move, ...]:
-    load: dict[int, int] = {}
-    moves = []
-    for (box, region), dsts in needs.items():
-        ranks, size = holders[box], box_numel(region)
-        if len(dsts) >= 3 and len(dsts) > len(ranks):
-            groups = [tuple(dsts)]
-        else:
-            groups = [(d,) for d in dsts]
-        for group in groups:
-            src = _pick(ranks, load, group[0])
-            load[src] = load.get(src, 0) + size
-            moves.append(Move(src, group, region))
-    return tuple(moves)
+    """The point-to-point exchange from ``before`` to ``after``: its moves
+    (:func:`exchange_moves`) are built when first read; what it costs is worked out without
+    them (:mod:`.traffic`). ``before`` must be non-partial."""
+    non_partial(before)
+    return Exchange(before, after)
 
 
 def cores(dst: Layout) -> list[Layout]:
@@ -197,7 +118,7 @@ def missing(node: Layout, target: Layout) -> tuple[int, int, float]:
         if missing:
             others = math.prod(sum(1 for lo, hi in rs if lo < hi and lo < b and a < hi)
                                for rs, (a, b) in zip(ranges, box)) - (own > 0)
-        key = (_split_key(target, coord), _partial_key(target, coord))
+        key = (split_key(target, coord), partial_key(target, coord))
         total, most, region = groups.get(key, (0, 0, 0.0))
         groups[key] = (total + missing, max(most, others),
                        max(region, missing / others if others else 0.0))
@@ -216,10 +137,4 @@ def least(groups: dict) -> tuple[int, int, float]:
             max([0.0] + [region for _, _, region in least.values()]))
 
 
-@memo(16384)
-def dim_ranges(layout: Layout) -> tuple[tuple[tuple[int, int], ...], ...]:
-    """Per tensor dim, the distinct ranges the pieces of ``layout`` cover."""
-    return tuple(tuple(sorted({b[d] for b in boxes(layout).values()})) for d in range(layout.ndim))
-
-
-__all__ = ["cores", "dim_ranges", "exchange", "summand_groups", "lacking", "least", "missing"]
+__all__ = ["cores", "dim_ranges", "exchange", "exchange_moves", "summand_groups", "lacking", "least", "missing"]

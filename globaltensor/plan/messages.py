@@ -8,9 +8,10 @@ from __future__ import annotations
 import itertools
 import math
 
+import numpy as np
+
 from .._cache import kept, memo
 from .codes import B, P, later_splits
-from .exchange import least
 from .ranges import held_sum, most_overlaps, nests
 from .space import Space, space_of
 
@@ -23,7 +24,7 @@ class Messages:
         self.placement, self.shape, self.grid, self.numel = (space.placement, space.shape,
                                                              space.grid, space.numel)
         self.split_axes, self.split_sizes = space.split_axes, space.split_sizes
-        self.group_keys, self.rank_table = space.group_keys, space.rank_table
+        self.group_index, self.rank_table = space.group_index, space.rank_table
 
     @kept
     def lacking(self, c: tuple, t: tuple) -> int:
@@ -68,42 +69,46 @@ class Messages:
 
     @kept
     def missing(self, c: tuple, t: tuple) -> tuple[int, int, float]:
-        """exchange.missing for two layouts of this space, coordinate by coordinate, from
+        """exchange.missing for two layouts of this space, every coordinate at once, from
         per-dim tables of ranges (only the dims either layout splits)."""
         base, tables = self.overlap_tables(c, t)
-        groups: dict = {}
-        for r, key in enumerate(self.group_keys(t)):
-            size = own = base
-            count = 1
-            for table in tables:
-                length, overlap, k = table[r]
-                size *= length
-                own *= overlap
-                count *= k
-            missing = size - own if size else 0
-            others = count - (own > 0) if missing else 0
-            total, most, region = groups.get(key, (0, 0, 0.0))
-            groups[key] = (total + missing, max(most, others),
-                           max(region, missing / others if others else 0.0))
-        return least(groups)
+        size = np.full(self.placement.size, base, dtype=np.int64)
+        own, count = size.copy(), np.ones_like(size)
+        for length, overlap, k in tables:
+            size, own, count = size * length, own * overlap, count * k
+        missing = np.where(size > 0, size - own, 0)
+        others = np.where(missing > 0, count - (own > 0), 0)
+        if int(missing.max(initial=0)) >= 1 << 53:  # past exact floats: the loop's own division
+            region = np.array([m / o if o else 0.0 for m, o in zip(missing.tolist(), others.tolist())])
+        else:
+            region = np.where(others > 0, missing / np.maximum(others, 1), 0.0)
+        split, partial, n_split, n_partial = self.group_index(t)
+        key = split * n_partial + partial
+        total = np.zeros(n_split * n_partial, dtype=np.int64)
+        np.add.at(total, key, missing)
+        most = np.zeros(n_split * n_partial, dtype=np.int64)
+        np.maximum.at(most, key, others)
+        largest = np.zeros(n_split * n_partial)
+        np.maximum.at(largest, key, region)
+        # per box (S coordinates), the cheapest partial coordinate of each (exchange.least)
+        shape = (n_split, n_partial)
+        total, most = total.reshape(shape).min(1), most.reshape(shape).min(1)
+        largest = largest.reshape(shape).min(1)
+        return int(total.sum()), max(1, int(most.max())), max(0.0, float(largest.max()))
 
     @kept
     def receives_two(self, c: tuple, t: tuple) -> bool:
         """Whether some rank's piece of non-partial ``t`` overlaps two or more pieces of
         non-partial ``c`` it does not hold (:meth:`missing`'s messages, without elements)."""
         _, tables = self.overlap_tables(c, t)
-        for r in range(self.placement.size):
-            count, own = 1, True
-            for table in tables:
-                length, overlap, k = table[r]
-                if not length:
-                    break  # an empty piece receives nothing
-                count *= k
-                own = own and overlap > 0
-            else:
-                if count - own >= 2:
-                    return True
-        return False
+        count = np.ones(self.placement.size, dtype=np.int64)
+        own = np.ones(self.placement.size, dtype=bool)
+        full = own.copy()  # an empty piece receives nothing
+        for length, overlap, k in tables:
+            full &= length > 0
+            count *= k
+            own &= overlap > 0
+        return bool(np.any(full & (count - own >= 2)))
 
     @kept
     def one_message(self, c: tuple, t: tuple) -> bool:

@@ -7,7 +7,11 @@ coordinate's range.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
+import math
+
+import numpy as np
 
 from .._cache import memo
 from ..layout import split_sizes
@@ -47,17 +51,23 @@ def overlaps(length: int, mine: tuple, theirs: tuple) -> tuple:
     """The ranges of a dim of ``length`` split into ``mine`` and into ``theirs`` (see
     :func:`nested_ranges`), and per range of theirs, how many non-empty ranges of mine it overlaps."""
     mine_ranges, their_ranges = nested_ranges(length, mine), nested_ranges(length, theirs)
-    distinct = {r for r in mine_ranges if r[0] < r[1]}
-    return mine_ranges, their_ranges, tuple(sum(1 for lo, hi in distinct if lo < b and a < hi)
-                                            for a, b in their_ranges)
+    return mine_ranges, their_ranges, _counts(mine_ranges, their_ranges)
 
 
 @memo(4096)
 def most_overlaps(length: int, mine: tuple, theirs: tuple) -> int:
     """The most non-empty ranges of a split into ``mine`` that one range of a split into
     ``theirs`` overlaps (see :func:`nested_ranges`)."""
-    ranges = {r for r in nested_ranges(length, mine) if r[0] < r[1]}
-    return max(sum(1 for lo, hi in ranges if lo < b and a < hi) for a, b in nested_ranges(length, theirs))
+    return max(_counts(nested_ranges(length, mine), nested_ranges(length, theirs)))
+
+
+def _counts(mine_ranges: tuple, their_ranges: tuple) -> tuple:
+    """Per range of theirs, the non-empty ranges of mine it overlaps: nested ranges partition
+    the dim in order, so those are a run, found by bisection (not a scan of every pair)."""
+    starts = [lo for lo, hi in mine_ranges if lo < hi]
+    ends = [hi for lo, hi in mine_ranges if lo < hi]
+    return tuple(max(0, bisect.bisect_left(starts, b) - bisect.bisect_right(ends, a))
+                 for a, b in their_ranges)
 
 
 def radix(coord, axes, sizes) -> int:
@@ -82,7 +92,27 @@ def nests(mine: tuple, theirs: tuple) -> bool:
 def held_sum(sizes: tuple, dims: tuple) -> int:
     """Σ over the coordinates of axes of ``sizes`` of the product over ``dims`` (length, the
     positions of the axes splitting it in one layout, in the other) of the overlap of the two
-    layouts' ranges of that dim."""
+    layouts' ranges of that dim: every coordinate at once, each dim's ranges looked up by its
+    coordinates on the splitting axes."""
+    if math.prod(sizes) * math.prod(length for length, _, _ in dims) >= 1 << 62:
+        return _held_sum_ints(sizes, dims)  # past int64: Python's ints
+    coords = np.indices(sizes, dtype=np.int64).reshape(len(sizes), -1)
+    product = np.ones(coords.shape[1], dtype=np.int64)
+    for length, mine, theirs in dims:
+        ends = []
+        for axes in (mine, theirs):
+            ranges = np.array(nested_ranges(length, tuple(sizes[k] for k in axes)), dtype=np.int64)
+            i = np.zeros(coords.shape[1], dtype=np.int64)
+            for k in axes:
+                i = i * sizes[k] + coords[k]
+            ends.append(ranges[i])
+        lo, hi = np.maximum(ends[0][:, 0], ends[1][:, 0]), np.minimum(ends[0][:, 1], ends[1][:, 1])
+        product *= np.maximum(hi - lo, 0)
+    return int(product.sum())
+
+
+def _held_sum_ints(sizes: tuple, dims: tuple) -> int:
+    """:func:`held_sum`, one coordinate at a time in Python ints (no bound on the sizes)."""
     tables = [(nested_ranges(length, tuple(sizes[k] for k in mine)), mine,
                nested_ranges(length, tuple(sizes[k] for k in theirs)), theirs)
               for length, mine, theirs in dims]

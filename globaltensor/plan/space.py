@@ -7,14 +7,16 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
+
 from .._cache import kept, memo
-from ..layout import Layout, grid_coords, trusted
+from ..layout import Layout, trusted
 from ..sbp import Split, broadcast, partial_sum
 from . import cost as model
 from .codes import (ALL_REDUCE, ALL_TO_ALL, GATHER, GATHERV, REDUCE_SCATTER, B, P, build, code, kind,
                     later_splits)
 from .cost import SEARCH_ITEMSIZE
-from .ranges import all_to_all_factor, nested_lengths, overlaps, radix
+from .ranges import all_to_all_factor, nested_lengths, overlaps
 from .steps import Step
 
 
@@ -152,27 +154,44 @@ class Space:
         return tuple(tuple(grid[a] for a in axes) for axes in self.split_axes(codes))
 
     @kept
-    def group_keys(self, codes: tuple) -> tuple:
-        """Per coordinate (row-major), (its coordinates on the S axes, on the P axes)."""
-        split = [a for a, v in enumerate(codes) if v >= 0]
-        partial = [a for a, v in enumerate(codes) if v == P]
-        return tuple((tuple(coord[a] for a in split), tuple(coord[a] for a in partial))
-                     for coord in grid_coords(self.placement))
+    def group_index(self, codes: tuple) -> tuple:
+        """Per coordinate (row-major, an array), the index of its coordinates on the S axes and
+        of those on the P axes (mixed radix), and how many of each there are."""
+        coords = self.coords()
+        split = partial = np.zeros(coords.shape[1], dtype=np.int64)
+        n_split = n_partial = 1
+        for a, (v, n) in enumerate(zip(codes, self.grid)):
+            if v >= 0:
+                split, n_split = split * n + coords[a], n_split * n
+            elif v == P:
+                partial, n_partial = partial * n + coords[a], n_partial * n
+        return split, partial, n_split, n_partial
 
     @kept
-    def rank_table(self, d: int, mine: tuple, theirs: tuple) -> tuple:
-        """Per coordinate (row-major), for dim ``d`` split by the axes ``mine`` in one layout
-        and ``theirs`` in another: (the length of its range in theirs, the length that range
-        shares with its range in mine, how many non-empty ranges of mine it overlaps)."""
+    def coords(self) -> np.ndarray:
+        """Every coordinate, row-major: (placement ndim, size)."""
+        return np.indices(self.grid, dtype=np.int64).reshape(len(self.grid), -1)
+
+    @kept
+    def rank_table(self, d: int, mine: tuple, theirs: tuple) -> np.ndarray:
+        """Per coordinate (row-major; rows of an array), for dim ``d`` split by the axes ``mine``
+        in one layout and ``theirs`` in another: (the length of its range in theirs, the length
+        that range shares with its range in mine, how many non-empty ranges of mine it
+        overlaps). The ranges repeat with the coordinates on those axes: looked up, not cut."""
         grid = self.grid
         mine_ranges, their_ranges, counts = overlaps(
             self.shape[d], tuple(grid[a] for a in mine), tuple(grid[a] for a in theirs))
-        rows = []
-        for coord in grid_coords(self.placement):
-            j = radix(coord, theirs, grid)
-            (lo, hi), (lo2, hi2) = their_ranges[j], mine_ranges[radix(coord, mine, grid)]
-            rows.append((hi - lo, max(0, min(hi, hi2) - max(lo, lo2)), counts[j]))
-        return tuple(rows)
+        coords = self.coords()
+        j, i = np.zeros(coords.shape[1], dtype=np.int64), np.zeros(coords.shape[1], dtype=np.int64)
+        for a in theirs:
+            j = j * grid[a] + coords[a]
+        for a in mine:
+            i = i * grid[a] + coords[a]
+        theirs_, mine_ = np.array(their_ranges, dtype=np.int64), np.array(mine_ranges, dtype=np.int64)
+        lo, hi = theirs_[j, 0], theirs_[j, 1]
+        lo2, hi2 = mine_[i, 0], mine_[i, 1]
+        shared = np.maximum(0, np.minimum(hi, hi2) - np.maximum(lo, lo2))
+        return np.stack([hi - lo, shared, np.array(counts, dtype=np.int64)[j]])
 
 
 @memo(256)

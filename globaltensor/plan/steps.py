@@ -9,13 +9,11 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from .._cache import memo
-from ..layout import Box, Layout, box_numel, boxes, grid_coords, overlap_numel
+from ..layout import Layout, box_numel, boxes, overlap_numel
 from . import cost as model
 from .cost import SEARCH_ITEMSIZE
-
-
-def coords_and_ranks(layout: Layout):
-    return zip(grid_coords(layout.placement), layout.placement.flat_ranks)
+from .moves import Move, coords_and_ranks, exchange_moves
+from .traffic import exchange_traffic, moves_traffic
 
 
 def _max_local(layout: Layout) -> int:
@@ -242,47 +240,28 @@ class ZeroFill(Step):
 
 
 @dataclass(frozen=True, slots=True)
-class Move:
-    """``region`` (a box of the logical tensor) goes from rank ``src`` to ranks ``dsts``.
-
-    One destination equal to ``src`` is a local copy; one other destination a send/recv;
-    several (three or more, more than hold it) a broadcast over the group ``src`` + ``dsts``.
-    """
-
-    src: int
-    dsts: tuple[int, ...]
-    region: Box
-
-    @property
-    def is_local(self) -> bool:
-        return self.dsts == (self.src,)
-
-    @property
-    def is_broadcast(self) -> bool:
-        return len(self.dsts) > 1
-
-    @property
-    def group(self) -> tuple[int, ...]:
-        return tuple(sorted((self.src,) + self.dsts))
-
-
-@dataclass(frozen=True, slots=True)
 class Exchange(Step):
     """Point-to-point exchange of box intersections (and broadcasts of pieces several ranks
     need), from a non-partial layout to any layout, on the same or another placement. A rank
     of a partial target that no move reaches holds zeros.
 
     Every region of every target piece is covered by exactly one move: sends/recvs run as one
-    batch, then broadcasts in order.
+    batch, then broadcasts in order. The moves (``exchange.exchange_moves``, a function of the
+    two layouts) are built when first read: pricing the step counts them on arrays
+    (:mod:`.traffic`), so a simulated world of thousands of ranks never builds them.
     """
 
-    moves: tuple[Move, ...]
     before: Layout = field(repr=False)
     after: Layout = field(repr=False)
     kind = "send/recv"
 
+    @property
+    def moves(self) -> tuple[Move, ...]:
+        return exchange_moves(self.before, self.after)
+
     def traffic(self):
-        """Elements each rank sends, and the messages it sends or receives (the larger)."""
+        """Elements each rank sends, and the messages it sends or receives (the larger),
+        counted on the moves (the reference :func:`.traffic.exchange_traffic` equals)."""
         sent, sends, recvs = {}, {}, {}
         for m in self.moves:
             if m.is_local:
@@ -296,22 +275,28 @@ class Exchange(Step):
         msgs = {r: max(sends.get(r, 0), recvs.get(r, 0)) for r in set(sends) | set(recvs)}
         return sent, msgs
 
+    def _summary(self) -> tuple[int, int, bool]:
+        """(the busiest rank's elements sent, its messages, whether anything leaves a rank)."""
+        before, after = self.before, self.after
+        if before.placement == after.placement and not after.is_partial:
+            return exchange_traffic(before, after)
+        return moves_traffic(self.moves)  # placement changes, partial targets: rarer, smaller
+
     def elements_sent(self) -> int:
-        return max(self.traffic()[0].values(), default=0)
+        return self._summary()[0]
 
     def elements_copied(self) -> int:  # packing what is sent, placing every piece
         return self.elements_sent() + _max_local(self.after)
 
     def latency(self) -> int:  # at least one: an exchange is never free, even all local
-        return max(self.traffic()[1].values(), default=1)
+        return self._summary()[1]
 
     def cost(self, itemsize: int = SEARCH_ITEMSIZE) -> float:  # the traffic counted once
-        sent, messages = self.traffic()
-        return model.exchange(max(messages.values(), default=1), max(sent.values(), default=0),
-                              _max_local(self.after), itemsize)
+        sent, messages, _ = self._summary()
+        return model.exchange(messages, sent, _max_local(self.after), itemsize)
 
     def communicates(self) -> bool:
-        return any(not m.is_local for m in self.moves)
+        return self._summary()[2]
 
     @property
     def broadcasts(self) -> tuple[Move, ...]:
