@@ -156,21 +156,22 @@ class MemoryTracker:
         self._update(kind)
 
     def weigh(self, piece: torch.Tensor, layout, source: torch.Tensor) -> None:
-        """A redistribution made ``piece``, this rank's of ``layout``: in a simulation, its
-        storage (counted when an operator made it, at this rank's size on every rank) weighs
-        each rank's piece. A view of ``source`` (a local slice) or of a larger buffer is left
-        as it is counted."""
-        if self.ranks == 1:
-            return
+        """A redistribution made ``piece``, this rank's of ``layout``; in a simulation its
+        storage weighs each rank's piece. The executor makes it where no operator's output shows
+        it (an operator's moved input, kept by redistribute.moved's memo while its source
+        lives): counted here, as activations, unless an operator made it. A view of ``source``
+        (a local slice) or of a larger buffer is left as it is counted."""
         storage = _storage(piece)
-        if storage is None or id(storage) not in self.live or storage is _storage(source):
+        if storage is None or storage is _storage(source) or self.no_data.holds(storage):
             return
-        if piece.numel() * piece.element_size() != storage.nbytes():
+        exact = piece.numel() * piece.element_size() == storage.nbytes()
+        if self.ranks == 1 or not exact:
+            if id(storage) not in self.live:
+                self._set(piece, storage, "activations")
             return
         from .ranks import piece_bytes
-
-        self._set(piece, storage, self.live[id(storage)][0],
-                  piece_bytes(layout, piece.element_size(), self.ranks))
+        kind = self.live[id(storage)][0] if id(storage) in self.live else "activations"
+        self._set(piece, storage, kind, piece_bytes(layout, piece.element_size(), self.ranks))
 
     def _freed(self, key: int) -> None:
         if not self.open:  # the block is over: its figures stay as they were at its end

@@ -19,11 +19,11 @@ import torch.nn.functional as F
 import globaltensor as gt
 
 S, B = gt.sbp.split, gt.sbp.broadcast
-# the issue asks 10% of the allocator's peak: missed. The simulation's peak equals gt.memory()'s
-# in the same processes to the byte; the allocator sees 9-22% more here (2026-12-02), which no
-# operator's output accounts for and which differs between identical ranks of one run
-# (docs/simulate.md, "What it does not model"), so the allocator is held to 25%
-PEAK_TOLERANCE = 0.25
+# The simulation's peak equals gt.memory()'s in the same processes to the byte (HF Llama: 4%
+# apart); the allocator sees more, which no operator's output or redistribution accounts for
+# and which differs between identical ranks of one run (docs/simulate.md). The issue's 10% holds
+# on the 2x2 (3-8% here, 2026-12-02); the uneven 2x3 is 8-12% and HF Llama 12-21% off.
+PEAK_TOLERANCE = 0.10
 
 
 class Block(torch.nn.Module):
@@ -169,7 +169,7 @@ def test_sdpa_transformer_with_megatron_tp_on_2x2_simulates_as_it_runs(monkeypat
 
 @pytest.mark.slow
 def test_sdpa_transformer_on_an_uneven_2x3_simulates_as_it_runs(monkeypatch):
-    _compare(transformer_job, ("2x3-uneven",), 6, monkeypatch)
+    _compare(transformer_job, ("2x3-uneven",), 6, monkeypatch, allocator_within=0.15)
 
 
 _LLAMA_TP = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
@@ -206,10 +206,9 @@ def llama_job():
 @pytest.mark.slow
 def test_hf_llama_tp_by_fully_shard_on_2x2_simulates_as_it_runs(monkeypatch):
     pytest.importorskip("transformers")
-    # the peak's moment holds 49 KiB (6%) more activations in the real run than simulated,
-    # each kind's own peak being equal: a tensor that lives longer there (not found yet); the
-    # allocator's peak is 34% above gt.memory()'s here (docs/simulate.md), so it is not held
-    real = _compare(llama_job, (), 4, monkeypatch, tracked_within=0.10, allocator_within=None)
+    # the peak's moment holds 34 KiB (4%) more activations in the real run than simulated,
+    # each kind's own peak being equal: a tensor that lives longer there (not found yet)
+    real = _compare(llama_job, (), 4, monkeypatch, tracked_within=0.10, allocator_within=0.25)
     assert real[0][0].get("reduce_scatter", 0) > 0  # the units' gradients
 
 
