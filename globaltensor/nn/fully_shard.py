@@ -34,7 +34,7 @@ from ..sbp import Broadcast, PartialSum, Split, replicated
 from ..tensor import GlobalTensor
 from ..world import world
 from .module import PLACEMENT, full_to_global, join_name, relaid, run_forward_in_global_mode
-from .units import UNIT, MixedPrecision, ShardedParam, Unit
+from .units import UNIT, MixedPrecision, ShardedParam, Unit, UnitRole
 
 __all__ = ["fully_shard", "MixedPrecision", "FSDPModule"]
 
@@ -128,7 +128,9 @@ def fully_shard(module: torch.nn.Module, placement: Placement, axis=None, *, sha
     params = _shard_parameters(module, placement, axis, shard_dim)
     _buffers_to_global(module, placement)
     comm = _unit_comm(module, placement, axis, params)
-    unit = Unit(module, placement, axis, params, comm, reshard_after_forward, mp)
+    role = (UnitRole.MEMBER if comm is not None else UnitRole.OUTSIDE
+            if placement.coord_of(world.get_rank()) is None else UnitRole.NOTHING_SPLIT)
+    unit = Unit(module, placement, axis, params, comm, reshard_after_forward, mp, role)
     if PLACEMENT not in module.__dict__:
         run_forward_in_global_mode(module, placement)
     module.__dict__[UNIT] = unit

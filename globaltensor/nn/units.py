@@ -11,6 +11,7 @@ last forward's order) with the units below it.
 from __future__ import annotations
 
 import contextvars
+import enum
 from dataclasses import dataclass
 
 import torch
@@ -24,8 +25,8 @@ from ..runtime.unshard import UnitComm
 from ..sbp import Broadcast, PartialSum
 from ..tensor import GlobalTensor, as_global_grad
 
-__all__ = ["MixedPrecision", "ShardedParam", "Schedule", "Unit", "Unshard", "UNIT", "cast_floating",
-           "in_backward"]
+__all__ = ["MixedPrecision", "ShardedParam", "Schedule", "Unit", "UnitRole", "ShardedState",
+           "Unshard", "UNIT", "cast_floating", "in_backward"]
 
 UNIT = "_gt_fsdp_unit"  # a sharded module's attribute: its Unit
 
@@ -41,6 +42,23 @@ class MixedPrecision:
     reduce_dtype: torch.dtype | None = None
     output_dtype: torch.dtype | None = None
     cast_forward_inputs: bool = True
+
+
+class UnitRole(enum.Enum):
+    """What this rank does for a unit (fixed when the unit is made)."""
+
+    MEMBER = "member"            # on the unit's placement: it gathers and reduce-scatters
+    OUTSIDE = "outside"          # off the placement: it runs the program and holds nothing
+    NOTHING_SPLIT = "nothing split"  # no parameter is split on the axis: nothing to gather
+
+
+class ShardedState(enum.Enum):
+    """Where a unit's parameters are on this rank now (FSDP2's ShardedState, with the gather
+    in flight named)."""
+
+    SHARDED = "sharded"          # only the pieces (the unsharded storage freed, or never made)
+    GATHERING = "gathering"      # the all-gather posted, not yet waited for
+    UNSHARDED = "unsharded"      # the gathered values in the unsharded storage
 
 
 # the units whose forward is running in this context (a thread-rank has its own)
@@ -84,9 +102,11 @@ class Unit:
     """One ``fully_shard`` call's state on this rank."""
 
     def __init__(self, module, placement: Placement, axis: int, params: list[ShardedParam],
-                 comm: UnitComm | None, reshard_after_forward: bool, mp: MixedPrecision):
+                 comm: UnitComm | None, reshard_after_forward: bool, mp: MixedPrecision,
+                 role: UnitRole = UnitRole.MEMBER):
         self.module, self.placement, self.axis = module, placement, axis
-        self.params, self.comm = params, comm
+        self.params, self.comm = params, comm  # comm: a MEMBER's collectives (else None)
+        self.role = role
         self.reshard_after_forward = reshard_after_forward
         self.mp = mp
         self.schedule = Schedule()
@@ -109,12 +129,23 @@ class Unit:
     def _versions(self):
         return tuple((p.sharded._version, p.sharded._local._version) for p in self.split_params)
 
+    @property
+    def state(self) -> ShardedState:
+        comm = self.comm
+        if comm is None:
+            return ShardedState.SHARDED
+        if comm.gathering:
+            return ShardedState.GATHERING
+        return ShardedState.UNSHARDED if comm.unsharded else ShardedState.SHARDED
+
     def start_unshard(self) -> None:
         """Launch this unit's gather unless it is gathered (and current) or on its way."""
-        comm = self.comm
-        if comm is None or comm.gathering:
+        if self.role is not UnitRole.MEMBER:
             return
-        if comm.unsharded and self.gathered_versions == self._versions():
+        state, comm = self.state, self.comm
+        if state is ShardedState.GATHERING:
+            return
+        if state is ShardedState.UNSHARDED and self.gathered_versions == self._versions():
             return
         dtype = self.mp.param_dtype or self.split_params[0].sharded.dtype
         with torch.no_grad():
@@ -123,19 +154,19 @@ class Unit:
 
     def wait_unshard(self) -> None:
         self.start_unshard()
-        if self.comm is not None and self.comm.gathering:
+        if self.state is ShardedState.GATHERING:
             with torch.no_grad():
                 self.comm.finish_gather()
 
     def reshard(self) -> None:
-        if self.comm is not None and not self.comm.gathering:
+        if self.state is ShardedState.UNSHARDED:
             self.comm.free()
 
     def gathered_values(self) -> list[torch.Tensor]:
         """New global tensors over the unsharded storage's views (those of this forward); on a
-        rank outside the unit's placement (no comm: it runs the program, holds nothing), empty
-        pieces of the gathered layouts."""
-        if self.comm is None:
+        rank outside the unit's placement (it runs the program, holds nothing), empty pieces
+        of the gathered layouts."""
+        if self.role is not UnitRole.MEMBER:
             return [GlobalTensor._make(_empty_piece(p.sharded), p.gathered)
                     for p in self.split_params]
         views = self.comm.views
@@ -240,7 +271,7 @@ class Unit:
                 self.replicate_axes = self._replicate_axes(grads)
             partial = [self._partial_piece(p, g) for p, g in zip(self.split_params, grads)]
             del grads
-            if self.comm is None:  # outside the unit's placement: empty gradients of the pieces
+            if self.role is not UnitRole.MEMBER:  # outside: empty gradients of the pieces
                 return tuple(GlobalTensor._make(_empty_piece(p.sharded), p.sharded._layout)
                              for p in self.split_params)
             self.reshard()
@@ -269,7 +300,7 @@ class Unit:
         them (FSDP2's order), instead of all-reducing whole gradients first. A gradient that is
         not partial there becomes one for free (its value on one rank of the group, zeros on
         the others)."""
-        candidates = self.comm.replicate if self.comm is not None else ()
+        candidates = self.comm.replicate if self.role is UnitRole.MEMBER else ()
         if any(g is not None and isinstance(g._layout.sbp[a], PartialSum)
                for g in grads for a in candidates):
             return candidates
