@@ -3,10 +3,11 @@
 
 The core announces its events here (:func:`redistribution`, :func:`served_from_memo`,
 :func:`sent`: the one event of every call that moves data, from runtime/wire.py;
-:func:`comm_called`, :func:`storage_kind` for ``gt.memory()``) and never imports ``tools/``: the watchers in this
-context's ContextVar are the tools' own objects (a trace's ``moved``, a verifier's
-``redistributed``), and the policy check is the one function ``tools/policy.py`` plugs in when
-it is imported (:func:`plug`, a registry filled once, like the ops' registry).
+:func:`comm_called`, :func:`storage_kind` for ``gt.memory()``) and never imports ``tools/``:
+the watchers in this context's ContextVar are the tools' own objects (a trace's ``moved`` and
+``wire_event``, a verifier's ``redistributed``), and the policy check is the one function
+``tools/policy.py`` plugs in when it is imported (:func:`plug`, a registry filled once, like
+the ops' registry).
 
 All three live in one ContextVar, so a redistribution asks whether anything watches it with one
 ContextVar read and one profiler flag read (:func:`watching`, read by redistribute.py and by

@@ -196,7 +196,8 @@ def point_to_point(ops) -> list:
     if not ops:
         return []
     return list(dist.batch_isend_irecv(
-        [dist.P2POp(dist.isend if out else dist.irecv, t, peer, tag=tag) for out, t, peer, tag in ops]))
+        [dist.P2POp(dist.isend if out else dist.irecv, t, peer, tag=tag)
+         for out, t, peer, tag in ops]))
 
 
 def isend(t: torch.Tensor, dst: int, tag: int):
@@ -217,8 +218,8 @@ def _step_event(step, local: torch.Tensor) -> None:
     axis = getattr(step, "axis", None)
     after, before = step.after.placement, step.before.placement
     ranks = after if after == before else (before, after)
-    announce(step.kind, Why("redistribution", axis=None if axis is None else axis_name(after, axis)),
-             ranks, step.bytes_sent(local.element_size()), local.dtype)
+    why = Why("redistribution", axis=None if axis is None else axis_name(after, axis))
+    announce(step.kind, why, ranks, step.bytes_sent(local.element_size()), local.dtype)
 
 
 @functools.cache
