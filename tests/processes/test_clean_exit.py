@@ -112,7 +112,8 @@ def _repeat(way: str, times: int, tmp_path) -> None:
             _one_run(way, WORK if i % 2 == 0 else SHORT, tmp_path)
 
 
-WAYS = ["launch", pytest.param("torchrun", marks=pytest.mark.slow),
+WAYS = [pytest.param("launch", marks=pytest.mark.slow),  # (launch.py: test_launch_processes)
+        pytest.param("torchrun", marks=pytest.mark.slow),
         pytest.param("srun", marks=pytest.mark.slow), "spawn"]
 
 

@@ -246,6 +246,8 @@ def test_models_compiled_as_users_do_train_through_graph_breaks_and_several_outp
     _assert_as_one_process(results, reference, losses)
 
 
+@pytest.mark.slow  # suite time (20 s): compile of HF models stays in the default run through
+# test_fully_shard_compile_hf (Llama per block) and test_compile.py
 def test_gpt2_compiled_as_users_do_breaks_only_where_one_process_does():
     """Issue 52.6: ``torch.compile(model)`` of GPT-2 data parallel, ``loss_type=None``, compiles
     to the graphs one plain process compiles it to: 2 (HF's ``logger.warning_once`` in

@@ -224,6 +224,7 @@ for i in range(3 if gt.env.get_rank() == 1 else 1000):  # rank 1 runs out of dat
 """
 
 
+@pytest.mark.slow  # suite time: a rank past rank 0's last step stays in the default run
 def test_a_rank_finishing_early_under_gt_debug_is_named_at_once():
     start = time.monotonic()
     run = run_script(_EARLY, 2, timeout=60, env=dict(ENV, GT_DEBUG="1", GT_TIMEOUT="60"))

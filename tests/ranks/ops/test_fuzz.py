@@ -317,6 +317,7 @@ def _check(world: int, first: int, last: int) -> None:
     assert not bad, f"{len(bad)} of {len(seeds)} programs differ:\n" + "\n".join(bad[:5])
 
 
+@pytest.mark.slow  # suite time: the 2x2 grid's programs stay in the default run
 def test_random_programs_match_the_full_tensor_oracle_on_2_ranks():
     _check(2, 0, PROGRAMS[2])
 
