@@ -22,7 +22,7 @@ from ..layout import Layout
 from ..placement import Placement
 from ..redistribute import redistribute_local
 from ..runtime.unshard import UnitComm
-from ..sbp import Broadcast, PartialSum
+from ..sbp import PartialSum
 from ..tensor import GlobalTensor, as_global_grad
 
 __all__ = ["MixedPrecision", "ShardedParam", "Schedule", "Unit", "UnitRole", "ShardedState",

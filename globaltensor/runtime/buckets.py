@@ -30,7 +30,7 @@ class Bucket:
     """Pieces (None on a rank outside the placement) summed over ``group`` as one buffer;
     ``nbytes`` counts what the caller says each piece weighs (the same on every rank)."""
 
-    __slots__ = ("group", "pieces", "nbytes", "flat", "work", "size", "placement", "why")
+    __slots__ = ("group", "pieces", "nbytes", "flat", "work", "size", "placement", "axis")
 
     def __init__(self, group, size: int, placement, axis: str | None):
         """``size``: the all-reduce group's size; ``placement``: each of its groups runs one
@@ -38,7 +38,7 @@ class Bucket:
         self.group, self.pieces, self.nbytes = group, [], 0
         self.flat = self.work = None
         self.size, self.placement = size, placement
-        self.why = wire.Why("gradient bucket", axis=axis)
+        self.axis = axis
 
     def add(self, piece, nbytes: int) -> None:
         self.pieces.append(piece)
@@ -52,7 +52,7 @@ class Bucket:
             self.flat = _packed(pieces)
         count = len(self.pieces)
         why = wire.Why("gradient bucket", f"gradient bucket ({count} gradient{'s' * (count != 1)})",
-                       self.why.axis)
+                       self.axis)
         self.work = wire.all_reduce(self.flat if member else None, self.group, why,
                                     self.placement, async_op=True, n=self.size, nbytes=self.nbytes)
 
