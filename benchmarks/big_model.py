@@ -2,7 +2,7 @@
 loading time, beside the old flow and FSDP2's meta flow, in the same kind of gloo processes.
 
     python benchmarks/big_model.py [--world 4] [--layers 20] [--hidden 1024] [--inter 2816]
-                                   [--vocab 32000] [--reps 3] [--flows gt,old,fsdp2]
+                                   [--vocab 32000] [--reps 3] [--flows gt,gt-copy,old,fsdp2]
                                    [--folder DIR]
 
 An HF Llama (defaults: 20 layers, hidden 1024, SwiGLU 2816, 8 of 16 heads for k/v, vocab 32000:
@@ -13,7 +13,10 @@ each flow runs in ``--world`` fresh processes (``gt.spawn``), every rank the sam
   decoder layer and the head (torchtitan's units), then the root, ``gt.nn.load_pretrained(model, folder)`` (each rank reads the slices of its pieces; the
   rotary buffer, which the folder does not hold, is ``to_empty``'d and computed), one training
   step (forward, backward, AdamW), ``model.save_pretrained(dir)`` (one tensor at a time through
-  rank 0);
+  rank 0); its pieces map the files copy-on-write (the allocator does not see them: their bytes,
+  found in /proc/self/maps, are added to every peak from the load on);
+- ``gt-copy``: the same with ``load_pretrained(..., mmap=False)`` (each piece read into fresh
+  memory);
 - ``old``: the way before: ``LlamaForCausalLM.from_pretrained(folder)`` on every rank (the whole
   model), then the same ``fully_shard``, step and save;
 - ``fsdp2``: torch's meta flow: build on meta, ``torch.distributed.fsdp.fully_shard`` on the
@@ -29,7 +32,9 @@ each block's peak is added to what the blocks before it left alive. Printed per 
 peak, against one full copy of the model and against the target (a rank's pieces plus twice the
 largest tensor, once loaded). Load time: the slowest rank's, median of ``--reps`` runs of the
 flow, beside ``from_pretrained`` of the same folder in one process followed by one read of every
-weight (``from_pretrained`` maps the files; alone it reads nothing), median of ``--reps``.
+weight (``from_pretrained`` maps the files; alone it reads nothing), median of ``--reps``; and
+the first step's seconds (forward, backward, AdamW's step; the slowest rank): a mapped piece's
+pages are copied there, when the step first writes them.
 The loss is the batch's mean (FSDP2's per-rank losses averaged); the same data in every flow.
 """
 from __future__ import annotations
@@ -140,15 +145,18 @@ def _flow(local_rank, name, args, folder, out):
             for unit in _units(model):
                 gt.nn.fully_shard(unit, p)
             gt.nn.fully_shard(model, p)
-            if name == "gt":
+            if name in ("gt", "gt-copy"):
                 dist.barrier()
                 start = time.perf_counter()
-                gt.nn.load_pretrained(model, folder)
+                gt.nn.load_pretrained(model, folder, mmap=name == "gt")
                 load_s = time.perf_counter() - start
                 _rotary(model, config)
             ids = gt.tensor(torch.cat([_ids(config, r) for r in range(world)]), placement=p,
                             sbp=gt.sbp.split(0))
-    loaded, left = allocation_peak(before), _allocation_end(before)
+    mapped = _mapped_bytes(model, folder)  # pieces that map the files: not the allocator's
+    loaded, left = allocation_peak(before) + mapped, _allocation_end(before) + mapped
+    dist.barrier()
+    start = time.perf_counter()
     with _profile() as training:
         loss = model(ids, labels=ids).loss
         loss.backward()
@@ -157,6 +165,7 @@ def _flow(local_rank, name, args, folder, out):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     with _profile() as after:
         opt.step()
+        step_s = time.perf_counter() - start
         opt.zero_grad()
         target = os.path.join(out, name)
         if name == "fsdp2":
@@ -167,7 +176,7 @@ def _flow(local_rank, name, args, folder, out):
             model.save_pretrained(target)
     pieces = sum(_local(t).numel() * t.element_size() for t in model.parameters())
     largest = max(t.numel() * t.element_size() for t in model.parameters())
-    took = torch.tensor([load_s], dtype=torch.float64)
+    took = torch.tensor([load_s, step_s], dtype=torch.float64)
     dist.all_reduce(took, op=dist.ReduceOp.MAX)
     if isinstance(loss, gt.GlobalTensor):
         value = loss.full_tensor().detach()
@@ -175,8 +184,22 @@ def _flow(local_rank, name, args, folder, out):
         value = loss.detach().clone()
         dist.all_reduce(value)
         value /= world
-    return (loaded, peak_before, max(peak_before, left + allocation_peak(after)), took.item(),
-            pieces, largest, float(value.detach().mean()))
+    return (loaded, peak_before, max(peak_before, left + allocation_peak(after)), took[0].item(),
+            pieces, largest, float(value.detach().mean()), took[1].item())
+
+
+def _mapped_bytes(model, folder) -> int:
+    """Bytes of this rank's pieces that lie in a mapping of the folder's files (/proc/self/maps):
+    ``load_pretrained``'s copy-on-write views, which the allocator does not see; they are held
+    from the load on (copied page by page into anonymous memory when first written)."""
+    spans = []
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *_, path = line.split(maxsplit=5)
+            if path.strip().startswith(os.path.abspath(folder)):
+                spans.append(tuple(int(x, 16) for x in span.split("-")))
+    return sum(_local(t).numel() * t.element_size() for t in model.parameters()
+               if any(low <= _local(t).data_ptr() < high for low, high in spans))
 
 
 def _local(t):
@@ -229,7 +252,7 @@ def main():
     parser.add_argument("--inter", type=int, default=2816)
     parser.add_argument("--vocab", type=int, default=32000)
     parser.add_argument("--reps", type=int, default=3)
-    parser.add_argument("--flows", default="gt,old,fsdp2")
+    parser.add_argument("--flows", default="gt,gt-copy,old,fsdp2")
     parser.add_argument("--folder", default=os.path.join(tempfile.gettempdir(), "gt_big_model"))
     a = parser.parse_args()
     args = {k: getattr(a, k) for k in ("layers", "hidden", "inter", "vocab")}
@@ -250,17 +273,18 @@ def main():
         loaded, before, whole = (statistics.median(max(r[i] for r in run) for run in runs)
                                  for i in range(3))
         load = statistics.median(run[0][3] for run in runs)
+        step = statistics.median(run[0][7] for run in runs)
         pieces, largest = max(r[4] for r in runs[0]), max(r[5] for r in runs[0])
-        rows.append((name, loaded, before, whole, load, pieces, largest, runs[0][0][6]))
+        rows.append((name, loaded, before, whole, load, pieces, largest, runs[0][0][6], step))
     print(f"\n| flow | peak, loaded | target (pieces + 2 x largest) | peak before the step | "
           f"peak, whole run | / one full copy | load s | / from_pretrained + one read "
-          f"in one process | loss |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    for name, loaded, before, whole, load, pieces, largest, loss in rows:
+          f"in one process | first step s | loss |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for name, loaded, before, whole, load, pieces, largest, loss, step in rows:
         target = pieces + 2 * largest
         print(f"| {name} | {_gb(loaded)} | {_gb(target)} ({'met' if loaded <= target else 'missed'})"
               f" | {_gb(before)} | {_gb(whole)} | {whole / full:.2f} | {load:.2f} | "
-              f"{load / one:.2f} | {loss:.4f} |")
+              f"{load / one:.2f} | {step:.2f} | {loss:.4f} |")
     print(f"\nfrom_pretrained in one process: {mapped:.2f} s (the files mapped), {one:.2f} s "
           f"with every weight read once, {copied:.2f} s with every weight copied into the "
           f"process's memory; one full copy {_gb(full)}")

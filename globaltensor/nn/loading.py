@@ -1,14 +1,25 @@
-"""``gt.nn.load_pretrained(model, folder)``: HF safetensors weights read by pieces.
+"""``gt.nn.load_pretrained(model, folder)``: HF weights read by pieces.
 
 The model is laid out first (built on meta, or materialized; docs/big_models.md). Each rank
 opens the folder's files (``model.safetensors``, or the shards ``model.safetensors.index.json``
-names) and reads, for each of the model's tensors, only the slice of its own piece, cast to
+names; else HF's older ``pytorch_model.bin`` and its index; or one file given as ``folder``),
+renames their keys as ``from_pretrained`` does (``key_mapping``, the base model's prefix), and
+reads, for each of the model's tensors, only the slice of its own piece, cast to
 the tensor's dtype: the file's header (safetensors: a length, a JSON of each tensor's dtype,
-shape and byte range, then the bytes) says where each tensor lies, and the rows of the piece's
-box are read straight into a tensor of the piece's size, so only those bytes are read and
-nothing else is allocated. (safetensors' own ``get_slice`` gives a view into a torch storage
-over the whole mapped file: a piece would keep a whole shard's mapping alive, counted by the
-allocator as the shard's size.)
+shape and byte range, then the bytes) says where each tensor lies. A piece that is one run of
+the file's bytes (a whole tensor, or rows of it: a split of dim 0), in the file's dtype, on the
+CPU, is by default (``mmap=True``) a view of a private, copy-on-write mapping of the file, as
+``from_pretrained`` in one process holds its weights: nothing is read or copied until a page is
+touched, and the first write to a page (the optimizer's first step) copies that page. The
+mapping is not the allocator's memory; gt.memory counts the piece as the parameter it is. Any
+other piece (a split of a later dim, a cast, a GPU, or ``mmap=False``) has its rows read
+straight into a tensor of the piece's size (one ``readinto``), so only those bytes are read.
+(safetensors' own ``get_slice`` gives a view into a torch storage over the whole mapped file,
+counted by the allocator as the shard's size.) A ``torch.save``d file is mapped by
+``torch.load(mmap=True)`` and each piece copied out of it. A file replaced while the model maps it (gt's
+``save_pretrained`` writes a new file and renames it over the old one) leaves the mapping on
+the old bytes; a file rewritten in place by another program changes what an untouched page
+holds, as it does under ``from_pretrained``: load with ``mmap=False`` there.
 Before anything is written every rank checks the same things from the files' headers, with no
 data read: every key of the model is there (a tensor tied to another one, met under its first
 name, needs one), no key is extra (with ``strict``), every shape matches; and that every rank
@@ -18,9 +29,12 @@ parameter object: fully_shard's units keep holding it); a materialized one is wr
 """
 from __future__ import annotations
 
+import functools
 import json
 import math
+import mmap
 import os
+import re
 import struct
 
 import torch
@@ -33,31 +47,61 @@ from ..world import world
 
 __all__ = ["load_pretrained"]
 
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
+_NAMES = {  # HF's file names: the one-file name and the index of the shards
+    "safetensors": ("model.safetensors", "model.safetensors.index.json"),
+    "torch": ("pytorch_model.bin", "pytorch_model.bin.index.json")}
 
 
 def _files(folder: str) -> dict[str, str]:
-    """key -> the file holding it; raises a plain error text (checked on every rank after)."""
+    """key (the file's name for it) -> the file holding it; ``folder`` may also be one file.
+    Raises a plain error text (checked on every rank after)."""
+    if os.path.isfile(folder):
+        return {k: folder for k in _source(folder).shapes}
     if not os.path.isdir(folder):
-        raise FileNotFoundError(f"{folder!r} is not a directory")
-    index = os.path.join(folder, _INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            weight_map = json.load(f)["weight_map"]
-        return {k: os.path.join(folder, v) for k, v in weight_map.items()}
-    single = os.path.join(folder, _SINGLE)
-    if not os.path.exists(single):
-        raise FileNotFoundError(f"{folder!r} holds neither {_SINGLE} nor {_INDEX}")
-    return {k: single for k in _header(single)[0]}
+        raise FileNotFoundError(f"{folder!r} does not exist (neither a directory nor a file)")
+    for single, index in _NAMES.values():  # safetensors first, as HF prefers them
+        if os.path.exists(os.path.join(folder, index)):
+            with open(os.path.join(folder, index)) as f:
+                weight_map = json.load(f)["weight_map"]
+            return {k: os.path.join(folder, v) for k, v in weight_map.items()}
+        if os.path.exists(os.path.join(folder, single)):
+            path = os.path.join(folder, single)
+            return {k: path for k in _source(path).shapes}
+    names = ", ".join(n for pair in _NAMES.values() for n in pair)
+    raise FileNotFoundError(f"{folder!r} holds none of {names}")
 
 
 def _shapes(files: dict[str, str]) -> dict[str, tuple]:
     out = {}
     for path in sorted(set(files.values())):
-        for key, entry in _header(path)[0].items():
-            out[key] = tuple(entry["shape"])
+        out.update(_source(path).shapes)
     return out
+
+
+def _renamed(files: dict[str, str], shapes: dict, model: torch.nn.Module, state: dict,
+             key_mapping: dict | None) -> tuple[dict, dict, dict]:
+    """The files' keys in the model's names: ``key_mapping`` (HF's ``from_pretrained``
+    argument: regex -> replacement, applied in order to each file key), then HF's base-model
+    prefix (a head model's ``model.`` added to a base model's checkpoint, or dropped the other
+    way), as ``from_pretrained`` does. Returns key -> file, key -> shape, key -> the file's
+    key."""
+    def mapped(key: str) -> str:
+        for pattern, replacement in (key_mapping or {}).items():
+            key = re.sub(pattern, replacement, key)
+        return key
+    names = {mapped(k): k for k in shapes}
+    prefix = getattr(model, "base_model_prefix", "") or ""
+    if prefix and names:
+        model_has = any(k.startswith(prefix + ".") for k in state)
+        file_has = any(k.startswith(prefix + ".") for k in names)
+        if model_has and not file_has:  # a base model's checkpoint into a model with a head
+            names = {(f"{prefix}.{k}" if f"{prefix}.{k}" in state else k): v
+                     for k, v in names.items()}
+        elif file_has and not model_has:  # a head model's checkpoint into its base model
+            names = {(k[len(prefix) + 1:] if k.startswith(prefix + ".") else k): v
+                     for k, v in names.items()}
+    return ({k: files[v] for k, v in names.items()}, {k: shapes[v] for k, v in names.items()},
+            names)
 
 
 def _header(path: str) -> tuple[dict, int]:
@@ -83,28 +127,41 @@ class _File:
     tensor-parallel split of dim 1) reads its rows' range, then keeps its columns (a temporary
     of those rows: at most the tensor)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, mapped: bool = False):
         self.entries, self.start = _header(path)
-        self.file = open(path, "rb", buffering=0)
+        self.shapes = {k: tuple(e["shape"]) for k, e in self.entries.items()}
+        self.path, self.mapped, self.map, self.file = path, mapped, None, None
 
     def close(self) -> None:
-        self.file.close()
+        if self.file is not None:  # a mapping lives on while a piece views it (its own fd)
+            self.file.close()
+        self.file = self.map = None
 
-    def box(self, key: str, box: tuple) -> torch.Tensor:
+    def box(self, key: str, box: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """The box, as a mapped view where it can be one (see the module docstring) and the
+        caller wants ``dtype`` on ``device``; read into fresh memory otherwise."""
         entry = self.entries[key]
-        dtype, shape = _TORCH[entry["dtype"]], tuple(entry["shape"])
+        stored, shape = _TORCH[entry["dtype"]], tuple(entry["shape"])
         begin = self.start + entry["data_offsets"][0]
-        if not shape:
-            return self._read(torch.empty((), dtype=dtype), begin)
         box = tuple(box) + (slice(None),) * (len(shape) - len(box))
-        first, last, _ = box[0].indices(shape[0])
-        row = math.prod(shape[1:]) * dtype.itemsize
-        rows = self._read(torch.empty((max(last - first, 0),) + shape[1:], dtype=dtype),
-                          begin + first * row)
-        rest = box[1:]
-        if all(b.indices(n)[:2] == (0, n) for b, n in zip(rest, shape[1:])):
-            return rows
-        return rows[(slice(None),) + rest].clone()
+        first, last = box[0].indices(shape[0])[:2] if shape else (0, 1)
+        count = max(last - first, 0)
+        row = math.prod(shape[1:]) * stored.itemsize
+        whole_rows = all(b.indices(n)[:2] == (0, n) for b, n in zip(box[1:], shape[1:]))
+        offset = begin + first * row
+        if self.file is None:
+            self.file = open(self.path, "rb", buffering=0)
+        if (self.mapped and whole_rows and stored == dtype and device.type == "cpu"
+                and count * row > 0 and offset % stored.itemsize == 0):
+            if self.map is None:
+                self.map = mmap.mmap(self.file.fileno(), 0, access=mmap.ACCESS_COPY)
+            return torch.frombuffer(self.map, dtype=stored, count=count * row // stored.itemsize,
+                                    offset=offset).view(((count,) + shape[1:]) if shape else ())
+        rows = self._read(torch.empty(((count,) + shape[1:]) if shape else (), dtype=stored),
+                          offset)
+        if not whole_rows:
+            rows = rows[(slice(None),) + box[1:]].clone()
+        return rows.to(device=device, dtype=dtype)
 
     def _read(self, out: torch.Tensor, offset: int) -> torch.Tensor:
         view = memoryview(out.view(-1).view(torch.uint8).numpy())  # (a 0-dim one too)
@@ -119,6 +176,38 @@ class _File:
         return out
 
 
+class _TorchFile:
+    """A ``torch.save``d state dict (HF's ``pytorch_model.bin``): mapped by ``torch.load(...,
+    mmap=True)`` (no data read until sliced); ``box`` copies the slice, so no piece keeps the
+    file's mapping alive. A file of torch's old (not zip) format cannot be mapped: it is read
+    whole, once per rank."""
+
+    def __init__(self, path: str, mapped: bool = False):
+        try:
+            self.state = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        except RuntimeError:
+            self.state = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(self.state, dict):
+            raise ValueError(f"{path!r} holds a {type(self.state).__name__}, not a state dict")
+        self.state = {k: v for k, v in self.state.items() if isinstance(v, torch.Tensor)}
+        self.shapes = {k: tuple(v.shape) for k, v in self.state.items()}
+
+    def close(self) -> None:
+        self.state = {}
+
+    def box(self, key: str, box: tuple, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return self.state[key][tuple(box)].to(device=device, dtype=dtype, copy=True)
+
+
+def _source(path: str, mapped: bool = False):
+    """The reader of one weights file, by its kind (safetensors, or a torch.save'd dict)."""
+    with open(path, "rb") as f:
+        zipped = f.read(4) == b"PK\x03\x04"
+    if zipped or path.endswith((".bin", ".pt", ".pth")):
+        return _TorchFile(path, mapped)
+    return _File(path, mapped)
+
+
 def _agree(found: str | None, what: str) -> None:
     """Every rank's answer (None: fine), one all-gather; any rank's problem raises everywhere."""
     answers = all_gather(found) if world.get_world_size() > 1 else [found]
@@ -128,17 +217,21 @@ def _agree(found: str | None, what: str) -> None:
             f"rank {r}: {a}" for r, a in bad))
 
 
-def load_pretrained(model: torch.nn.Module, folder: str, *, strict: bool = True) -> torch.nn.Module:
-    """Load the HF safetensors folder ``folder`` into ``model`` (laid out already) by pieces;
-    returns ``model``. Every rank calls it. See the module docstring."""
+def load_pretrained(model: torch.nn.Module, folder: str, *, strict: bool = True,
+                    mmap: bool = True, key_mapping: dict | None = None) -> torch.nn.Module:
+    """Load the HF folder ``folder`` (safetensors, or ``pytorch_model.bin`` files; or one such
+    file) into ``model`` (laid out already) by pieces; returns ``model``. Every rank calls it.
+    ``mmap=False`` reads every piece into fresh memory rather than mapping the ones it can;
+    ``key_mapping`` renames the files' keys (regex -> replacement, HF's argument). See the
+    module docstring."""
+    state = model.state_dict(keep_vars=True)
     try:
         files = _files(str(folder))
-        shapes = _shapes(files)
+        files, shapes, file_keys = _renamed(files, _shapes(files), model, state, key_mapping)
         problem = None
-    except (OSError, ValueError, KeyError) as e:
-        files, shapes, problem = {}, {}, f"{type(e).__name__}: {e}"
+    except (OSError, ValueError, KeyError, RuntimeError, re.error) as e:
+        files, shapes, file_keys, problem = {}, {}, {}, f"{type(e).__name__}: {e}"
     _agree(problem, str(folder))
-    state = model.state_dict(keep_vars=True)
     wanted, seen = {}, set()
     for name, t in state.items():
         if id(t) in seen:
@@ -160,19 +253,20 @@ def load_pretrained(model: torch.nn.Module, folder: str, *, strict: bool = True)
         by_file.setdefault(files[name], []).append(name)
     with torch.no_grad():
         for path, names in by_file.items():
-            source = _File(path)
+            source = _source(path, mmap)
             try:
                 for name in names:
-                    _load_one(wanted[name], lambda box, name=name: source.box(name, box))
+                    _load_one(wanted[name], functools.partial(source.box, file_keys[name]))
             finally:
                 source.close()
     return model
 
 
 def _load_one(t: torch.Tensor, read) -> None:
-    """This rank's piece of ``t``: ``read(box)`` gives that box of the file's tensor."""
+    """This rank's piece of ``t``: ``read(box, dtype, device)`` gives that box of the file's
+    tensor."""
     if not isinstance(t, GlobalTensor):
-        _write(t, read(()).to(t.dtype))
+        _write(t, read((), t.dtype, t.device if not t.is_meta else torch.device("cpu")))
         return
     layout = t._layout
     if layout.is_partial:
@@ -183,7 +277,7 @@ def _load_one(t: torch.Tensor, read) -> None:
     if coord is None:  # a rank outside the tensor's placement holds nothing of it
         piece = torch.empty((0,) * t.dim(), dtype=t.dtype, device=device)
     else:
-        piece = read(tuple(layout.slices(coord))).to(device=device, dtype=t.dtype)
+        piece = read(tuple(layout.slices(coord)), t.dtype, torch.device(device))
     if t._local.is_meta:
         _materialize(t, GlobalTensor._make(piece.contiguous(), layout))
     else:

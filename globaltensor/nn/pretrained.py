@@ -12,7 +12,11 @@ rank without communication, so rank 0 writes the header first, then for each ten
 state dict's order every rank takes part in moving its full value to rank 0 (a redistribution
 to ``placement([0])``; nothing reaches the other ranks), rank 0 appends its bytes and drops it.
 Peak on any rank: its pieces plus the largest tensor. A tensor met twice (tied weights) is
-written once, under its first name (``from_pretrained`` ties it again).
+written once, under its first name (``from_pretrained`` ties it again). Each file is written
+beside its name and renamed over it when complete: a save that fails leaves the files before
+it, and a model loaded from the folder by mapping (``gt.nn.load_pretrained``) keeps the old
+bytes it maps. Weight files of an earlier save that this one did not write (other shard counts,
+the index) are removed, as HF does.
 """
 from __future__ import annotations
 
@@ -38,6 +42,8 @@ __all__ = ["full_state_dict", "save_pretrained", "save_by_pieces"]
 _DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16",
            torch.bfloat16: "BF16", torch.int64: "I64", torch.int32: "I32", torch.int16: "I16",
            torch.int8: "I8", torch.uint8: "U8", torch.bool: "BOOL"}
+_INDEX = "model.safetensors.index.json"
+_WEIGHTS = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors")
 _UNITS = {"B": 1, "KB": 10 ** 3, "MB": 10 ** 6, "GB": 10 ** 9, "KIB": 2 ** 10, "MIB": 2 ** 20,
           "GIB": 2 ** 30}
 
@@ -133,7 +139,8 @@ def save_by_pieces(state_dict: dict, directory: str, max_shard_size="50GB") -> l
     if writing:
         os.makedirs(directory, exist_ok=True)
     for group, file in zip(groups, names):
-        out = open(os.path.join(directory, file), "wb") if writing else None
+        path = os.path.join(directory, file)
+        out = open(path + ".partial", "wb") if writing else None
         try:
             if out is not None:
                 out.write(_header(group))
@@ -145,13 +152,30 @@ def save_by_pieces(state_dict: dict, directory: str, max_shard_size="50GB") -> l
         finally:
             if out is not None:
                 out.close()
-    if writing and n > 1:
+        if out is not None:
+            os.replace(path + ".partial", path)
+    if writing:
+        _replace_index(directory, names, groups, tensors)
+    return names
+
+
+def _replace_index(directory: str, names: list, groups: list, tensors: list) -> None:
+    """The index of a sharded save (none for one file), and the weight files an earlier save
+    left that this one did not write (HF's ``save_pretrained`` removes them too: a stale index
+    or shard would be read by the next load)."""
+    index_path = os.path.join(directory, _INDEX)
+    if len(names) > 1:
         index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for _, t in tensors)},
                  "weight_map": {name: file for group, file in zip(groups, names)
                                 for name, _ in group}}
-        with open(os.path.join(directory, "model.safetensors.index.json"), "w") as f:
+        with open(index_path + ".partial", "w") as f:
             json.dump(index, f, indent=2, sort_keys=True)
-    return names
+        os.replace(index_path + ".partial", index_path)
+    elif os.path.exists(index_path):
+        os.remove(index_path)
+    for old in os.listdir(directory):
+        if old not in names and _WEIGHTS.fullmatch(old):
+            os.remove(os.path.join(directory, old))
 
 
 def save_pretrained(method):

@@ -229,6 +229,109 @@ def test_load_pretrained_reads_pieces_of_an_hf_folder_into_a_meta_built_2x2_mode
             torch.testing.assert_close(params[n], p.detach(), atol=1e-5, rtol=1e-4, msg=n)
 
 
+def _mapped(t, folder) -> bool:
+    """Whether ``t``'s data lies in a mapping of a file of ``folder`` (/proc/self/maps)."""
+    address = t.data_ptr()
+    with open("/proc/self/maps") as f:
+        for line in f:
+            span, *_, path = line.split(maxsplit=5)
+            low, high = (int(x, 16) for x in span.split("-"))
+            if low <= address < high and path.strip().startswith(str(folder)):
+                return True
+    return False
+
+
+def test_pieces_map_the_file_copy_on_write_and_a_save_over_the_folder_is_safe(tmp_path):
+    """Split on dim 0 (fully_shard), each rank's pieces are private mappings of the files (as
+    from_pretrained's weights are): a step writes them without touching the files; saving the
+    trained model over the folder it maps (one file now, not three) replaces the files, removes
+    the stale shards and index, and one process loads the trained values; mmap=False reads
+    copies."""
+    import hashlib
+    transformers, config = _llama_config()
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path, max_shard_size="20KB")
+    digest = {f.name: hashlib.sha256(f.read_bytes()).hexdigest() for f in tmp_path.iterdir()}
+    ids = torch.randint(0, 64, (2, 8), generator=torch.Generator().manual_seed(1))
+
+    def body(rank, mapped):
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        line = gt.placement("cpu", [0, 1])
+        for layer in model.model.layers:
+            gt.nn.fully_shard(layer, line)
+        gt.nn.fully_shard(model, line)
+        gt.nn.load_pretrained(model, tmp_path, mmap=mapped)
+        kinds = {_mapped(p._local, tmp_path) for p in model.parameters()}
+        model.model.rotary_emb.to_empty(device="cpu")
+        model.model.rotary_emb.inv_freq.copy_(gt.tensor(
+            transformers.LlamaForCausalLM(config).model.rotary_emb.inv_freq, placement=line,
+            sbp=B))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        model(gt.tensor(ids, placement=line, sbp=S(0)), labels=gt.tensor(
+            ids, placement=line, sbp=S(0))).loss.backward()
+        opt.step()
+        unchanged = {f.name: hashlib.sha256(f.read_bytes()).hexdigest()
+                     for f in tmp_path.iterdir()} == digest
+        gt.comm.barrier()
+        if mapped:
+            model.save_pretrained(tmp_path)
+        return kinds, unchanged, {n: p.full_tensor() for n, p in model.named_parameters()}
+    copied = run_ranks(body, 2, False, timeout=120)
+    for kinds, unchanged, _ in copied:
+        assert kinds == {False} and unchanged
+    for kinds, unchanged, trained in run_ranks(body, 2, True, timeout=120):
+        assert kinds == {True} and unchanged
+        for n in trained:
+            assert torch.equal(trained[n], copied[0][2][n]), n
+    assert sorted(f.name for f in tmp_path.glob("model*")) == ["model.safetensors"]
+    again = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    for n, p in again.named_parameters():
+        assert torch.equal(p.detach(), trained[n]), n
+
+
+def test_load_pretrained_reads_torch_files_renamed_keys_and_a_base_models_checkpoint(tmp_path):
+    """HF's older folders (``pytorch_model.bin`` and its index, torch.save'd dicts) and a single
+    file load by pieces like safetensors; ``key_mapping`` renames a checkpoint's keys (HF's
+    argument); a base model's checkpoint (no ``model.`` prefix) loads into the head model, as
+    from_pretrained does. Each into a meta-built fully_shard'ed model on 2 ranks, every value
+    equal to the one saved."""
+    import json
+    transformers, config = _llama_config()
+    torch.manual_seed(0)
+    reference = transformers.LlamaForCausalLM(config)
+    full = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    legacy = tmp_path / "legacy"
+    legacy.mkdir()
+    names = sorted(full)
+    halves = {"pytorch_model-00001-of-00002.bin": names[:len(names) // 2],
+              "pytorch_model-00002-of-00002.bin": names[len(names) // 2:]}
+    for file, keys in halves.items():
+        torch.save({k: full[k] for k in keys}, legacy / file)
+    (legacy / "pytorch_model.bin.index.json").write_text(json.dumps(
+        {"weight_map": {k: f for f, keys in halves.items() for k in keys}}))
+    torch.save({k.replace("mlp.", "ffn."): v for k, v in full.items()}, tmp_path / "renamed.pt")
+    base = tmp_path / "base"
+    reference.model.save_pretrained(base)  # the base model's keys: no "model." prefix
+
+    def body(rank, where, key_mapping, head=True):
+        with torch.device("meta"):
+            model = (transformers.LlamaForCausalLM if head else transformers.LlamaModel)(config)
+        line = gt.placement("cpu", [0, 1])
+        gt.nn.fully_shard(model.get_decoder().layers[0], line)
+        gt.nn.fully_shard(model, line)
+        gt.nn.load_pretrained(model, where, key_mapping=key_mapping, strict=head)
+        return {n: p.full_tensor() for n, p in model.named_parameters()}
+    for where, mapping in ((legacy, None), (tmp_path / "renamed.pt", {r"\.ffn\.": ".mlp."})):
+        for values in run_ranks(body, 2, where, mapping, timeout=120):
+            for n, v in values.items():
+                assert torch.equal(v, full[n]), (where, n)
+    for values in run_ranks(body, 2, legacy, None, False, timeout=120):  # head's into the base
+        assert values and all(torch.equal(v, full["model." + n]) for n, v in values.items())
+    with pytest.raises(GlobalTensorError, match=r"missing keys \['lm_head.weight'\]"):
+        run_ranks(body, 2, base, None, timeout=120)  # the base's: all but the head found
+
+
 def test_load_pretrained_refuses_missing_extra_and_misshapen_keys_on_every_rank(tmp_path):
     transformers, config = _llama_config()
     torch.manual_seed(0)
@@ -248,7 +351,7 @@ def test_load_pretrained_refuses_missing_extra_and_misshapen_keys_on_every_rank(
     for which, words in (("missing", "missing keys ['extra']"),
                          ("shape", "model.layers.0.mlp.gate_proj.weight: the model's [96, 32], "
                                    "the file's [64, 32]"),
-                         ("folder", "is not a directory")):
+                         ("folder", "does not exist")):
         for message, untouched in run_ranks(body, 2, which, timeout=60):
             assert words in message and untouched, (which, message)
 
