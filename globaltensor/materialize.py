@@ -11,11 +11,13 @@ from .layout import Layout
 from .world import world
 
 
-def meta_piece(layout: Layout, dtype: torch.dtype) -> torch.Tensor:
-    """This rank's piece of ``layout`` on the meta device (an empty one outside the placement)."""
+def meta_piece(layout: Layout, like: torch.Tensor) -> torch.Tensor:
+    """This rank's piece of ``layout`` on the meta device (an empty one outside the placement),
+    of ``like``'s dtype and made from it (``new_empty``: in gt.simulate a piece made from a
+    tensor without data holds none either, sim/no_data.py)."""
     coord = layout.placement.coord_of(world.get_rank())
     shape = layout.local_shape(coord) if coord is not None else (0,) * len(layout.shape)
-    return torch.empty(shape, dtype=dtype, device="meta")
+    return like.new_empty(shape, device="meta")
 
 
 def meta_message(what: str, name: str, t: torch.Tensor) -> str:

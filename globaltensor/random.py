@@ -125,11 +125,23 @@ def _advance(numel: int) -> tuple[int, int]:
     return state.seed, offset
 
 
+def _no_data(device) -> bool:
+    return device is not None and torch.device(device).type == "meta"
+
+
+def _without_values(layout: Layout, coord, dtype, device) -> torch.Tensor:
+    """The piece at ``coord`` (empty outside the placement) with no values drawn: outside the
+    placement, or on the meta device (a piece without data, as every piece in gt.simulate),
+    where the counters are taken alike and no value is computed."""
+    shape = (0,) * layout.ndim if coord is None else layout.local_shape(coord)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 def uniform_piece(layout: Layout, coord, dtype=torch.float32, device=None) -> torch.Tensor:
     """The piece at ``coord`` of a global U[0, 1) tensor with ``layout``; advances the generator."""
     seed, offset = _advance(layout.numel())
-    if coord is None:
-        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    if coord is None or _no_data(device):
+        return _without_values(layout, coord, dtype, device)
     u = _uniform_from_bits(_bits(layout, coord, 0, offset, seed), dtype)
     return u.to(device) if device is not None else u
 
@@ -137,8 +149,8 @@ def uniform_piece(layout: Layout, coord, dtype=torch.float32, device=None) -> to
 def normal_piece(layout: Layout, coord, dtype=torch.float32, device=None) -> torch.Tensor:
     """The piece at ``coord`` of a global N(0, 1) tensor (Box-Muller over two counter streams)."""
     seed, offset = _advance(layout.numel())
-    if coord is None:
-        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    if coord is None or _no_data(device):
+        return _without_values(layout, coord, dtype, device)
     u1 = _uniform_from_bits(_bits(layout, coord, 1, offset, seed), torch.float64)
     u2 = _uniform_from_bits(_bits(layout, coord, 2, offset, seed), torch.float64)
     z = torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2.0 * math.pi * u2)
@@ -149,8 +161,8 @@ def normal_piece(layout: Layout, coord, dtype=torch.float32, device=None) -> tor
 def randint_piece(low: int, high: int, layout: Layout, coord, dtype=torch.int64, device=None):
     """The piece at ``coord`` of a global tensor of integers uniform in [low, high)."""
     seed, offset = _advance(layout.numel())
-    if coord is None:
-        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    if coord is None or _no_data(device):
+        return _without_values(layout, coord, dtype, device)
     u = _uniform_from_bits(_bits(layout, coord, 3, offset, seed), torch.float64)
     v = (low + torch.floor(u * (high - low))).clamp_(max=high - 1).to(dtype)
     return v.to(device) if device is not None else v
@@ -162,8 +174,8 @@ def permutation_piece(n: int, layout: Layout, coord, dtype=torch.int64, device=N
     stable argsort of ``n`` counter-based keys (global positions 0..n-1), and keeps its piece:
     O(n log n) on every rank, the same permutation whatever the layout."""
     seed, offset = _advance(n)
-    if coord is None:
-        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    if coord is None or _no_data(device):
+        return _without_values(layout, coord, dtype, device)
     keys = _mix(torch.arange(n, dtype=torch.int64) + offset + _stream_key(seed, 4))
     perm = torch.argsort(keys, stable=True)[layout.slices(coord)].to(dtype)
     return perm.to(device) if device is not None else perm

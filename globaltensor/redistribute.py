@@ -40,7 +40,7 @@ def redistribute_local(local: torch.Tensor, src: Layout, dst: Layout) -> torch.T
     if src == dst:
         return local
     if local.is_meta and not simulated():
-        return meta_piece(dst, local.dtype)
+        return meta_piece(dst, local)
     if _debug.is_debug():  # named by the user's call (item(), print, aten.mm...): see debug.py
         check(_debug.user_call(2) or "redistribute", source=src, target=dst, dtype=local.dtype)
     if watching():  # gt.comm_trace() or torch.profiler: see observe.py

@@ -277,13 +277,15 @@ def full_to_global(full: torch.Tensor, placement: Placement, sbp, name) -> Globa
     """The full value on each rank -> global with ``sbp``; the first rank's values win. A meta
     tensor (a model built under ``torch.device("meta")``) becomes a global tensor with a meta
     piece: a layout only, no data and no communication (``to_empty`` allocates the pieces);
-    inside ``gt.simulate``, where every factory makes meta tensors, the real run's path."""
-    if full.is_meta and not simulated():  # (gt.simulate plays the real run's broadcast)
+    inside ``gt.simulate``, where every factory makes meta tensors, the path the real run
+    takes: that one for what the user built on meta, the broadcast for the rest."""
+    if full.is_meta and (not simulated() or observe.holds_no_data(full)):
+        # (gt.simulate plays the real run's broadcast of what holds data there)
         try:
             layout = Layout(placement, sbp, tuple(full.shape))
         except GlobalTensorError as e:
             raise GlobalTensorError(f"module.to_global: {name} of shape {list(full.shape)}: {e}") from None
-        return GlobalTensor._make(meta_piece(layout, full.dtype), layout)
+        return GlobalTensor._make(meta_piece(layout, full), layout)
     try:
         whole = full.to_global(placement=placement, sbp=replicated(placement.ndim))
         layout = Layout(placement, sbp, tuple(full.shape))

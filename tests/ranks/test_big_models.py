@@ -404,3 +404,31 @@ def test_the_meta_flow_runs_in_a_simulation_with_each_ranks_pieces():
         steps = 4 * len(list(model.parameters()))  # AdamW's step count: a float32 each
         assert sim.peak_bytes(rank, "optimizer") == 2 * pieces + steps, rank
         assert sim.peak_bytes(rank, "parameters") == pieces, (rank, pieces, total)
+
+
+def test_laid_out_inside_the_meta_context_the_simulation_equals_the_real_run():
+    """The layout done inside ``with torch.device("meta")`` (as well as after it), then
+    to_empty and init: the real run sends nothing until then, and the simulation records
+    nothing either (no metadata exchange, no broadcast: the real run makes meta pieces), with
+    the same peak as gt.memory() in the real processes."""
+    def flow():
+        with torch.device("meta"):
+            model = _lay_out(nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 8),
+                                           nn.LayerNorm(8)), "2x2")
+        model.to_empty(device="cpu")
+        gt.manual_seed(0)
+        for module in model.modules():
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+
+    def body(rank):
+        with gt.comm_trace() as trace, gt.memory() as mem:
+            flow()
+        return trace.counts(metadata=True), mem.peak_bytes()
+    real = run_ranks(body, 4, timeout=TIMEOUT)
+    with gt.simulate(4) as sim:
+        gt.init()
+        flow()
+    for rank, (counts, peak) in enumerate(real):
+        assert sim.collectives(rank, metadata=True) == {} and sum(counts.values()) == 0, counts
+        assert sim.peak_bytes(rank) == peak > 0, (rank, sim.peak_bytes(rank), peak)
