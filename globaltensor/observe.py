@@ -141,13 +141,14 @@ def redistribution(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     if row is not None:  # comm_trace's row; the wire's events of the plan's steps fill it
         row.moved(call, plan, local, rank)
     try:
-        if not _profiler._is_profiler_enabled:
-            result = run(plan, local, rank)
-        else:
-            with torch.profiler.record_function(
-                    f"gt.redistribute: {call}",
-                    f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
+        with counted_inside(watchers, "communication"):
+            if not _profiler._is_profiler_enabled:
                 result = run(plan, local, rank)
+            else:
+                with torch.profiler.record_function(
+                        f"gt.redistribute: {call}",
+                        f"{format_sbp(plan.src.sbp)} -> {format_sbp(plan.dst.sbp)}"):
+                    result = run(plan, local, rank)
     finally:
         if row is not None:
             row.moved_done()
@@ -156,6 +157,17 @@ def redistribution(run, plan, local: torch.Tensor, rank: int) -> torch.Tensor:
     if watchers is not None and watchers.verifier is not None:
         watchers.verifier.redistributed(call, plan, local, result)
     return result
+
+
+def counted_inside(watchers=None, kind: str = "activations"):
+    """A block inside an operator (its inputs' moves: ``kind`` communication; its kernel's own
+    torch calls): under ``gt.memory()`` what the torch calls in it make is counted too (the
+    moves' buffers, the kernels' temporaries, freed when the block ends), as the allocator
+    sees them."""
+    watchers = current() if watchers is None else watchers
+    if watchers is None or watchers.memory is None:
+        return contextlib.nullcontext()
+    return watchers.memory.counting(kind)
 
 
 def served_from_memo(plan, piece: torch.Tensor) -> None:

@@ -89,7 +89,7 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
     return x ^ _shr(x, 31)
 
 
-def _global_index(layout: Layout, coord) -> torch.Tensor:
+def _global_index(layout: Layout, coord, on=None) -> torch.Tensor:
     """Global linear indices (row-major) of the piece at ``coord``, shaped like the piece."""
     box = layout.box(coord)
     index = torch.zeros((), dtype=torch.int64)
@@ -98,7 +98,7 @@ def _global_index(layout: Layout, coord) -> torch.Tensor:
         a, b = box[d]
         shape = [1] * layout.ndim
         shape[d] = b - a
-        index = index + torch.arange(a, b, dtype=torch.int64).reshape(shape) * stride
+        index = index + torch.arange(a, b, dtype=torch.int64, device=on).reshape(shape) * stride
         stride *= layout.shape[d]
     return index.expand(tuple(b - a for a, b in box)) if layout.ndim else index
 
@@ -107,8 +107,8 @@ def _stream_key(seed: int, stream: int) -> torch.Tensor:
     return _mix(torch.tensor(_signed((seed + stream * 0x9E3779B97F4A7C15) & _MASK64), dtype=torch.int64))
 
 
-def _bits(layout: Layout, coord, stream: int, offset: int, seed: int) -> torch.Tensor:
-    return _mix(_global_index(layout, coord) + offset + _stream_key(seed, stream))
+def _bits(layout: Layout, coord, stream: int, offset: int, seed: int, on=None) -> torch.Tensor:
+    return _mix(_global_index(layout, coord, on) + offset + _stream_key(seed, stream))
 
 
 def _uniform_from_bits(bits: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -125,34 +125,28 @@ def _advance(numel: int) -> tuple[int, int]:
     return state.seed, offset
 
 
-def _no_data(device) -> bool:
-    return device is not None and torch.device(device).type == "meta"
-
-
-def _without_values(layout: Layout, coord, dtype, device) -> torch.Tensor:
-    """The piece at ``coord`` (empty outside the placement) with no values drawn: outside the
-    placement, or on the meta device (a piece without data, as every piece in gt.simulate),
-    where the counters are taken alike and no value is computed."""
-    shape = (0,) * layout.ndim if coord is None else layout.local_shape(coord)
-    return torch.empty(shape, dtype=dtype, device=device)
+def _on(device):
+    """Where the draw is computed: on the meta device for a piece without data (every piece
+    in gt.simulate: the same steps, no values computed), else on the CPU (then moved)."""
+    return "meta" if device is not None and torch.device(device).type == "meta" else None
 
 
 def uniform_piece(layout: Layout, coord, dtype=torch.float32, device=None) -> torch.Tensor:
     """The piece at ``coord`` of a global U[0, 1) tensor with ``layout``; advances the generator."""
     seed, offset = _advance(layout.numel())
-    if coord is None or _no_data(device):
-        return _without_values(layout, coord, dtype, device)
-    u = _uniform_from_bits(_bits(layout, coord, 0, offset, seed), dtype)
+    if coord is None:
+        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    u = _uniform_from_bits(_bits(layout, coord, 0, offset, seed, _on(device)), dtype)
     return u.to(device) if device is not None else u
 
 
 def normal_piece(layout: Layout, coord, dtype=torch.float32, device=None) -> torch.Tensor:
     """The piece at ``coord`` of a global N(0, 1) tensor (Box-Muller over two counter streams)."""
     seed, offset = _advance(layout.numel())
-    if coord is None or _no_data(device):
-        return _without_values(layout, coord, dtype, device)
-    u1 = _uniform_from_bits(_bits(layout, coord, 1, offset, seed), torch.float64)
-    u2 = _uniform_from_bits(_bits(layout, coord, 2, offset, seed), torch.float64)
+    if coord is None:
+        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    u1 = _uniform_from_bits(_bits(layout, coord, 1, offset, seed, _on(device)), torch.float64)
+    u2 = _uniform_from_bits(_bits(layout, coord, 2, offset, seed, _on(device)), torch.float64)
     z = torch.sqrt(-2.0 * torch.log1p(-u1)) * torch.cos(2.0 * math.pi * u2)
     z = z.to(dtype)
     return z.to(device) if device is not None else z
@@ -161,9 +155,9 @@ def normal_piece(layout: Layout, coord, dtype=torch.float32, device=None) -> tor
 def randint_piece(low: int, high: int, layout: Layout, coord, dtype=torch.int64, device=None):
     """The piece at ``coord`` of a global tensor of integers uniform in [low, high)."""
     seed, offset = _advance(layout.numel())
-    if coord is None or _no_data(device):
-        return _without_values(layout, coord, dtype, device)
-    u = _uniform_from_bits(_bits(layout, coord, 3, offset, seed), torch.float64)
+    if coord is None:
+        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    u = _uniform_from_bits(_bits(layout, coord, 3, offset, seed, _on(device)), torch.float64)
     v = (low + torch.floor(u * (high - low))).clamp_(max=high - 1).to(dtype)
     return v.to(device) if device is not None else v
 
@@ -174,9 +168,10 @@ def permutation_piece(n: int, layout: Layout, coord, dtype=torch.int64, device=N
     stable argsort of ``n`` counter-based keys (global positions 0..n-1), and keeps its piece:
     O(n log n) on every rank, the same permutation whatever the layout."""
     seed, offset = _advance(n)
-    if coord is None or _no_data(device):
-        return _without_values(layout, coord, dtype, device)
-    keys = _mix(torch.arange(n, dtype=torch.int64) + offset + _stream_key(seed, 4))
+    if coord is None:
+        return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
+    keys = _mix(torch.arange(n, dtype=torch.int64, device=_on(device)) + offset +
+                _stream_key(seed, 4))
     perm = torch.argsort(keys, stable=True)[layout.slices(coord)].to(dtype)
     return perm.to(device) if device is not None else perm
 

@@ -17,6 +17,7 @@ import warnings
 import torch
 from torch.utils._mode_utils import no_dispatch
 
+from .. import observe
 from ..world import world
 from ..world.simulated import simulated
 from .._cache import Bounded
@@ -43,8 +44,7 @@ def my_coord(placement):
 
 
 def _maybe_outside(piece) -> bool:
-    """A rank outside the placement holds (0,)*ndim pieces; a non-empty piece of ndim > 0 proves
-    this rank is inside, so the common case skips asking for the rank."""
+    """Outside the placement pieces are (0,)*ndim: a non-empty one of ndim > 0 proves inside."""
     return piece.numel() == 0 or piece.dim() == 0
 
 
@@ -96,7 +96,8 @@ class Plain:
                                 pieces, redistribute_local,
                                 lambda: empties(self.outs, pieces, kwargs))
             try:
-                result = KERNELS[self.kernel](ctx, largs, lkwargs)
+                with observe.counted_inside():
+                    result = KERNELS[self.kernel](ctx, largs, lkwargs)
             except Exception as error:  # noqa: BLE001 - _failed re-raises what is not local
                 result = self._failed(error, pieces)
         elif _maybe_outside(pieces[0]) and my_coord(self.placement) is None:
@@ -124,12 +125,11 @@ class Plain:
     def _failed(self, error, pieces):
         """The local op raised. If this rank holds an empty piece (an uneven split gave it none
         of a dim) and each result is an empty piece or a partial sum here, its results are
-        zeros of their local shapes (what the op gives where it accepts empty inputs: an empty
-        piece, or a partial sum of nothing) instead of an error on this rank alone; a result
-        that would hold values (B or S, non-empty) is never made up. Our own errors pass. Any
-        other failure may be this rank's alone (the meta run already checked shapes and
-        dtypes): with other ranks in the world it becomes the same ``LocalOpFailed`` on every
-        rank (runtime/failure.py), never a hang."""
+        zeros of their local shapes (what the op gives on empty inputs) instead of an error on
+        this rank alone; a result that would hold values (B or S, non-empty) is never made up.
+        Our own errors pass. Any other failure may be this rank's alone (the meta run checked
+        shapes and dtypes): with other ranks in the world it becomes the same
+        ``LocalOpFailed`` on every rank (runtime/failure.py), never a hang."""
         if isinstance(error, GlobalTensorError):
             raise error
         coord = my_coord(self.placement)

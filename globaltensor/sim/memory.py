@@ -36,23 +36,25 @@ a plain model's tensors that the block frees before it runs or steps the model (
 first: the last step's gradients) are not counted unless passed.
 
 Kinds: ``parameters`` (and buffers), ``gradients`` (a leaf's ``.grad``: a hook on the leaves
-found; gradients held back by ``set_requires_gradient_sync(False)``),
-``optimizer`` (the state an optimizer holds after its step, and the state found at the start;
-the step's temporaries are activations),
-``communication`` (buffers of collectives and gathered units) and ``activations`` (anything
-else: what forward saves, temporaries, inputs). A storage counted as ``activations`` that is
-then found as a module's parameter or buffer (a model built in the block) becomes
-``parameters``; other kinds stay as first counted or announced. The same accounting serves
-simulations, which start from nothing: there only what the block makes is counted.
+found; gradients held back by ``set_requires_gradient_sync(False)``), ``optimizer`` (the state
+an optimizer holds after its step, and the state found at the start; the step's temporaries
+are activations), ``communication`` (buffers of collectives and gathered units, and what an
+operator's moves of its inputs make while they run) and ``activations`` (anything else: what
+forward saves, temporaries, inputs, and what a global operator's kernel makes on its pieces
+before it returns). A storage counted as ``activations`` then found as a module's parameter
+or buffer (a model built in the block) becomes ``parameters``; other kinds stay as first
+counted or announced. Simulations, which start from nothing, count the same way.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 import weakref
 
 import numpy as np
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mode_stack
 import torch.utils._pytree as pytree
 
 from ..observe import current, reset, set_watchers
@@ -135,10 +137,11 @@ class MemoryTracker:
         storage = _storage(t)
         if storage is None or self.no_data.holds(storage):
             return
-        nbytes = None
+        nbytes, piece = None, getattr(t, "_local", t)
         if parts is not None and self.bytes_of is not None:
             nbytes = sum(self.bytes_of(p, None) for p in parts)
-        elif self.bytes_of is not None and id(storage) in self.live and _is_view_into(t, storage):
+        elif self.bytes_of is not None and id(storage) in self.live and \
+                piece.numel() * piece.element_size() < storage.nbytes():
             nbytes = self.live[id(storage)][1]  # a view of a buffer counted already: its weight
         self._set(t, storage, kind, nbytes)
 
@@ -165,12 +168,13 @@ class MemoryTracker:
         if storage is None or storage is _storage(source) or self.no_data.holds(storage):
             return
         exact = piece.numel() * piece.element_size() == storage.nbytes()
+        entry = self.live.get(id(storage))
+        kind = "activations" if entry is None or entry[0] == "communication" else entry[0]
         if self.ranks == 1 or not exact:
-            if id(storage) not in self.live:
-                self._set(piece, storage, "activations")
+            if entry is None or entry[0] != kind:  # (counted inside the move: its buffer)
+                self._set(piece, storage, kind)
             return
         from .ranks import piece_bytes
-        kind = self.live[id(storage)][0] if id(storage) in self.live else "activations"
         self._set(piece, storage, kind, piece_bytes(layout, piece.element_size(), self.ranks))
 
     def _freed(self, key: int) -> None:
@@ -190,6 +194,11 @@ class MemoryTracker:
             self.peak[higher] = total[higher]
             for k in KINDS:
                 self.at_peak[k][higher] = self.totals[k][higher]
+
+    def counting(self, kind: str):
+        """A block inside an operator: what its torch calls make counts as ``kind``."""
+        seen = not self.open or any(isinstance(m, _Mode) for m in _mode_stack())
+        return contextlib.nullcontext() if seen else _Mode(self, kind)
 
     # ---- the answers -----------------------------------------------------------------------
     def peak_bytes(self, kind: str | None = None, rank: int = 0) -> int:
@@ -399,23 +408,17 @@ def _distributed(t: torch.Tensor) -> bool:
     return dtensor is not None and isinstance(t, getattr(dtensor, "DTensor", ()))
 
 
-def _is_view_into(t: torch.Tensor, storage) -> bool:
-    """Whether ``t`` (a global tensor's piece) covers less than its storage."""
-    local = getattr(t, "_local", t)
-    return local.numel() * local.element_size() < storage.nbytes()
-
-
 class _Mode(TorchDispatchMode):
-    """Sees every operator's outputs (global tensors' at the global level) and counts them."""
+    """Counts every operator's outputs as ``kind`` (activations: the optimizer's state is
+    classified when its step ends); also inside operators (observe.counted_inside)."""
 
-    def __init__(self, tracker: MemoryTracker):
+    def __init__(self, tracker: MemoryTracker, kind: str = "activations"):
         super().__init__()
-        self.tracker = tracker
+        self.tracker, self.kind = tracker, kind
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        tracker = self.tracker
-        kind = "activations"  # the optimizer's state is classified when its step ends
+        tracker, kind = self.tracker, self.kind
         count = tracker.no_data.mark if tracker.no_data.made(args, kwargs, tracker.live) else \
             (lambda t: tracker.add(t, kind))
         for t in pytree.tree_leaves(out):
@@ -428,10 +431,9 @@ class _Mode(TorchDispatchMode):
 
 def _mb(n) -> str:
     n = int(n)
-    for unit, size in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10)):
-        if abs(n) >= size:
-            return f"{n / size:.2f} {unit}"
-    return f"{n} B"
+    unit, size = next(((u, b) for u, b in (("GiB", 2 ** 30), ("MiB", 2 ** 20), ("KiB", 2 ** 10))
+                       if abs(n) >= b), ("B", 1))
+    return f"{n} B" if size == 1 else f"{n / size:.2f} {unit}"
 
 
 def memory(*track) -> MemoryTracker:

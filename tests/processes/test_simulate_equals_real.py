@@ -26,11 +26,11 @@ from _common import allocation_peak  # noqa: E402 - the benchmarks' measure of t
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 # The simulation's peak equals gt.memory()'s in the same processes to the byte (HF Llama: 4%
-# apart); the allocator sees more, which no operator's output or redistribution accounts for
-# and which differs between identical ranks of one run (docs/simulate.md): on the 2x2 3-8% on
-# a quiet machine (the issue's 10%), 11.4% once under CI's load; the uneven 2x3 8-12%, HF Llama
-# 12-21% (2026-12-02). The allocator's share moves with the load, so the tests hold it to 15%.
-PEAK_TOLERANCE = 0.15
+# apart). gt.memory() counts what an operator's moves and kernels make while they run (their
+# buffers and temporaries) as the allocator sees them; what is left differs between identical
+# ranks of one run (timing): on the 2x2 3-5.5% (2026-12-02, quiet; 3-8% before that counting),
+# the uneven 2x3 3-11.5%, HF Llama 5-18.5% (12-21% before). The 2x2 is held to the issue's 10%.
+PEAK_TOLERANCE = 0.10
 
 
 class Block(torch.nn.Module):
@@ -160,7 +160,7 @@ def test_sdpa_transformer_with_megatron_tp_on_2x2_simulates_as_it_runs(monkeypat
 
 @pytest.mark.slow
 def test_sdpa_transformer_on_an_uneven_2x3_simulates_as_it_runs(monkeypatch):
-    _compare(transformer_job, ("2x3-uneven",), 6, monkeypatch, allocator_within=0.20)
+    _compare(transformer_job, ("2x3-uneven",), 6, monkeypatch, allocator_within=0.15)
 
 
 _LLAMA_TP = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
@@ -199,7 +199,7 @@ def test_hf_llama_tp_by_fully_shard_on_2x2_simulates_as_it_runs(monkeypatch):
     pytest.importorskip("transformers")
     # the peak's moment holds 34 KiB (4%) more activations in the real run than simulated,
     # each kind's own peak being equal: a tensor that lives longer there (not found yet)
-    real = _compare(llama_job, (), 4, monkeypatch, tracked_within=0.10, allocator_within=0.25)
+    real = _compare(llama_job, (), 4, monkeypatch, tracked_within=0.10, allocator_within=0.20)
     assert real[0][0].get("reduce_scatter", 0) > 0  # the units' gradients
 
 
