@@ -1,4 +1,7 @@
 """Shared by the benchmarks (benchmarks/ is on sys.path when a benchmark runs as a script)."""
+import contextlib
+import ctypes
+import os
 import time
 
 import torch
@@ -56,19 +59,57 @@ def bucketed_all_reduce(params, group):
     return reduce
 
 
-def allocation_peak(prof) -> int:
-    """The highest running sum of the allocator's events (allocations +, frees -) over the
-    profiled block: the peak above what was alive when it began."""
+@contextlib.contextmanager
+def allocator_profile():
+    """``torch.profiler.profile(profile_memory=True)`` over the block, with the CPU allocator
+    keeping its own total of live bytes across every thread. The profiler records an
+    allocation or a free only on the threads it profiles, and gloo's worker threads free what
+    a collective's work object held last (its inputs, a metadata exchange's buffers): those
+    frees are never recorded, so a sum of the events grows by them (3-14% on the simulation's
+    cases, differing between identical ranks). The allocator's total
+    (``FLAGS_caffe2_report_cpu_memory_usage``, a c10 flag: the reporter then counts frees on
+    every thread) is carried by every event as ``total_allocated``."""
+    from torch.profiler import ProfilerActivity, profile
+
+    flag = _report_cpu_memory_flag()
+    before, flag.value = flag.value, True
+    try:
+        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+            yield prof
+    finally:
+        flag.value = before
+
+
+def _report_cpu_memory_flag():
+    lib = ctypes.CDLL(os.path.join(os.path.dirname(torch.__file__), "lib", "libc10.so"))
+    return ctypes.c_bool.in_dll(lib, "FLAGS_caffe2_report_cpu_memory_usage")
+
+
+def _allocator_totals(prof) -> list[int]:
+    """The allocator's live total after each allocation event of the block, in time order,
+    measured from what was alive when it began."""
     from torch._C._profiler import _EventType
 
     events, stack = [], list(prof.profiler.kineto_results.experimental_event_tree())
     while stack:
         e = stack.pop()
         if e.typed[0] == _EventType.Allocation:
-            events.append((e.start_time_ns, e.typed[1].alloc_size))
+            events.append((e.start_time_ns, e.typed[1].alloc_size, e.typed[1].total_allocated))
         stack.extend(e.children)
-    running = peak = 0
-    for _, size in sorted(events):
-        running += size
-        peak = max(peak, running)
-    return peak
+    if not events:
+        return [0]
+    events.sort()
+    start = events[0][2] - events[0][1]
+    return [total - start for _, _, total in events]
+
+
+def allocation_peak(prof) -> int:
+    """The allocator's highest live total over a block profiled by ``allocator_profile()``,
+    above what was alive when it began."""
+    return max(0, max(_allocator_totals(prof)))
+
+
+def allocation_end(prof) -> int:
+    """What a block profiled by ``allocator_profile()`` left alive: the allocator's total at
+    its last event, above what was alive when it began."""
+    return _allocator_totals(prof)[-1]

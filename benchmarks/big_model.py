@@ -25,8 +25,8 @@ each flow runs in ``--world`` fresh processes (``gt.spawn``), every rank the sam
   ``HuggingFaceStorageWriter(save_distributed=True, enable_consolidation=True)`` (rank 0 writes
   one HF folder).
 
-Memory: the allocator's events (``torch.profiler(profile_memory=True)``; benchmarks/_common.py
-``allocation_peak``) from before the build, in three blocks: loading (build, layout, load),
+Memory: the allocator's live total (``torch.profiler(profile_memory=True)`` with the allocator
+counting frees on every thread; benchmarks/_common.py ``allocator_profile``) from before the build, in three blocks: loading (build, layout, load),
 training up to the optimizer's first step (forward, backward), and from it (the step, the save);
 each block's peak is added to what the blocks before it left alive. Printed per flow: the largest over ranks of each
 peak, against one full copy of the model and against the target (a rank's pieces plus twice the
@@ -52,7 +52,7 @@ os.environ.setdefault("KINETO_LOG_LEVEL", "5")  # the profiler's start/stop line
 import torch
 
 import globaltensor as gt
-from _common import allocation_peak  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import allocation_end, allocation_peak, allocator_profile  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 SEQ, BATCH = 32, 1  # a sequence per rank
 
@@ -63,24 +63,6 @@ def _config(args):
         vocab_size=args["vocab"], hidden_size=args["hidden"], intermediate_size=args["inter"],
         num_hidden_layers=args["layers"], num_attention_heads=16, num_key_value_heads=8,
         max_position_embeddings=SEQ, tie_word_embeddings=False)
-
-
-def _allocation_end(prof) -> int:
-    """What the profiled block left alive: allocations minus frees."""
-    from torch._C._profiler import _EventType
-
-    total, stack = 0, list(prof.profiler.kineto_results.experimental_event_tree())
-    while stack:
-        e = stack.pop()
-        if e.typed[0] == _EventType.Allocation:
-            total += e.typed[1].alloc_size
-        stack.extend(e.children)
-    return total
-
-
-def _profile():
-    from torch.profiler import ProfilerActivity, profile
-    return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
 
 
 def _rotary(model, config, device="cpu"):
@@ -114,7 +96,7 @@ def _flow(local_rank, name, args, folder, out):
     torch.set_num_threads(1)
     rank, world = gt.env.get_rank(), gt.env.get_world_size()
     config = _config(args)
-    with _profile() as before:
+    with allocator_profile() as before:
         if name == "old":
             dist.barrier()
             start = time.perf_counter()
@@ -154,16 +136,16 @@ def _flow(local_rank, name, args, folder, out):
             ids = gt.tensor(torch.cat([_ids(config, r) for r in range(world)]), placement=p,
                             sbp=gt.sbp.split(0))
     mapped = _mapped_bytes(model, folder)  # pieces that map the files: not the allocator's
-    loaded, left = allocation_peak(before) + mapped, _allocation_end(before) + mapped
+    loaded, left = allocation_peak(before) + mapped, allocation_end(before) + mapped
     dist.barrier()
     start = time.perf_counter()
-    with _profile() as training:
+    with allocator_profile() as training:
         loss = model(ids, labels=ids).loss
         loss.backward()
     peak_before = max(loaded, left + allocation_peak(training))
-    left += _allocation_end(training)
+    left += allocation_end(training)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
-    with _profile() as after:
+    with allocator_profile() as after:
         opt.step()
         step_s = time.perf_counter() - start
         opt.zero_grad()

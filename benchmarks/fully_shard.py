@@ -20,7 +20,8 @@ gloo processes (the order reversed every other step):
 barrier), the ratio to fsdp2, the loss of the first step (same data and initial values: they
 must agree; after every contender's steps on the same batches, the largest difference of a
 parameter from FSDP2's is printed too), and memory per rank on rank 0 over one step: the allocator's peak above the
-step's start from ``torch.profiler(profile_memory=True)``'s allocation events, and
+step's start (benchmarks/_common.py ``allocator_profile``: torch.profiler's memory events, the
+allocator counting frees on every thread), and
 ``gt.memory()``'s peak of live bytes above the start (every contender's model is alive in the
 process, so what was alive at the start is left out of both) with the highest of the
 ``communication`` kind (gathered units, collectives' buffers; FSDP2's count as activations).
@@ -36,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
-from _common import allocation_peak, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import allocation_peak, allocator_profile, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 VOCAB, SEQ, BATCH = 1024, 64, 2
@@ -191,8 +192,7 @@ def worker(local_rank, a):
             times[k].append(timed(lambda k=k: step(k, batches[1 + i % 3])))
     memory = {}
     for k in contenders:
-        from torch.profiler import ProfilerActivity, profile
-        with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        with allocator_profile() as prof:
             step(k, batches[1])
         with gt.memory() as mem:
             step(k, batches[1])

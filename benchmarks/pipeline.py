@@ -31,8 +31,7 @@ optimizer step) spread over the machine's cores: with fewer cores than ranks the
 bubble, bound the step (a rank waiting in a bubble frees its core for another); the first step's
 loss (the same data and initial values: they must agree; torch's is the mean of its
 per-micro-batch losses) and its difference from torch-1f1b's; on rank 0 (the first stage) the
-allocator's peak above the step's start from ``torch.profiler(profile_memory=True)``'s
-allocation events, over one whole step (the optimizer's peak, the same for every schedule), over
+allocator's peak above the step's start (benchmarks/_common.py ``allocator_profile``), over one whole step (the optimizer's peak, the same for every schedule), over
 its forwards and backwards alone (``zero_grad`` done, the optimizer not yet: the gradients,
 allocated at the first backward, plus what the schedule keeps), and the latter less this rank's
 gradients' bytes (the activations and temporaries; gt's include its copy of the batch,
@@ -55,7 +54,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import globaltensor as gt
-from _common import allocation_peak, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import allocation_peak, allocator_profile, timed  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 B = gt.sbp.broadcast
 
@@ -192,22 +191,17 @@ def worker(local_rank, a):
     for i in range(a.steps):
         for k in (names if i % 2 == 0 else names[::-1]):
             times[k].append(timed(lambda k=k: step(k, batches[1 + i % 3])))
-    from torch.profiler import ProfilerActivity, profile
-
-    def profiled():
-        return profile(activities=[ProfilerActivity.CPU], profile_memory=True)
-
     memory = {}
     for k in contenders:  # the whole step, then the pipeline's part alone (no optimizer)
         dist.barrier()
-        with profiled() as whole:
+        with allocator_profile() as whole:
             step(k, batches[1])
         dist.barrier()
         pipeline_part = []
 
         @contextlib.contextmanager
         def around():
-            with profiled() as prof:
+            with allocator_profile() as prof:
                 yield
             pipeline_part.append(prof)
 

@@ -25,7 +25,7 @@ import torch
 import torch.nn.functional as F
 
 import globaltensor as gt
-from _common import allocation_peak  # benchmarks/ is on sys.path when a benchmark runs as a script
+from _common import allocation_peak, allocator_profile  # benchmarks/ is on sys.path when a benchmark runs as a script
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 GRIDS = {"2x2": [[0, 1], [2, 3]], "2x3": [[0, 1, 2], [3, 4, 5]], "line4": [[0, 1, 2, 3]]}
@@ -71,10 +71,8 @@ def job(a) -> None:
 
 
 def worker(local_rank, a):
-    from torch.profiler import ProfilerActivity, profile
-
     torch.set_num_threads(1)
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+    with allocator_profile() as prof:
         with gt.comm_trace() as trace, gt.memory() as mem:
             job(a)
     return allocation_peak(prof), mem.peak_bytes(), trace.counts(), trace.bytes_per_rank

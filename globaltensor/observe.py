@@ -170,6 +170,25 @@ def counted_inside(watchers=None, kind: str = "activations"):
     return watchers.memory.counting(kind)
 
 
+def workspace(nbytes: int):
+    """A collective's backend holds a buffer of its own of ``nbytes`` from now (runtime/wire.py
+    ``Workspace``: gloo's): gt.memory counts it as communication until the call returned is
+    made. None where nobody counts memory."""
+    watchers = current()
+    if watchers is None or watchers.memory is None or not nbytes:
+        return None
+    return watchers.memory.workspace(nbytes)
+
+
+def backend_running():
+    """Inside: a collective's backend runs (its copies in and out of its own buffer), counted
+    by its workspace, not by gt.memory's operators."""
+    watchers = current()
+    if watchers is None or watchers.memory is None:
+        return contextlib.nullcontext()
+    return watchers.memory.backend()
+
+
 def served_from_memo(plan, piece: torch.Tensor) -> None:
     """An operator's move served from the memo of an earlier one (redistribute.moved): nothing
     is sent now (no trace record), but the communication policy hears of it: the op still
@@ -214,4 +233,4 @@ def storage_kind(t: torch.Tensor, kind: str, parts=None) -> None:
 
 __all__ = ["Watchers", "watching", "current", "watched", "set_watchers", "POLICIES", "plug",
            "redistribution", "served_from_memo", "sent", "comm_called", "holds_no_data",
-           "storage_kind"]
+           "storage_kind", "workspace", "backend_running"]

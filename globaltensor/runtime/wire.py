@@ -17,6 +17,8 @@ real world a meta piece holds no data and announces nothing either: :class:`NoDa
 announces a plan's step as one event. Outside plans (buckets, units, stages, metadata, the
 probe) a call on a simulated group announces and sends nothing: the other simulated ranks are
 taken to hold what this one holds (SPMD), which is what a metadata exchange then returns.
+A flat gather or reduce-scatter also tells gt.memory of gloo's own buffer beside it
+(:class:`Workspace`), in a real run and a simulation alike.
 """
 from __future__ import annotations
 
@@ -104,6 +106,56 @@ def _live(group) -> bool:
     return sends(group) and not (group is None and simulated())
 
 
+class Workspace:
+    """gloo's own buffer while a flat gather or reduce-scatter runs on CPU pieces (a copy of the
+    gathered output, of the reduced input; NCCL's run in place): gt.memory counts it as
+    communication from the call until its work is waited for (gloo's worker thread frees it when
+    done: at most that long), in a real run and a simulation alike. What gloo runs meanwhile on
+    this thread (its copies at the wait) is this buffer's, not counted again. ``wait()`` is the
+    collective's work's (a simulated one has none)."""
+
+    __slots__ = ("work", "done")
+
+    def __init__(self, work, done):
+        self.work, self.done = work, done
+
+    def wait(self, *timeout):
+        try:
+            if self.work is not None:
+                with observe.backend_running():
+                    self.work.wait(*timeout)
+        finally:
+            self.done()
+        return True
+
+
+def _workspace(t: torch.Tensor, ranks, nbytes: int):
+    """gt.memory's release call for gloo's buffer of ``nbytes`` beside ``t`` (None where nobody
+    counts memory or no gloo runs: pieces off the CPU; a simulation's, by the placement)."""
+    if t.is_meta:
+        on_cpu = simulated() and (not isinstance(ranks, Placement) or ranks.type == "cpu")
+    else:
+        on_cpu = t.device.type == "cpu"
+    return observe.workspace(nbytes) if on_cpu else None
+
+
+def _run(call, done, async_op: bool):
+    """``call()`` with gloo's buffer counted while it runs (``done``: its release): a sync
+    call's goes when it returns, an async one's at its work's wait (a :class:`Workspace`)."""
+    if done is None:
+        return call()
+    try:
+        with observe.backend_running():
+            work = call()
+    except BaseException:
+        done()
+        raise
+    if not async_op:
+        done()
+        return work
+    return Workspace(work, done)
+
+
 # --------------------------------------------------------------------------- calls outside plans
 # Each announces its event, then (unless its group is simulated) runs the collective; async_op
 # gives the work to wait for (None when nothing was sent).
@@ -112,22 +164,25 @@ def all_gather(out: torch.Tensor, send: torch.Tensor, group, why: Why, ranks, as
     """``out`` (flat) = every member's ``send`` in group rank order (their bytes: any dtype)."""
     n = _members(group)
     announce("all_gather", why, ranks, cost.gather_sent(n, _nbytes(send)), send.dtype)
+    done = _workspace(out, ranks, _nbytes(out))
     if not _live(group):
         if not out.is_meta:  # the other simulated ranks hold what this one holds
             out.view(n, -1).copy_(send.reshape(1, -1))
-        return None
+        return _run(lambda: None, done, async_op)
     if not out.numel():
         return None
-    return _GATHER(byte_view(out), byte_view(send), group=group, async_op=async_op)
+    return _run(lambda: _GATHER(byte_view(out), byte_view(send), group=group, async_op=async_op),
+                done, async_op)
 
 
 def reduce_scatter(out: torch.Tensor, send: torch.Tensor, group, why: Why, ranks, async_op=False):
     """``out`` = the sum over members of block ``g`` of ``send`` (flat) on group rank g."""
     n = _members(group)
     announce("reduce_scatter", why, ranks, cost.reduce_scatter_sent(n, _nbytes(out)), send.dtype)
+    done = _workspace(send, ranks, _nbytes(send)) if out.numel() else None
     if not _live(group) or not out.numel():
-        return None
-    return _SCATTER(out, send, group=group, async_op=async_op)
+        return _run(lambda: None, done, async_op)
+    return _run(lambda: _SCATTER(out, send, group=group, async_op=async_op), done, async_op)
 
 
 def all_reduce(t, group, why: Why, ranks, async_op=False, op=None, n=None, nbytes=None):
@@ -159,10 +214,11 @@ def all_gather_rows(mine: torch.Tensor, group, why: Why) -> torch.Tensor:
     ranks = (None if group is None else group.members if isinstance(group, SimulatedGroup)
              else tuple(dist.get_process_group_ranks(group)))
     n = _members(group)
-    if not _live(group):  # every simulated rank holds these rows: one copy, seen n times
-        announce("all_gather", why, ranks, cost.gather_sent(n, _nbytes(mine)), mine.dtype)
-        return mine.unsqueeze(0).expand((n,) + tuple(mine.shape))
     table = mine.new_empty((n,) + tuple(mine.shape))
+    if not _live(group):  # every simulated rank holds these rows (and gloo's buffer, a while)
+        announce("all_gather", why, ranks, cost.gather_sent(n, _nbytes(mine)), mine.dtype)
+        _run(lambda: None, _workspace(table, None, _nbytes(table)), False)
+        return table.copy_(mine.unsqueeze(0).expand((n,) + tuple(mine.shape)))
     if mine.numel():
         all_gather(table.view(-1), mine.reshape(-1), group, why, ranks)
     return table
@@ -345,6 +401,6 @@ class NoDataWire(SimulatedWire):
 
 
 __all__ = ["Why", "Sent", "announce", "axis_name", "all_gather", "reduce_scatter", "all_reduce",
-           "broadcast", "all_gather_rows", "all_gather_object", "broadcast_object",
+           "broadcast", "all_gather_rows", "Workspace", "all_gather_object", "broadcast_object",
            "point_to_point", "isend", "irecv", "EagerWire", "TracedWire", "SimulatedWire",
            "NoDataWire"]

@@ -7,6 +7,7 @@
     ranks.py      per-rank accounting: bytes of a layout's pieces on every rank, rank classes
     memory.py     gt.memory(): live tensor bytes by kind (this rank's in a real run, every
                   rank's in a simulation)
+    reach.py      what a gt.memory() block finds alive when it begins (frames, what it runs)
     no_data.py    what costs nothing: a real run's meta tensors; a simulation's user-made meta
                   tensors (a model built on meta) and what operators make from them alone
     knowable.py   values known without data (small integer aranges: positions) keep them;

@@ -28,18 +28,17 @@ from the moment it exists, or the block's start, until it is freed or resized:
   - what is passed, ``gt.memory(model, opt, x)``: modules, optimizers and tensors (or
     containers of them), global or not (``MemTracker.track_external``'s way).
 
-A meta tensor costs nothing (a model built on meta, until ``to_empty``; sim/no_data.py).
-A plain (not global) tensor that is only reachable from a frame is not counted: a one-process
-reference model held in ``main()``'s locals is not this rank's parameters unless the block runs
-it or it is passed. Like torch's ``MemTracker``, nothing else made before the block is seen:
-a plain model's tensors that the block frees before it runs or steps the model (``zero_grad()``
-first: the last step's gradients) are not counted unless passed.
+A meta tensor costs nothing (a model built on meta, until ``to_empty``; sim/no_data.py). A
+plain (not global) tensor only reachable from a frame is not counted: a one-process reference
+model in ``main()``'s locals is not this rank's parameters unless the block runs it or it is
+passed. Like torch's ``MemTracker``, nothing else made before the block is seen: a plain
+model's tensors freed before the block runs or steps it (``zero_grad()`` first) are not.
 
 Kinds: ``parameters`` (and buffers), ``gradients`` (a leaf's ``.grad``: a hook on the leaves
 found; gradients held back by ``set_requires_gradient_sync(False)``), ``optimizer`` (the state
 an optimizer holds after its step, and the state found at the start; the step's temporaries
-are activations), ``communication`` (buffers of collectives and gathered units, and what an
-operator's moves of its inputs make while they run) and ``activations`` (anything else: what
+are activations), ``communication`` (buffers of collectives and gathered units, gloo's own
+while it gathers or reduce-scatters, and what an operator's moves make while they run) and ``activations`` (anything else: what
 forward saves, temporaries, inputs, and what a global operator's kernel makes on its pieces
 before it returns). A storage counted as ``activations`` then found as a module's parameter
 or buffer (a model built in the block) becomes ``parameters``; other kinds stay as first
@@ -58,7 +57,7 @@ from torch.utils._python_dispatch import _get_current_dispatch_mode_stack as _mo
 import torch.utils._pytree as pytree
 
 from ..observe import current, reset, set_watchers
-from ..tensor import GlobalTensor
+from . import reach
 from .no_data import NoData, storage_of as _storage
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "communication")
@@ -81,6 +80,7 @@ class MemoryTracker:
         self.in_optimizer = 0
         self.open = False
         self.on_op = None  # called with (func, args, kwargs, out) after each operator
+        self.quiet = 0
         self.before = True  # count what was alive at the start (a simulation: False)
         self.track: tuple = ()  # what gt.memory(...) was passed: alive at the start
         self._handles: list = []
@@ -195,6 +195,20 @@ class MemoryTracker:
             for k in KINDS:
                 self.at_peak[k][higher] = self.totals[k][higher]
 
+    def workspace(self, nbytes: int):
+        """A collective's backend's own buffer (observe.workspace): counted until the call."""
+        self.totals["communication"] += nbytes
+        self._update("communication")
+        return lambda: self.totals["communication"].__isub__(nbytes)
+
+    @contextlib.contextmanager
+    def backend(self):
+        self.quiet += 1  # what the mode sees now is the backend's (observe.backend_running)
+        try:
+            yield
+        finally:
+            self.quiet -= 1
+
     def counting(self, kind: str):
         """A block inside an operator: what its torch calls make counts as ``kind``."""
         seen = not self.open or any(isinstance(m, _Mode) for m in _mode_stack())
@@ -251,10 +265,10 @@ class MemoryTracker:
         starts from nothing and counts only what the block makes)."""
         self.before = frame is not None
         if self.before:
-            self._scan(frame)
+            reach.scan(self, frame)
             seen: set[int] = set()
             for obj in self.track:
-                self._visit(obj, seen, "activations", 0, plain=True)
+                reach.visit(self, obj, seen, "activations", 0, plain=True)
         self.open = True
         self.at_start = {k: v.copy() for k, v in self.totals.items()}
         self.kind_peaks = {k: v.copy() for k, v in self.totals.items()}
@@ -317,95 +331,11 @@ class MemoryTracker:
         its submodules', its sharded units' pieces and buffers) are this rank's."""
         if module in self._used or not self._mine():
             return
-        self._visit_module(module, set(), 0, plain=True)
+        reach.visit_module(self, module, set(), 0, plain=True)
 
     def _gradient_ready(self, param: torch.Tensor) -> None:
         if self.open and param.grad is not None and self._mine():
             self.classify(param.grad, "gradients")
-
-    # ---- what was alive at the start ---------------------------------------------------------
-    def _scan(self, frame) -> None:
-        """The global tensors the calling frames reach (plain tensors there are not counted)."""
-        seen: set[int] = set()
-        while frame is not None:
-            for value in list(frame.f_locals.values()):
-                self._visit(value, seen, "activations", 0)
-            frame = frame.f_back
-
-    def _visit(self, obj, seen: set, kind: str, depth: int, plain: bool = False) -> None:
-        """Count the tensors ``obj`` holds as alive at the start: the global ones, and with
-        ``plain`` every one (what gt.memory(...) was passed, a module the block runs)."""
-        if id(obj) in seen or depth > 8:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            self._visit_tensor(obj, kind, plain)
-        elif isinstance(obj, torch.nn.Module):
-            self._visit_module(obj, seen, depth, plain)
-        elif isinstance(obj, torch.optim.Optimizer):
-            for state in obj.state.values():
-                self._visit(state, seen, "optimizer", depth + 1, plain)
-            for group in obj.param_groups:
-                self._visit(group.get("params", ()), seen, "parameters", depth + 1, plain)
-        elif isinstance(obj, dict):
-            for v in list(obj.values()):
-                self._visit(v, seen, kind, depth + 1, plain)
-        elif isinstance(obj, (list, tuple, set)):
-            for v in list(obj):
-                self._visit(v, seen, kind, depth + 1, plain)
-
-    def _visit_tensor(self, t: torch.Tensor, kind: str, plain: bool) -> None:
-        if not (plain or _distributed(t)):
-            return
-        if isinstance(t, torch.nn.Parameter) or (t.is_leaf and t.requires_grad):
-            self.found(t, "parameters")
-            if t.requires_grad and not self._hooks(t):  # a frozen one has no gradient
-                self._handles.append(t.register_post_accumulate_grad_hook(self._gradient_ready))
-            if t.grad is not None:
-                self.found(t.grad, "gradients")
-        else:
-            self.found(t, kind)
-
-    def _hooks(self, t: torch.Tensor) -> bool:
-        """Whether ``t`` has this block's gradient hook. Read from the tensor itself: a weak
-        reference to it would make ``torch.utils.swap_tensors`` refuse it (``to_empty``,
-        ``gt.nn.load_pretrained`` inside the block)."""
-        hooks = getattr(t, "_post_accumulate_grad_hooks", None) or {}
-        return any(h == self._gradient_ready for h in hooks.values())
-
-    def _visit_module(self, module: torch.nn.Module, seen: set, depth: int,
-                      plain: bool = False) -> None:
-        for sub in module.modules():
-            seen.add(id(sub))
-            if plain:
-                if sub in self._used:
-                    continue
-                self._used.add(sub)
-            unit = sub.__dict__.get("_gt_fsdp_unit")
-            params = list(sub._parameters.values())
-            if unit is not None:  # the pieces, whether the module holds them or gathered views
-                params += [p.sharded for p in unit.params]
-            for p in params:
-                if isinstance(p, torch.Tensor) and id(p) not in seen:
-                    seen.add(id(p))
-                    self._visit_tensor(p, "parameters", plain)
-            for b in sub._buffers.values():
-                if isinstance(b, torch.Tensor) and (plain or _distributed(b)):
-                    self.found(b, "parameters")
-            if unit is not None:
-                if unit.comm is not None and unit.comm.flat is not None:
-                    self.found(unit.comm.flat, "communication")
-                if unit.pending is not None:
-                    self.found(unit.pending, "gradients")
-
-
-def _distributed(t: torch.Tensor) -> bool:
-    """Whether ``t`` is a global tensor (or torch's DTensor, FSDP2's parameters): its storage
-    is this rank's piece by construction, so a frame that reaches it shows what the rank holds."""
-    if isinstance(t, GlobalTensor):
-        return True
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    return dtensor is not None and isinstance(t, getattr(dtensor, "DTensor", ()))
 
 
 class _Mode(TorchDispatchMode):
@@ -419,6 +349,8 @@ class _Mode(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
         tracker, kind = self.tracker, self.kind
+        if tracker.quiet:
+            return out
         count = tracker.no_data.mark if tracker.no_data.made(args, kwargs, tracker.live) else \
             (lambda t: tracker.add(t, kind))
         for t in pytree.tree_leaves(out):
