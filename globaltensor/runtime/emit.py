@@ -23,7 +23,7 @@ from ..world.simulated import simulated
 from .exchange import exchange_eager, exchange_traced
 from .failure import executor_failure
 from .guard import step_ranks, step_words
-from .layoutcheck import check_first_use
+from .layoutcheck import check_first_use, simulated_first_use
 from .wire import EagerWire, NoDataWire, SimulatedWire, TracedWire
 
 
@@ -117,6 +117,11 @@ class _Meta:
 
 class Simulated(_Meta, SimulatedWire):
     """``gt.simulate``: each step announced as the real run announces it, nothing sent."""
+
+    @staticmethod
+    def first_use_tag(plan, local: torch.Tensor, rank: int) -> int:
+        """The first-use check's records, as the real run's ranks exchange them."""
+        return simulated_first_use(plan, local)
 
 
 class NoData(_Meta, NoDataWire):

@@ -96,6 +96,22 @@ def check_first_use(plan, local: torch.Tensor, rank: int) -> int:
     return tag
 
 
+def simulated_first_use(plan, local: torch.Tensor) -> int:
+    """``gt.simulate``'s first use of ``plan``: the check's records announced for every rank of
+    its placements and its receive buffers made, as the real run's ranks make them (each sends
+    its record to every other and receives theirs); nothing is compared. Its data tag."""
+    word, record, tag, members = _WORDS.computed(plan, local.dtype, _describe)
+    seen = _seen_in_world()
+    if members is None or seen is None or word in seen:
+        return tag
+    seen.add(word)
+    wire.announce("send", wire.Why("layout check", "first use of a plan"), tuple(members),
+                  RECORD_BYTES * (len(members) - 1), torch.uint8)
+    received = [local.new_empty(RECORD_BYTES, dtype=torch.uint8) for _ in members[1:]]
+    del received
+    return tag
+
+
 def _seen_in_world() -> set | None:
     """This world's record (None without a world): an attribute read and a compare when the
     world is the one asked last (``world.cached_rank``'s way)."""

@@ -127,7 +127,7 @@ def _real_rank(local_rank, job, args):
         with allocator_profile() as prof:
             kept = job(*args)
     return (trace.counts(), trace.bytes_per_rank, held(*kept), mem.peak_bytes(),
-            allocation_peak(prof))
+            allocation_peak(prof), (trace.counts(metadata=True), trace.metadata_bytes))
 
 
 def _compare(job, args, world: int, monkeypatch, tracked_within: float = 0.0,
@@ -140,12 +140,17 @@ def _compare(job, args, world: int, monkeypatch, tracked_within: float = 0.0,
         kept = job(*args)
     figures = [(sim.collectives(r), sum(sim.comm_bytes(r).values()),
                 tuple(sim.live_bytes(r, k) for k in ("parameters", "gradients", "optimizer")),
-                sim.peak_bytes(r)) for r in range(world)]
+                sim.peak_bytes(r), (sim.collectives(r, metadata=True),
+                                    sum(sim.comm_bytes(r, metadata=True).values()) -
+                                    sum(sim.comm_bytes(r).values())))
+               for r in range(world)]
     del kept
-    for rank, ((counts, sent, pieces, tracked, peak), (s_counts, s_sent, s_pieces, s_peak)) in \
-            enumerate(zip(real, figures)):
+    for rank, ((counts, sent, pieces, tracked, peak, metadata),
+               (s_counts, s_sent, s_pieces, s_peak, s_metadata)) in enumerate(zip(real, figures)):
         assert s_counts == counts, (rank, s_counts, counts)
         assert s_sent == sent, (rank, s_sent, sent)
+        # the shape and layout exchanges and first-use checks too (comm_trace's metadata rows)
+        assert s_metadata == metadata, (rank, s_metadata, metadata)
         assert s_pieces == pieces, (rank, s_pieces, pieces)
         # gt.memory's rule, in the real run
         assert abs(s_peak - tracked) <= tracked_within * tracked, (rank, s_peak, tracked)
@@ -235,10 +240,10 @@ def test_a_pipeline_with_a_fully_sharded_stage_simulates_as_it_runs(monkeypatch)
             kept = pipeline_job()
         del kept
         for r in (rank, rank + 1):  # the ranks of the simulated rank's stage
-            counts, sent, _, _, _ = real[r]
+            counts, sent, _, _, _, _ = real[r]
             assert sim.collectives(r) == counts, (rank, r, sim.collectives(r), counts)
             assert sum(sim.comm_bytes(r).values()) == sent, (rank, r)
-        counts, sent, (params, grads, state), tracked, peak = real[rank]
+        counts, sent, (params, grads, state), tracked, peak, _ = real[rank]
         assert sim.live_bytes(rank, "parameters") == params, rank
         assert sim.live_bytes(rank, "gradients") == grads, rank
         # a simulation plays every stage, so AdamW also makes the other stage's 4 parameters'

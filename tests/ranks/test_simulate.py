@@ -169,19 +169,22 @@ def test_step_time_is_its_parts_summed_on_the_slowest_rank():
         "dp": 1e-3 + 4 * 16 * float32 / 1e6,  # then its 4 x 16 half
         "pair": 1e-3 + 2 * 4 * float32 / 1e6,
         # each to_global of a local tensor exchanges its piece's shape (check_meta): one
-        # all_gather of an int64 record of 83 numbers over the 4 ranks
-        "metadata": 3 * (1e-3 + 3 * 83 * 8 / 1e6)}, rel=1e-12)
+        # all_gather of an int64 record of 83 numbers over the 4 ranks; and the first use of
+        # each plan checks that its ranks agree: a 1 KiB record sent to each other rank of its
+        # placements (runtime/layoutcheck.py; two plans on the grid, one on the pair)
+        "metadata": 3 * (1e-3 + 3 * 83 * 8 / 1e6) + 2 * (1e-3 + 3 * 1024 / 1e6)
+        + (1e-3 + 1024 / 1e6)}, rel=1e-12)
     assert t.compute == 2 * 8 * 16 * 32 / 1e9
     assert t.total == math.fsum([*t.communication.values(), t.compute])  # exactly
     assert t.communication_total == math.fsum(t.communication.values())
     assert float(t) == t.total and f"{t:.6f}" == f"{t.total:.6f}"
     assert float(t) + 1 == t.total + 1  # arithmetic on the total as before
-    assert str(t) == ("step 11.4 ms on rank 2: compute 8.19 us, communication 11.4 ms "
-                      "(metadata 8.98 ms, tp 101 us, dp 1.26 ms, pair 1.03 ms)")
+    assert str(t) == ("step 21.5 ms on rank 2: compute 8.19 us, communication 21.5 ms "
+                      "(metadata 19.1 ms, tp 101 us, dp 1.26 ms, pair 1.03 ms)")
     assert "StepTime(total=" in repr(t)
     only_alpha = sim.step_time(alpha=1.0, bandwidth=float("inf"), flops=float("inf"))
-    assert only_alpha.communication == {"metadata": 3.0, "tp": 1.0, "dp": 1.0, "pair": 1.0}
-    assert only_alpha.total == sum(sim.collectives(2, metadata=True).values()) == 6
+    assert only_alpha.communication == {"metadata": 6.0, "tp": 1.0, "dp": 1.0, "pair": 1.0}
+    assert only_alpha.total == sum(sim.collectives(2, metadata=True).values()) == 9
     assert sum(sim.collectives(2).values()) == 3  # the model's data, as comm_trace counts it
     assert sim.step_time(alpha=0.0, bandwidth=1.0, flops=float("inf")).communication_total == \
         sum(sim.comm_bytes(2, metadata=True).values())  # over 1 B/s: the bytes rank 2 sends
