@@ -107,7 +107,8 @@ def simulated_first_use(plan, local: torch.Tensor) -> int:
     seen.add(word)
     wire.announce("send", wire.Why("layout check", "first use of a plan"), tuple(members),
                   RECORD_BYTES * (len(members) - 1), torch.uint8)
-    received = [local.new_empty(RECORD_BYTES, dtype=torch.uint8) for _ in members[1:]]
+    received = local.new_empty(RECORD_BYTES * (len(members) - 1), dtype=torch.uint8)
+    # the receive buffers, alive together (one of their bytes: a world's check makes thousands)
     del received
     return tag
 

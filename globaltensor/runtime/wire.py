@@ -215,10 +215,11 @@ def all_gather_rows(mine: torch.Tensor, group, why: Why) -> torch.Tensor:
              else tuple(dist.get_process_group_ranks(group)))
     n = _members(group)
     table = mine.new_empty((n,) + tuple(mine.shape))
-    if not _live(group):  # every simulated rank holds these rows (and gloo's buffer, a while)
+    if not _live(group):  # every simulated rank holds these rows: one copy, seen n times
         announce("all_gather", why, ranks, cost.gather_sent(n, _nbytes(mine)), mine.dtype)
-        _run(lambda: None, _workspace(table, None, _nbytes(table)), False)
-        return table.copy_(mine.unsqueeze(0).expand((n,) + tuple(mine.shape)))
+        _run(lambda: None, _workspace(table, None, _nbytes(table)), False)  # made, as gloo's
+        del table
+        return mine.unsqueeze(0).expand((n,) + tuple(mine.shape))
     if mine.numel():
         all_gather(table.view(-1), mine.reshape(-1), group, why, ranks)
     return table
