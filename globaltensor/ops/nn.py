@@ -7,6 +7,8 @@ a split of the weights' own dims gives partial sums (embedding's vocabulary) or 
 """
 from __future__ import annotations
 
+import math
+
 import torch
 
 from .rules import B, P, S, Call, Ref, Row, broadcasting, fit, repeat, sig
@@ -72,9 +74,13 @@ def convolution_backward(call: Call):
 
 
 def attention(nouts: int):
-    """``_scaled_dot_product_flash_attention_for_cpu`` (and its backward): batch or head split.
-    The mask broadcasts against the scores, (batch, heads, L, S): a mask with one head (or no
-    batch dims) stays whole on a head (or batch) split."""
+    """``_scaled_dot_product_flash_attention_for_cpu`` (and its backward): batch or head split,
+    or the queries' sequence split (docs/long_sequences.md): q (and the output, its log-sum-exp,
+    the gradient of the output) split on the sequence, k and v whole (the planner gathers them:
+    Llama 3's all-gather), the kernel masking each rank's rows at their global positions; the
+    backward's k and v gradients are then partial sums (each rank's rows' share). The mask
+    broadcasts against the scores, (batch, heads, L, S): a mask with one head (or no batch dims)
+    stays whole on a head (or batch) split, and is split on its rows with the queries."""
     def rule(call: Call):
         n = len(call.shapes)
         first = 1 if call.packet.endswith("_backward") else 0  # grad_out comes first
@@ -83,19 +89,74 @@ def attention(nouts: int):
         rows += [Row(repeat(n, S(d)), repeat(nouts, S(d)), "attention_pieces") for d in (0, 1)]
         mask = call.get("attn_mask")
         inputs = (mask.index,) if isinstance(mask, Ref) else ()
-        return broadcasting(rows, call.shapes, inputs=inputs, frame=q[:-1] + k[-2:-1])
+        if mask is None or inputs:  # (a mask that is not global: gathered rows only)
+            rows.append(_sequence_row(n, first, len(q) - 2))
+        # q @ k^T and p @ v: 4 flops per (query, key, feature) per head; backward about 2.5x
+        work = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1] * (2.5 if first else 1.0)
+        return broadcasting(rows, call.shapes, inputs=inputs, frame=q[:-1] + k[-2:-1],
+                            work=work)
     return rule
 
 
+def _sequence_row(n: int, first: int, seq: int) -> Row:
+    """q split on its sequence dim ``seq``, k and v whole; forward (q, k, v[, mask]) ->
+    (out, lse) split; backward (grad, q, k, v, out, lse[, mask]) -> (gq split, gk, gv partial)."""
+    if first == 0:
+        return Row((S(seq), B, B) + repeat(n - 3, S(seq)), (S(seq), S(seq)), "attention_pieces")
+    return Row((S(seq), S(seq), B, B, S(seq), S(seq)) + repeat(n - 6, S(seq)), (S(seq), P, P),
+               "attention_pieces")
+
+
 def _k_attention_pieces(ctx, largs, lkwargs):
-    """Attention on a batch or head split: where an uneven split leaves this rank no batch
-    entry or no head, zeros of its (empty) output shapes; torch's CPU kernel traps (SIGFPE)
-    on a piece with no head."""
+    """Attention on a batch, head or query-sequence split. Queries split on the sequence (their
+    rows [lo, hi) of the global L, the keys whole) are computed at their global positions: a
+    causal mask row lo + i sees keys j <= lo + i, so the keys from hi on (masked for every row
+    here) are left out, and the backward's k/v gradients are 0 there. Where an uneven split
+    leaves this rank no batch entry, head or row, zeros of its output shapes; torch's CPU
+    kernel traps (SIGFPE) on a piece with no head."""
     if ctx.coord is None:
         return ctx.empties()
-    if any(p is not None and p.numel() == 0 for p in ctx.pieces):
-        return ctx.zeros()
-    return ctx.func(*largs, **lkwargs)
+    first = 1 if ctx.call.packet.endswith("_backward") else 0
+    q, k = largs[first], largs[first + 1]
+    seq = q.dim() - 2
+    lo, hi = ctx.targets[first].box(ctx.coord)[seq]
+    if (lo, hi) == (0, ctx.targets[first].shape[seq]) or q.shape[seq] == 0 and k.numel() == 0:
+        if any(p is not None and p.numel() == 0 for p in ctx.pieces):
+            return ctx.zeros()
+        return ctx.func(*largs, **lkwargs)
+    return _attention_rows(ctx, largs, lkwargs, first, lo, hi)
+
+
+def _attention_rows(ctx, largs, lkwargs, first: int, lo: int, hi: int):
+    """The query rows [lo, hi) of attention over whole keys (see _k_attention_pieces)."""
+    q, k, v = largs[first:first + 3]
+    seq, keys = q.dim() - 2, k.shape[-2]
+    mask = ctx.arg(largs, lkwargs, "attn_mask")
+    scale = ctx.arg(largs, lkwargs, "scale")
+    dropout = ctx.arg(largs, lkwargs, "dropout_p", 0.0)  # (the CPU kernel refuses any but 0)
+    if ctx.arg(largs, lkwargs, "is_causal", False):
+        keys = min(hi, keys)
+        rows = torch.arange(lo, hi, device=q.device).unsqueeze(-1)
+        hidden = torch.arange(keys, device=q.device) > rows
+        causal = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
+        mask = causal.masked_fill_(hidden, float("-inf"))
+    elif mask is not None:
+        mask = mask[..., :keys]
+    empty = keys == 0 or any(p is not None and p.numel() == 0 for p in ctx.pieces)
+    k, v = k.narrow(-2, 0, keys), v.narrow(-2, 0, keys)
+    if first == 0:
+        if empty:
+            return ctx.zeros()
+        return ctx.func(q, k, v, dropout, False, attn_mask=mask, scale=scale)
+    grad, out, lse = largs[0], largs[4], largs[5]
+    if empty:  # no rows (or heads) here: no share of the k/v gradients
+        return torch.zeros_like(q), torch.zeros_like(largs[2]), torch.zeros_like(largs[3])
+    gq, gk, gv = ctx.func(grad, q, k, v, out, lse, dropout, False, attn_mask=mask, scale=scale)
+    full = largs[2].shape
+    if keys < full[-2]:
+        pad = [0, 0, 0, full[-2] - keys]
+        gk, gv = torch.nn.functional.pad(gk, pad), torch.nn.functional.pad(gv, pad)
+    return gq, gk, gv
 
 def pooling(spatial: int, linear: bool):
     """Pools (max, avg, adaptive; forward): a split of a leading (batch or channel) dim passes

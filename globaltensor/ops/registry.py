@@ -116,7 +116,7 @@ def rows_for(call: Call) -> Rule | None:
     check = rule.check
     if not rule.ragged and any(splits_unequal(r, call.shapes) for r in rows):
         check = _even_where_unequal(rule.check)
-    return Rule(rows, check)
+    return Rule(rows, check, work=rule.work)
 
 
 def tensor_slots(call: Call) -> tuple:
@@ -182,7 +182,7 @@ def _over_global_inputs(rule: Rule, call: Call) -> Rule:
     frames = rule.frames
     if frames is not None and len(frames) == len(slots):
         frames = tuple(f for f, k in zip(frames, keep) if k)
-    return Rule(tuple(rows), rule.check, frames, rule.ragged)
+    return Rule(tuple(rows), rule.check, frames, rule.ragged, rule.work)
 
 
 def _even_where_unequal(check):

@@ -81,16 +81,23 @@ class Rule:
 
     ``ragged``: the rows' kernel matches pieces of split dims of different sizes itself
     (embedding_bag's bags); otherwise such rows run only where each of those dims is cut
-    evenly (ops/pieces.py)."""
+    evenly (ops/pieces.py).
+
+    ``work``: the op's compute in flops, for an op whose compute outweighs what its rows send
+    (attention, quadratic in the sequence): a candidate then also costs the share of it each
+    rank computes (the whole, over the ranks its first output is split or partial along:
+    ``cost.FLOP`` seconds each), so that gathering every input to compute the whole op
+    everywhere, which sends least, does not win over splitting the work (docs/ops.md)."""
 
     rows: tuple
     check: Callable | None = None
     frames: tuple | None = None
     ragged: bool = False
+    work: float = 0.0
 
     def plus(self, rows) -> Rule:
         """The same rule with ``rows`` (written like its own) appended."""
-        return Rule(self.rows + tuple(rows), self.check, self.frames, self.ragged)
+        return Rule(self.rows + tuple(rows), self.check, self.frames, self.ragged, self.work)
 
 
 @memo(4096)
@@ -250,11 +257,11 @@ def aligned(value, shape, frame):
     return S(k)
 
 
-def broadcasting(rows, shapes, inputs=None, frame=None) -> Rule:
+def broadcasting(rows, shapes, inputs=None, frame=None, work: float = 0.0) -> Rule:
     """A rule whose ``rows`` split dims of ``frame`` (default: the broadcast shape of
     ``shapes``) for the inputs listed in ``inputs`` (indices; default: all), the others'
     rows being in their own dims."""
     frame = broadcast_shapes(shapes) if frame is None else tuple(frame)
     chosen = range(len(shapes)) if inputs is None else tuple(inputs)
     return Rule(tuple(rows), frames=tuple(frame if i in chosen else None
-                                          for i in range(len(shapes))))
+                                          for i in range(len(shapes))), work=work)

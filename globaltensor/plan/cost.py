@@ -44,6 +44,10 @@ DEFAULT = Costs(alpha=1e-5, beta=1e-10)
 # The figures in use, read at call time by every cost of the planner and the signature choice
 # (``cost.ALPHA``, never a copy bound by name): :func:`use` rebinds them.
 ALPHA, BETA, MEMORY, COPY = DEFAULT.alpha, DEFAULT.beta, DEFAULT.memory, DEFAULT.copy
+# Seconds per flop of an op's own compute, for the few rules that state it (``Rule.work``:
+# attention): 100 GFLOP/s, a CPU core's order; on every device it is far above what gathering
+# k and v costs per flop saved, which is all the choice needs of it.
+FLOP = 1e-11
 _CURRENT = DEFAULT
 # plans are searched for this item size (a Layout has no dtype); costs scale with it anyway
 SEARCH_ITEMSIZE = 4

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ...errors import GlobalTensorError
 from ...layout import Layout
 from ...plan import cost, cost_above, lower_bound, plan
-from ...sbp import PartialSum, SbpValue
+from ...sbp import Broadcast, PartialSum, SbpValue
 from .backward import backward_cost, backward_move, with_sbp
 from .candidates import (Table, axis_options, candidates, costing_nothing, outs_of, partial_count,
                          resolved_layouts, target_layouts)
@@ -110,7 +110,9 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
                 f"call has {len(layouts)} global tensor inputs; please report this")
     grid = layouts[0].placement.shape
     options = axis_options(rule, layouts, len(grid), fixed, free)
-    stay = _stay(rule, call, layouts, options)
+    # a candidate that moves nothing costs 0 and wins, unless the rule weighs its work: then
+    # keeping inputs as they are may mean computing the whole op on every rank
+    stay = None if rule.work else _stay(rule, call, layouts, options)
     if stay is not None and (not partial_count(stay.outs, grid)
                              or not any(math.prod(l.shape) for l in layouts)):
         # (one leaving partial sums may tie with one that resolves them: search; but where the
@@ -196,14 +198,15 @@ def _cost_further(rule, call, layouts, itemsizes, grads, free, table, entry, lim
         if rule.check is not None and not rule.check(
                 call, grid, tuple(zip(*(values for _, _, values, _ in combo))), outs):
             return None
-        terms = _terms(layouts, targets, itemsizes, outs, grads, free)
+        terms = _terms(layouts, targets, itemsizes, outs, grads, free, rule.work)
     else:  # then the plans, the largest bound first: one may be enough to rule it out
         terms = _exact_one(terms, layouts, targets, itemsizes, outs, limit)
     if any(not exact for _, exact, _, _ in terms):
         total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
         heapq.heappush(heap, (max(bound, total), partials, changed, index, terms, combo, resolved))
         return None
-    return _candidate_cost(layouts, targets, itemsizes, outs, grads, free), targets, outs, rows
+    return (_candidate_cost(layouts, targets, itemsizes, outs, grads, free, rule.work), targets,
+            outs, rows)
 
 
 
@@ -237,13 +240,14 @@ def _first(rule: Rule, call: Call, layouts, options) -> Choice | None:
 
 
 
-def _terms(layouts, targets, itemsizes, outs, grads, free) -> tuple:
+def _terms(layouts, targets, itemsizes, outs, grads, free, work=0.0) -> tuple:
     """The parts of a candidate's cost, each as (bound, exact?, input, backward?): the moves
     its inputs need (the planner's bound, or 0 for a free layout) and, for inputs that will
     get a gradient, the move that gradient needs in backward; and, exact from the start, one α
-    per partial sum the results leave (input -1)."""
-    owed = partial_count(outs, layouts[0].placement.shape)
-    terms = [(cost.ALPHA * owed, True, -1, False)] if owed else []
+    per partial sum the results leave and this rank's share of the op's ``work`` (input -1)."""
+    grid = layouts[0].placement.shape
+    owed = cost.ALPHA * partial_count(outs, grid) + _work_share(work, outs, grid)
+    terms = [(owed, True, -1, False)] if owed else []
     for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):
         if src == dst:
             continue
@@ -302,7 +306,7 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
             continue
         if fixed and outs[0] != layouts[fixed[0]].sbp:
             continue  # an in-place result must land in self's own layout
-        cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free)
+        cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free, rule.work)
         if math.isinf(cost):
             continue
         key = (cost, partial_count(outs, grid), sum(1 for s, t in zip(layouts, targets) if s != t),
@@ -313,14 +317,25 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
 
 
 
-def _candidate_cost(layouts, targets, itemsizes, outs, grads, free) -> float:
+def _work_share(work: float, outs, grid) -> float:
+    """Seconds of the op's ``work`` (flops) one rank computes: the whole over the ranks along
+    the axes its first output is split or partial on."""
+    if not work:
+        return 0.0
+    share = math.prod(n for n, v in zip(grid, outs[0]) if not isinstance(v, Broadcast))
+    return work * cost.FLOP / share
+
+
+def _candidate_cost(layouts, targets, itemsizes, outs, grads, free, work=0.0) -> float:
     """The moves the candidate's inputs need (and their gradients' in backward), plus one α per
     partial sum it leaves in its results: a reduction owed is at least one collective whenever
     it is paid, so keeping a sum partial is not free. It is what makes the choice follow the
     cost figures where a kept partial sum competes with a reduction now (a row-parallel
     weight's gradient: gather the weight and keep the activation's gradient partial, or
     all-reduce that gradient as Megatron does; the first where α is small)."""
-    total = cost.ALPHA * partial_count(outs, layouts[0].placement.shape) if layouts else 0.0
+    grid = layouts[0].placement.shape if layouts else ()
+    total = cost.ALPHA * partial_count(outs, grid) + _work_share(work, outs, grid) \
+        if layouts else 0.0
     pending = frozenset(a for layout in layouts for a, v in enumerate(layout.sbp)
                         if isinstance(v, PartialSum))
     for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):

@@ -1,0 +1,105 @@
+"""Attention over a split sequence (issue 55, item 1; docs/long_sequences.md): the queries stay
+split on the sequence, k and v are gathered (Llama 3's all-gather), each rank's rows are masked
+at their global positions; forward and backward equal one process, causal, full and with an
+additive mask, on even and uneven splits, on a line and on a 2x2 (dp, cp) grid; unmodified HF
+Llama trains on a sequence split by its layout alone."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import globaltensor as gt
+from globaltensor.testing import run_ranks
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+TIMEOUT = 120
+LINE = gt.placement("cpu", [0, 1, 2, 3], axes=("cp",))
+GRID = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "cp"))
+
+
+def _inputs(length: int, masked: bool):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 4, length, 8, generator=g) for _ in range(3))
+    mask = torch.randn(2, 1, length, length, generator=g) if masked else None
+    return q, k, v, mask
+
+
+@pytest.mark.parametrize("length", [256, 250], ids=["even", "uneven"])
+@pytest.mark.parametrize("causal,masked", [(True, False), (False, False), (False, True)],
+                         ids=["causal", "full", "additive-mask"])
+def test_attention_over_a_split_sequence_equals_one_process(length, causal, masked):
+    q, k, v, mask = _inputs(length, masked)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=causal, attn_mask=mask)
+    ref.square().sum().backward()
+
+    def body(rank):
+        ins = [t.to_global(LINE, B).to_global(sbp=S(2)).requires_grad_() for t in (q, k, v)]
+        m = None if mask is None else mask.to_global(LINE, B).to_global(sbp=S(2))
+        with gt.comm_trace() as trace:
+            out = F.scaled_dot_product_attention(*ins, is_causal=causal, attn_mask=m)
+            out.square().sum().backward()
+        forward = [r for r in trace.records if "backward" not in r.op and "flash" in r.op]
+        return (out.full_tensor(), [t.grad.full_tensor() for t in ins], out.sbp,
+                [tuple(r.target.sbp) for r in forward])
+    for out, grads, sbp, moved in run_ranks(body, 4, timeout=TIMEOUT):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        for got, want in zip(grads, leaves):
+            torch.testing.assert_close(got, want.grad, atol=1e-4, rtol=1e-4)
+        assert sbp == (S(2),)  # the output stays split on the sequence
+        assert moved == [(B,), (B,)]  # only k and v were gathered (the mask came split)
+
+
+def test_a_2x2_grid_of_data_and_sequence_splits_equals_one_process():
+    # (at 128 positions the whole attention is cheaper to compute on every rank of "cp" than
+    # the k/v gradients' reduce-scatters: the choice weighs its work, docs/long_sequences.md)
+    q, k, v, _ = _inputs(512, False)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    ref.square().sum().backward()
+
+    def body(rank):
+        ins = [t.to_global(GRID, (B, B)).to_global(sbp=(S(0), S(2))).requires_grad_()
+               for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*ins, is_causal=True)
+        out.square().sum().backward()
+        return out.full_tensor(), [t.grad.full_tensor() for t in ins], out.sbp
+    for out, grads, sbp in run_ranks(body, 4, timeout=TIMEOUT):
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        for got, want in zip(grads, leaves):
+            torch.testing.assert_close(got, want.grad, atol=1e-4, rtol=1e-4)
+        assert sbp == (S(0), S(2))
+
+
+def test_hf_llama_trains_on_a_sequence_split_by_its_layout_alone():
+    """A tiny HF Llama (sdpa, grouped-query: 4 heads over 2 key heads), a sequence of 256 split
+    over 4 ranks, HF's own loss: loss and gradients equal one process; what is gathered is the
+    key and value heads (2 per layer forward), never the hidden states."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config)
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(1))
+    loss = ref(ids, labels=ids).loss
+    loss.backward()
+    state = ref.state_dict()
+
+    def body(rank):
+        model = transformers.LlamaForCausalLM(config)
+        model.load_state_dict(state)
+        model.to_global(LINE)
+        x = ids.to_global(LINE, B).to_global(sbp=S(1))
+        with gt.comm_trace() as trace:
+            out = model(x, labels=x).loss
+            out.backward()
+        gathered = [tuple(r.target.shape) for r in trace.records
+                    if any(c == "all_gather" for c in r.collectives) and r.op != "gradient sync"]
+        grads = {n: p.grad.full_tensor() for n, p in model.named_parameters()}
+        return out.full_tensor().item(), grads, gathered
+    for got, grads, gathered in run_ranks(body, 4, timeout=TIMEOUT):
+        assert abs(got - loss.item()) < 1e-5
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+        assert gathered == [(1, 2, 256, 16)] * 4, gathered
