@@ -2,7 +2,8 @@
 split on the sequence, k and v are gathered (Llama 3's all-gather), each rank's rows are masked
 at their global positions; forward and backward equal one process, causal, full and with an
 additive mask, on even and uneven splits, on a line and on a 2x2 (dp, cp) grid; unmodified HF
-Llama trains on a sequence split by its layout alone."""
+Llama trains on a sequence split by its layout alone, also on packed documents (position ids
+restarting per document: HF's own document mask) and beside data and tensor parallelism."""
 import pytest
 import torch
 import torch.nn.functional as F
@@ -103,3 +104,90 @@ def test_hf_llama_trains_on_a_sequence_split_by_its_layout_alone():
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
         assert gathered == [(1, 2, 256, 16)] * 4, gathered
+
+
+_TP = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
+       "*.gate_proj": "colwise", "*.up_proj": "colwise", "*.o_proj": "rowwise",
+       "*.down_proj": "rowwise"}
+
+
+@pytest.mark.parametrize("kind", ["cp", "dp-cp", "cp-tp"])
+def test_hf_llama_on_packed_documents_over_a_split_sequence_equals_one_process(kind):
+    """Three documents of 100, 80 and 76 tokens packed in each 256-token sequence (position ids
+    restarting per document, ``use_cache=False``: HF then masks attention to each document), the
+    sequence split over "cp": on a line of 4, on a (dp, cp) grid with 2 sequences split on "dp",
+    on a (cp, tp) grid with Megatron TP on "tp". HF's loss and every gradient equal one process
+    (the stacks torch's context_parallel serves give a wrong loss here: issue 55)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config)
+    batch = 1 if kind == "cp" else 2
+    ids = torch.randint(0, 128, (batch, 256), generator=torch.Generator().manual_seed(1))
+    pos = torch.cat([torch.arange(n) for n in (100, 80, 76)]).repeat(batch, 1)
+    loss = ref(ids, labels=ids, position_ids=pos, use_cache=False).loss
+    loss.backward()
+    unpacked = transformers.LlamaForCausalLM(config)
+    unpacked.load_state_dict(ref.state_dict())
+    assert abs(unpacked(ids, labels=ids).loss.item() - loss.item()) > 1e-4  # the mask matters
+    state = ref.state_dict()
+
+    def body(rank):
+        model = transformers.LlamaForCausalLM(config)
+        model.load_state_dict(state)
+        if kind == "cp":
+            grid, sbp = LINE, (S(1),)
+            model.to_global(grid)
+        elif kind == "dp-cp":
+            grid, sbp = GRID, (S(0), S(1))
+            model.to_global(grid)
+        else:
+            grid, sbp = gt.placement("cpu", [[0, 1], [2, 3]], axes=("cp", "tp")), (S(1), B)
+            styles = {"colwise": gt.nn.colwise("tp"), "rowwise": gt.nn.rowwise("tp")}
+            model.to_global(grid, gt.nn.sbp_plan({k: styles[v] for k, v in _TP.items()}))
+        whole = (B,) * grid.ndim
+        x = ids.to_global(grid, whole).to_global(sbp=sbp)
+        p = pos.to_global(grid, whole).to_global(sbp=sbp)
+        out = model(x, labels=x, position_ids=p, use_cache=False).loss
+        out.backward()
+        return out.full_tensor().item(), {n: q.grad.full_tensor()
+                                          for n, q in model.named_parameters()}
+    for got, grads in run_ranks(body, 4, timeout=TIMEOUT):
+        assert abs(got - loss.item()) < 1e-5, (got, loss.item())
+        for name, q in ref.named_parameters():
+            torch.testing.assert_close(grads[name], q.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_a_rank_without_tokens_takes_part_and_a_wrong_mask_is_an_error_on_every_rank():
+    """3 positions over 4 ranks: the rank without a row gives an empty piece and no share of the
+    k/v gradients, and the result is one process's (docs/long_sequences.md: allowed, as every
+    uneven split is). A mask whose key dim does not match: a GlobalTensorError on every rank."""
+    q, k, v = (torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(i))
+               for i in range(3))
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
+    ref.sum().backward()
+
+    def body(rank):
+        ins = [t.to_global(LINE, B).to_global(sbp=S(2)).requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*ins, is_causal=True)
+        out.sum().backward()
+        bad = torch.zeros(1, 1, 3, 2).to_global(LINE, B).to_global(sbp=S(2))
+        with pytest.raises(gt.GlobalTensorError, match="must match the size"):
+            F.scaled_dot_product_attention(*ins, attn_mask=bad)
+        return out.full_tensor(), [t.grad.full_tensor() for t in ins], out._local.shape[2]
+    # a network this fast makes even 3 positions worth splitting (the built-in figures compute
+    # so small an attention whole on every rank)
+    before = gt.set_costs(alpha=1e-12, beta=1e-15)
+    try:
+        results = run_ranks(body, 4, timeout=TIMEOUT)
+    finally:
+        gt.set_costs(costs=before)
+    assert sorted(r[2] for r in results) == [0, 1, 1, 1]
+    for out, grads, _ in results:
+        torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
+        for got, want in zip(grads, leaves):
+            torch.testing.assert_close(got, want.grad, atol=1e-5, rtol=1e-5)
