@@ -191,3 +191,87 @@ def test_a_rank_without_tokens_takes_part_and_a_wrong_mask_is_an_error_on_every_
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         for got, want in zip(grads, leaves):
             torch.testing.assert_close(got, want.grad, atol=1e-5, rtol=1e-5)
+
+
+def test_gt_simulate_counts_a_sequence_split_step_as_it_runs():
+    """gt.simulate of the HF Llama step over a split sequence: per rank the collectives and
+    bytes gt.comm_trace records in the real run, the peak within 10% of gt.memory()'s (the
+    thread-ranks' peaks differ among themselves by a few percent: their frees come from other
+    threads)."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+
+    def job():
+        gt.init()
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config)
+        model.to_global(LINE)
+        ids = gt.randint(0, 128, (1, 256), placement=LINE, sbp=S(1))
+        model(ids, labels=ids).loss.backward()
+
+    def body(rank):
+        with gt.comm_trace() as trace, gt.memory() as mem:
+            job()
+        return trace.counts(), trace.bytes_per_rank, mem.peak_bytes()
+    real = run_ranks(body, 4, timeout=TIMEOUT)
+    with gt.simulate(4) as sim:
+        job()
+    for rank, (counts, sent, peak) in enumerate(real):
+        assert sim.collectives(rank) == counts, rank
+        assert sum(sim.comm_bytes(rank).values()) == sent, rank
+        assert abs(sim.peak_bytes(rank) - peak) <= 0.10 * peak, (rank, sim.peak_bytes(rank), peak)
+    assert real[0][0].get("all_gather", 0) == 4  # each layer's k and v heads
+
+
+@pytest.mark.parametrize("family", ["llama", "gpt2"])
+def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family):
+    """HF Llama and GPT-2 (sdpa, tiny widths), one sequence of 1,024 tokens split over 4 ranks,
+    three AdamW steps: the losses and the parameters after them equal one process. (GPT-2 at
+    this length takes the heads split by all-to-all, Ulysses' way, where it costs less than
+    gathering k and v: either way is exact.)"""
+    transformers = pytest.importorskip("transformers")
+    if family == "gpt2":
+        config = transformers.GPT2Config(vocab_size=128, n_positions=1024, n_embd=64, n_layer=2,
+                                         n_head=4, attn_implementation="sdpa", resid_pdrop=0.0,
+                                         embd_pdrop=0.0, attn_pdrop=0.0)
+        make = transformers.GPT2LMHeadModel
+    else:
+        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                          num_hidden_layers=2, num_attention_heads=4,
+                                          num_key_value_heads=2, max_position_embeddings=1024,
+                                          attn_implementation="sdpa")
+        make = transformers.LlamaForCausalLM
+    torch.manual_seed(0)
+    ref = make(config)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    ids = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(3):
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+
+    def body(rank):
+        model = make(config)
+        model.load_state_dict(state)
+        model.to_global(LINE)
+        step = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = ids.to_global(LINE, B).to_global(sbp=S(1))
+        got = []
+        for _ in range(3):
+            loss = model(x, labels=x).loss
+            loss.backward()
+            step.step()
+            step.zero_grad()
+            got.append(loss.full_tensor().item())
+        return got, {n: p.full_tensor() for n, p in model.named_parameters()}
+    for got, params in run_ranks(body, 4, timeout=TIMEOUT):
+        assert got == pytest.approx(losses, abs=1e-5)
+        for name, p in ref.named_parameters():  # (AdamW's lr 1e-2 steps: float noise grows)
+            torch.testing.assert_close(params[name], p, atol=5e-4, rtol=1e-3, msg=name)
