@@ -275,3 +275,84 @@ def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family):
         assert got == pytest.approx(losses, abs=1e-5)
         for name, p in ref.named_parameters():  # (AdamW's lr 1e-2 steps: float noise grows)
             torch.testing.assert_close(params[name], p, atol=5e-4, rtol=1e-3, msg=name)
+
+
+@pytest.mark.slow  # (17 s: verify gathers every op's inputs and outputs)
+def test_gt_verify_checks_a_sequence_split_step_and_names_a_wrong_kernel(monkeypatch):
+    """gt.verify over the HF Llama step on a split sequence: every op equals its one-device
+    value; with the kernel's rows put at the wrong positions (each rank's rows computed as if
+    they began the sequence: the bug other stacks ship), the attention ops are named."""
+    transformers = pytest.importorskip("transformers")
+    from globaltensor.ops import nn as attention_ops
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=1, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    state = transformers.LlamaForCausalLM(config).state_dict()
+    ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(1))
+
+    def body(rank):
+        model = transformers.LlamaForCausalLM(config)
+        model.load_state_dict(state)
+        model.to_global(LINE)
+        x = ids.to_global(LINE, B).to_global(sbp=S(1))
+        with gt.verify(mode="report") as v:
+            model(x, labels=x).loss.backward()
+        return v.table()
+    tables = run_ranks(body, 4, timeout=TIMEOUT)
+    assert all("0 differ beyond the tolerance" in t for t in tables), tables[0][:400]
+    rows = attention_ops._attention_rows
+    monkeypatch.setattr(attention_ops, "_attention_rows",
+                        lambda ctx, largs, lkwargs, first, lo, hi:
+                        rows(ctx, largs, lkwargs, first, 0, hi - lo))
+    tables = run_ranks(body, 4, timeout=TIMEOUT)
+    for t in tables:
+        assert "DIFFERS  aten._scaled_dot_product_flash_attention_for_cpu.default" in t, t[:400]
+
+
+def test_fully_shard_over_data_beside_a_sequence_split_trains_as_one_process():
+    """A (dp, cp) grid: each decoder layer and the root fully_shard'ed over "dp", two sequences
+    split on "dp" and each sequence on "cp" (torchtitan's FSDP x CP); two AdamW steps: the
+    losses and the parameters equal one process."""
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                      num_hidden_layers=2, num_attention_heads=4,
+                                      num_key_value_heads=2, max_position_embeddings=256,
+                                      attn_implementation="sdpa")
+    torch.manual_seed(0)
+    ref = transformers.LlamaForCausalLM(config)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(2):
+        loss = ref(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+
+    def body(rank):
+        model = transformers.LlamaForCausalLM(config)
+        model.load_state_dict(state)
+        model.to_global(GRID)
+        for layer in model.model.layers:
+            gt.nn.fully_shard(layer, GRID, "dp")
+        gt.nn.fully_shard(model, GRID, "dp")
+        step = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        x = ids.to_global(GRID, (B, B)).to_global(sbp=(S(0), S(1)))
+        got = []
+        with gt.comm_trace() as trace:
+            for _ in range(2):
+                loss = model(x, labels=x).loss
+                loss.backward()
+                step.step()
+                step.zero_grad()
+                got.append(loss.full_tensor().item())
+        return got, {n: p.full_tensor() for n, p in model.named_parameters()}, trace.counts()
+    for got, params, counts in run_ranks(body, 4, timeout=TIMEOUT):
+        assert got == pytest.approx(losses, abs=1e-5)
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(params[name], p, atol=5e-4, rtol=1e-3, msg=name)
+        assert counts.get("reduce_scatter", 0) > 0  # the units' gradients over "dp"
