@@ -17,6 +17,28 @@ LINE = gt.placement("cpu", [0, 1, 2, 3], axes=("cp",))
 GRID = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "cp"))
 
 
+def _llama(transformers, layers: int = 2, positions: int = 256):
+    """A tiny HF Llama config (sdpa; 4 query heads over 2 key heads)."""
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                    num_hidden_layers=layers, num_attention_heads=4,
+                                    num_key_value_heads=2, max_position_embeddings=positions,
+                                    attn_implementation="sdpa")
+
+
+def _adamw_steps(model, ids, steps: int) -> list[float]:
+    """``steps`` AdamW steps (lr 1e-2) of HF's own loss on ``ids``; the losses."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(steps):
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.full_tensor().item() if isinstance(loss, gt.GlobalTensor)
+                      else loss.item())
+    return losses
+
+
 def _inputs(length: int, masked: bool):
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 4, length, 8, generator=g) for _ in range(3))
@@ -76,10 +98,7 @@ def test_hf_llama_trains_on_a_sequence_split_by_its_layout_alone():
     over 4 ranks, HF's own loss: loss and gradients equal one process; what is gathered is the
     key and value heads (2 per layer forward), never the hidden states."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      attn_implementation="sdpa")
+    config = _llama(transformers)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config)
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(1))
@@ -119,10 +138,7 @@ def test_hf_llama_on_packed_documents_over_a_split_sequence_equals_one_process(k
     on a (cp, tp) grid with Megatron TP on "tp". HF's loss and every gradient equal one process
     (the stacks torch's context_parallel serves give a wrong loss here: issue 55)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      attn_implementation="sdpa")
+    config = _llama(transformers)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config)
     batch = 1 if kind == "cp" else 2
@@ -199,10 +215,7 @@ def test_gt_simulate_counts_a_sequence_split_step_as_it_runs():
     thread-ranks' peaks differ among themselves by a few percent: their frees come from other
     threads)."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      attn_implementation="sdpa")
+    config = _llama(transformers)
 
     def job():
         gt.init()
@@ -239,37 +252,20 @@ def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family):
                                          embd_pdrop=0.0, attn_pdrop=0.0)
         make = transformers.GPT2LMHeadModel
     else:
-        config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                          num_hidden_layers=2, num_attention_heads=4,
-                                          num_key_value_heads=2, max_position_embeddings=1024,
-                                          attn_implementation="sdpa")
+        config = _llama(transformers, positions=1024)
         make = transformers.LlamaForCausalLM
     torch.manual_seed(0)
     ref = make(config)
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     ids = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(3):
-        loss = ref(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _adamw_steps(ref, ids, 3)
 
     def body(rank):
         model = make(config)
         model.load_state_dict(state)
         model.to_global(LINE)
-        step = torch.optim.AdamW(model.parameters(), lr=1e-2)
         x = ids.to_global(LINE, B).to_global(sbp=S(1))
-        got = []
-        for _ in range(3):
-            loss = model(x, labels=x).loss
-            loss.backward()
-            step.step()
-            step.zero_grad()
-            got.append(loss.full_tensor().item())
+        got = _adamw_steps(model, x, 3)
         return got, {n: p.full_tensor() for n, p in model.named_parameters()}
     for got, params in run_ranks(body, 4, timeout=TIMEOUT):
         assert got == pytest.approx(losses, abs=1e-5)
@@ -284,10 +280,7 @@ def test_gt_verify_checks_a_sequence_split_step_and_names_a_wrong_kernel(monkeyp
     they began the sequence: the bug other stacks ship), the attention ops are named."""
     transformers = pytest.importorskip("transformers")
     from globaltensor.ops import nn as attention_ops
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=1, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      attn_implementation="sdpa")
+    config = _llama(transformers, layers=1)
     torch.manual_seed(0)
     state = transformers.LlamaForCausalLM(config).state_dict()
     ids = torch.randint(0, 128, (1, 256), generator=torch.Generator().manual_seed(1))
@@ -316,22 +309,12 @@ def test_fully_shard_over_data_beside_a_sequence_split_trains_as_one_process():
     split on "dp" and each sequence on "cp" (torchtitan's FSDP x CP); two AdamW steps: the
     losses and the parameters equal one process."""
     transformers = pytest.importorskip("transformers")
-    config = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
-                                      num_hidden_layers=2, num_attention_heads=4,
-                                      num_key_value_heads=2, max_position_embeddings=256,
-                                      attn_implementation="sdpa")
+    config = _llama(transformers)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config)
     state = {k: v.clone() for k, v in ref.state_dict().items()}
     ids = torch.randint(0, 128, (2, 256), generator=torch.Generator().manual_seed(1))
-    opt = torch.optim.AdamW(ref.parameters(), lr=1e-2)
-    losses = []
-    for _ in range(2):
-        loss = ref(ids, labels=ids).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
+    losses = _adamw_steps(ref, ids, 2)
 
     def body(rank):
         model = transformers.LlamaForCausalLM(config)
@@ -340,16 +323,9 @@ def test_fully_shard_over_data_beside_a_sequence_split_trains_as_one_process():
         for layer in model.model.layers:
             gt.nn.fully_shard(layer, GRID, "dp")
         gt.nn.fully_shard(model, GRID, "dp")
-        step = torch.optim.AdamW(model.parameters(), lr=1e-2)
         x = ids.to_global(GRID, (B, B)).to_global(sbp=(S(0), S(1)))
-        got = []
         with gt.comm_trace() as trace:
-            for _ in range(2):
-                loss = model(x, labels=x).loss
-                loss.backward()
-                step.step()
-                step.zero_grad()
-                got.append(loss.full_tensor().item())
+            got = _adamw_steps(model, x, 2)
         return got, {n: p.full_tensor() for n, p in model.named_parameters()}, trace.counts()
     for got, params, counts in run_ranks(body, 4, timeout=TIMEOUT):
         assert got == pytest.approx(losses, abs=1e-5)
