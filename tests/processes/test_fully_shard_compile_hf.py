@@ -126,6 +126,8 @@ def _check(which, grid, spellings=SPELLINGS):
                                            msg=f"rank {rank}, {how}: {n}")
 
 
+@pytest.mark.slow  # (15 s; the suite's own compile x fully_shard case is
+# tests/processes/test_fully_shard_compile.py's, on a model of its own)
 def test_fully_shard_then_compile_per_block_trains_hf_llama_as_one_process():
     _check("llama", "line", ("blocks",))
 
