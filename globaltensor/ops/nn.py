@@ -128,35 +128,56 @@ def _k_attention_pieces(ctx, largs, lkwargs):
 
 
 def _attention_rows(ctx, largs, lkwargs, first: int, lo: int, hi: int):
-    """The query rows [lo, hi) of attention over whole keys (see _k_attention_pieces)."""
+    """The query rows [lo, hi) of attention over whole keys (see _k_attention_pieces). Causal:
+    two calls and no L x S mask, the keys before ``lo`` (seen by every row here: no mask) and
+    the square block [lo, hi) (torch's own causal mask), merged by their log-sum-exps; the
+    backward runs each block with the merged output and log-sum-exp (ring attention's way:
+    each block's probabilities are then the whole softmax's), its k/v rows 0 elsewhere."""
     q, k, v = largs[first:first + 3]
-    seq, keys = q.dim() - 2, k.shape[-2]
     mask = ctx.arg(largs, lkwargs, "attn_mask")
     scale = ctx.arg(largs, lkwargs, "scale")
     dropout = ctx.arg(largs, lkwargs, "dropout_p", 0.0)  # (the CPU kernel refuses any but 0)
-    if ctx.arg(largs, lkwargs, "is_causal", False):
-        keys = min(hi, keys)
+    causal = ctx.arg(largs, lkwargs, "is_causal", False)
+    keys = min(hi, k.shape[-2]) if causal else k.shape[-2]
+    if causal and keys < hi:  # fewer keys than query rows (L > S): the rows' mask itself
         rows = torch.arange(lo, hi, device=q.device).unsqueeze(-1)
         hidden = torch.arange(keys, device=q.device) > rows
-        causal = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
-        mask = causal.masked_fill_(hidden, float("-inf"))
+        mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
+        mask.masked_fill_(hidden, float("-inf"))
+        causal = False
     elif mask is not None:
         mask = mask[..., :keys]
-    empty = keys == 0 or any(p is not None and p.numel() == 0 for p in ctx.pieces)
-    k, v = k.narrow(-2, 0, keys), v.narrow(-2, 0, keys)
+    blocks = [(0, lo, False), (lo, hi, True)] if causal else [(0, keys, False)]
+    blocks = [b for b in blocks if b[1] > b[0]]
+    empty = not blocks or any(p is not None and p.numel() == 0 for p in ctx.pieces)
     if first == 0:
         if empty:
             return ctx.zeros()
-        return ctx.func(q, k, v, dropout, False, attn_mask=mask, scale=scale)
+        parts = [ctx.func(q, k[..., a:b, :], v[..., a:b, :], dropout, tri, attn_mask=mask,
+                          scale=scale) for a, b, tri in blocks]
+        return parts[0] if len(parts) == 1 else _merged(*parts)
     grad, out, lse = largs[0], largs[4], largs[5]
+    gk, gv = torch.zeros_like(largs[2]), torch.zeros_like(largs[3])
+    gq = torch.zeros_like(q)
     if empty:  # no rows (or heads) here: no share of the k/v gradients
-        return torch.zeros_like(q), torch.zeros_like(largs[2]), torch.zeros_like(largs[3])
-    gq, gk, gv = ctx.func(grad, q, k, v, out, lse, dropout, False, attn_mask=mask, scale=scale)
-    full = largs[2].shape
-    if keys < full[-2]:
-        pad = [0, 0, 0, full[-2] - keys]
-        gk, gv = torch.nn.functional.pad(gk, pad), torch.nn.functional.pad(gv, pad)
+        return gq, gk, gv
+    for a, b, tri in blocks:
+        dq, dk, dv = ctx.func(grad, q, k[..., a:b, :], v[..., a:b, :], out, lse, dropout, tri,
+                              attn_mask=mask, scale=scale)
+        gq += dq
+        gk[..., a:b, :] = dk
+        gv[..., a:b, :] = dv
     return gq, gk, gv
+
+
+def _merged(first, second):
+    """Two blocks' (out, lse) over disjoint keys as one softmax's: the outputs weighed by
+    exp(lse_i - lse), lse = log(exp(lse_1) + exp(lse_2))."""
+    (o1, l1), (o2, l2) = first, second
+    lse = torch.logaddexp(l1, l2)
+    out = o1.float() * torch.exp(l1 - lse).unsqueeze(-1) + \
+        o2.float() * torch.exp(l2 - lse).unsqueeze(-1)
+    return out.to(o1.dtype), lse
 
 def pooling(spatial: int, linear: bool):
     """Pools (max, avg, adaptive; forward): a split of a leading (batch or channel) dim passes
