@@ -10,6 +10,7 @@ import torch.nn.functional as F
 
 import globaltensor as gt
 from globaltensor.testing import run_ranks
+from titan_llama import TitanLlama
 
 S, B = gt.sbp.split, gt.sbp.broadcast
 TIMEOUT = 120
@@ -332,3 +333,31 @@ def test_fully_shard_over_data_beside_a_sequence_split_trains_as_one_process():
         for name, p in ref.named_parameters():
             torch.testing.assert_close(params[name], p, atol=5e-4, rtol=1e-3, msg=name)
         assert counts.get("reduce_scatter", 0) > 0  # the units' gradients over "dp"
+
+
+
+def test_a_torchtitan_shaped_llama_over_a_split_sequence_equals_one_process():
+    """torchtitan's own way of writing Llama 3 (complex RoPE buffer sliced by the sequence,
+    its own repeat_kv, ``F.cross_entropy`` on flattened logits), 512 tokens over 4 ranks: the
+    loss and every gradient equal one process."""
+    torch.manual_seed(0)
+    ref = TitanLlama()
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
+    ids = torch.randint(0, 128, (1, 512), generator=torch.Generator().manual_seed(1))
+    tgt = torch.randint(0, 128, (1, 512), generator=torch.Generator().manual_seed(2))
+    loss = F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten())
+    loss.backward()
+
+    def body(rank):
+        model = TitanLlama()
+        model.load_state_dict(state)
+        model.to_global(LINE)
+        x, y = (t.to_global(LINE, B).to_global(sbp=S(1)) for t in (ids, tgt))
+        got = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+        got.backward()
+        return got.full_tensor().item(), {n: p.grad.full_tensor()
+                                          for n, p in model.named_parameters()}
+    for got, grads in run_ranks(body, 4, timeout=TIMEOUT):
+        assert abs(got - loss.item()) < 1e-5
+        for name, p in ref.named_parameters():
+            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
