@@ -4,6 +4,8 @@ SwiGLU): model code the tests run as users run theirs (tests/ranks/test_long_seq
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
+
+
 def _freqs_cis(dim, end, theta=10000.0):
     freqs = 1.0 / (theta ** (torch.arange(0, dim, 2)[: (dim // 2)].float() / dim))
     t = torch.arange(end, device=freqs.device)
