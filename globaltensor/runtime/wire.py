@@ -214,12 +214,15 @@ def all_gather_rows(mine: torch.Tensor, group, why: Why) -> torch.Tensor:
     ranks = (None if group is None else group.members if isinstance(group, SimulatedGroup)
              else tuple(dist.get_process_group_ranks(group)))
     n = _members(group)
-    table = mine.new_empty((n,) + tuple(mine.shape))
     if not _live(group):  # every simulated rank holds these rows: one copy, seen n times
         announce("all_gather", why, ranks, cost.gather_sent(n, _nbytes(mine)), mine.dtype)
-        _run(lambda: None, _workspace(table, None, _nbytes(table)), False)  # made, as gloo's
+        # the real run's table and gloo's copy beside it, counted and gone (meta: no bytes
+        # here, where a world of 16,384 ranks makes tables of gigabytes)
+        table = mine.new_empty((n,) + tuple(mine.shape), device="meta")
+        _run(lambda: None, _workspace(table, None, _nbytes(table)), False)
         del table
         return mine.unsqueeze(0).expand((n,) + tuple(mine.shape))
+    table = mine.new_empty((n,) + tuple(mine.shape))
     if mine.numel():
         all_gather(table.view(-1), mine.reshape(-1), group, why, ranks)
     return table
