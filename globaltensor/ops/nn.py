@@ -117,10 +117,9 @@ def _k_attention_pieces(ctx, largs, lkwargs):
     if ctx.coord is None:
         return ctx.empties()
     first = 1 if ctx.call.packet.endswith("_backward") else 0
-    q, k = largs[first], largs[first + 1]
-    seq = q.dim() - 2
+    seq = largs[first].dim() - 2
     lo, hi = ctx.targets[first].box(ctx.coord)[seq]
-    if (lo, hi) == (0, ctx.targets[first].shape[seq]) or q.shape[seq] == 0 and k.numel() == 0:
+    if (lo, hi) == (0, ctx.targets[first].shape[seq]):  # the whole sequence: no offset
         if any(p is not None and p.numel() == 0 for p in ctx.pieces):
             return ctx.zeros()
         return ctx.func(*largs, **lkwargs)
@@ -145,8 +144,6 @@ def _attention_rows(ctx, largs, lkwargs, first: int, lo: int, hi: int):
         mask = torch.zeros(hidden.shape, dtype=q.dtype, device=q.device)
         mask.masked_fill_(hidden, float("-inf"))
         causal = False
-    elif mask is not None:
-        mask = mask[..., :keys]
     blocks = [(0, lo, False), (lo, hi, True)] if causal else [(0, keys, False)]
     blocks = [b for b in blocks if b[1] > b[0]]
     empty = not blocks or any(p is not None and p.numel() == 0 for p in ctx.pieces)

@@ -74,19 +74,8 @@ def check_first_use(plan, local: torch.Tensor, rank: int) -> int:
     """On this rank's first run of ``plan`` with ``local.dtype`` in this world: exchange records
     with the other ranks of the plan's placements and raise on every rank if any differ.
     Returns the plan's data tag."""
-    facts = _WORDS.get((id(plan), local.dtype))  # the warm path: one dict lookup
-    if facts is None:
-        facts = _WORDS.computed(plan, local.dtype, _describe)
-    word, record, tag, members = facts
-    if members is None:  # nobody to disagree with
-        return tag
-    seen = _seen_in_world()
-    if seen is None or word in seen:
-        return tag
-    if len(seen) >= MAX_SEEN:
-        seen.clear()
-    seen.add(word)
-    if rank not in members:
+    (_, record, tag, members), first = _first_use(plan, local.dtype)
+    if not first or rank not in members:
         return tag
     call = debug.user_call(2)  # only on a first use: microseconds
     records = _exchange(plan, local, record, [r for r in members if r != rank], rank)
@@ -100,17 +89,32 @@ def simulated_first_use(plan, local: torch.Tensor) -> int:
     """``gt.simulate``'s first use of ``plan``: the check's records announced for every rank of
     its placements and its receive buffers made, as the real run's ranks make them (each sends
     its record to every other and receives theirs); nothing is compared. Its data tag."""
-    word, record, tag, members = _WORDS.computed(plan, local.dtype, _describe)
-    seen = _seen_in_world()
-    if members is None or seen is None or word in seen:
+    (_, _, tag, members), first = _first_use(plan, local.dtype)
+    if not first:
         return tag
-    seen.add(word)
     wire.announce("send", wire.Why("layout check", "first use of a plan"), tuple(members),
                   RECORD_BYTES * (len(members) - 1), torch.uint8)
     received = local.new_empty(RECORD_BYTES * (len(members) - 1), dtype=torch.uint8)
     # the receive buffers, alive together (one of their bytes: a world's check makes thousands)
     del received
     return tag
+
+
+def _first_use(plan, dtype) -> tuple[tuple, bool]:
+    """The plan's facts (:func:`_describe`) and whether this is its first use with ``dtype`` in
+    this world by a plan with ranks to check with (recorded now: the next use is not)."""
+    facts = _WORDS.get((id(plan), dtype))  # the warm path: one dict lookup
+    if facts is None:
+        facts = _WORDS.computed(plan, dtype, _describe)
+    if facts[3] is None:  # nobody to disagree with
+        return facts, False
+    seen = _seen_in_world()
+    if seen is None or facts[0] in seen:
+        return facts, False
+    if len(seen) >= MAX_SEEN:
+        seen.clear()
+    seen.add(facts[0])
+    return facts, True
 
 
 def _seen_in_world() -> set | None:
