@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from ._cache import memo
 from .errors import GlobalTensorError, PlacementError, SbpError
 from .placement import Placement
-from .sbp import Broadcast, PartialSum, Split, SbpValue, format_sbp, normalize, resolve
+from .sbp import (Broadcast, PartialSum, Split, SbpValue, balanced, format_sbp, normalize, plain,
+                  resolve)
 
 Box = tuple[tuple[int, int], ...]  # [start, stop) per tensor dim
 
@@ -51,6 +52,8 @@ class Layout:
         except SbpError as e:
             raise SbpError(f"{e} (tensor shape {list(shape)}, sbp {format_sbp(values)})") from None
         object.__setattr__(self, "sbp", values)
+        if balanced(values):
+            _check_balanced(self.placement, values)
         # layouts key every plan and dispatch cache: hash once
         object.__setattr__(self, "_hash", hash((self.placement, values, shape)))
 
@@ -95,14 +98,44 @@ class Layout:
         return Layout(placement, sbp, self.shape)
 
     def box(self, coord) -> tuple[tuple[int, int], ...]:
-        """The [start, stop) range of every tensor dim held at grid ``coord``."""
+        """The [start, stop) range of every tensor dim held at grid ``coord``. A balanced
+        (head-tail) split's piece is two ranges: :meth:`ranges` gives them, and this raises
+        (code that reads positions from a box would read the wrong ones)."""
+        if self.order:
+            raise GlobalTensorError(
+                f"internal: {self!r} has a head-tail split, whose pieces hold two ranges of the "
+                f"dim; expected a caller that reads Layout.ranges(coord) (or works on "
+                f"Layout.plain(), the permuted order), found one reading Layout.box. Please "
+                f"report this with the op or call that raised it.")
         return _box(self, tuple(coord))
+
+    def ranges(self, coord) -> tuple[tuple[tuple[int, int], ...], ...]:
+        """Per tensor dim, the [start, stop) ranges held at grid ``coord``, in the order the
+        piece holds them: one range, or two for a dim with a head-tail split."""
+        coord = tuple(coord)
+        box = _box(self.plain(), coord)
+        out = [((lo, hi),) for lo, hi in box]
+        for value, n, i in zip(self.sbp, self.placement.shape, coord):
+            if type(value) is Split and value.balance and n > 1:
+                out[value.dim] = head_tail_ranges(self.shape[value.dim], n, i)
+        return tuple(out)
+
+    @property
+    def order(self) -> tuple[tuple[int, int], ...]:
+        """(dim, ranks) of each head-tail split on an axis of more than one rank: the dims its
+        pieces hold permuted; ``()`` for every plain layout."""
+        return _order(self)
+
+    def plain(self) -> "Layout":
+        """This layout with its splits' balance dropped: the same piece sizes, and each piece
+        is what the plain layout holds of the tensor permuted by :attr:`order`."""
+        return _plain(self)
 
     def slices(self, coord) -> tuple[slice, ...]:
         return tuple(slice(a, b) for a, b in self.box(coord))
 
     def local_shape(self, coord) -> tuple[int, ...]:
-        return tuple(b - a for a, b in self.box(coord))
+        return tuple(b - a for a, b in _box(self.plain(), tuple(coord)))
 
     def local_shape_of_rank(self, rank: int) -> tuple[int, ...]:
         """This rank's piece shape; ranks outside the placement hold an empty piece."""
@@ -124,6 +157,57 @@ def trusted(placement: Placement, sbp: tuple, shape: tuple) -> Layout:
     object.__setattr__(layout, "shape", shape)
     object.__setattr__(layout, "_hash", hash((placement, sbp, shape)))
     return layout
+
+
+@memo(65536)
+def _order(layout: Layout) -> tuple:
+    return tuple((v.dim, n) for v, n in zip(layout.sbp, layout.placement.shape)
+                 if type(v) is Split and v.balance and n > 1)
+
+
+@memo(65536)
+def _plain(layout: Layout) -> Layout:
+    if not balanced(layout.sbp):
+        return layout
+    return trusted(layout.placement, plain(layout.sbp), layout.shape)
+
+
+def _check_balanced(placement: Placement, values) -> None:
+    """A head-tail split's dim is split by no other axis of more than one rank (its chunks
+    are of the whole dim)."""
+    for a, v in enumerate(values):
+        if type(v) is Split and v.balance:
+            others = [b for b, w in enumerate(values) if b != a and isinstance(w, Split)
+                      and w.dim == v.dim and placement.shape[b] > 1]
+            if others and placement.shape[a] > 1:
+                raise SbpError(
+                    f"sbp {format_sbp(values)}: a head-tail split cuts the whole dim {v.dim} into "
+                    f"2k chunks, so expected no other placement axis splitting dim {v.dim}, found "
+                    f"axis {others[0]} too; split dim {v.dim} on one axis, or use plain splits")
+
+
+@memo(4096)
+def head_tail_ranges(n: int, k: int, i: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """Rank ``i`` of ``k``'s two ranges of a dim of ``n`` under a head-tail split: its piece
+    has the uneven rule's size; the first half (rounded up) is the head, chunk i in the dim's
+    order, the rest the tail, chunk 2k-1-i (heads in rank order, then tails in reverse)."""
+    sizes = split_sizes(n, k)
+    heads = [(s + 1) // 2 for s in sizes]
+    tails = [s - h for s, h in zip(sizes, heads)]
+    start = sum(heads[:i])
+    tail = sum(heads) + sum(tails[i + 1:])
+    return (start, start + heads[i]), (tail, tail + tails[i])
+
+
+@memo(1024)
+def head_tail_order(n: int, k: int) -> tuple[int, ...]:
+    """For each position of a dim of ``n`` as a head-tail split over ``k`` ranks holds it (rank
+    0's piece, then rank 1's, ...), the position it stands for in the dim's own order."""
+    out = []
+    for i in range(k):
+        for lo, hi in head_tail_ranges(n, k, i):
+            out.extend(range(lo, hi))
+    return tuple(out)
 
 
 @memo(65536)
@@ -206,7 +290,8 @@ def grid_coords(placement: Placement) -> tuple[tuple[int, ...], ...]:
     return tuple(placement.coords())
 
 
-__all__ = ["Layout", "boxes", "grid_coords", "split_sizes", "split_range", "Broadcast", "PartialSum", "Split"]
+__all__ = ["Layout", "boxes", "grid_coords", "head_tail_order", "head_tail_ranges", "split_sizes",
+           "split_range", "Broadcast", "PartialSum", "Split"]
 
 
 # --------------------------------------------------------------------------- the box algebra

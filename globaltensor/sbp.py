@@ -12,9 +12,17 @@ from typing import Any, Iterable, Union
 from .errors import SbpError
 
 
+BALANCES = ("head_tail",)
+
+
 @dataclass(frozen=True, slots=True)
 class Split:
+    """``S(dim)``; with ``balance="head_tail"`` the permuted split of causal load balance: over k
+    ranks, rank i's piece (the uneven rule's size) holds chunk i of the dim's 2k chunks, then
+    chunk 2k-1-i (its first half, rounded up, is the head; docs/long_sequences.md)."""
+
     dim: int
+    balance: str | None = None
 
     def __post_init__(self):
         if isinstance(self.dim, bool) or not isinstance(self.dim, int):
@@ -22,9 +30,13 @@ class Split:
                 f"split(dim) expects an int dim, found {self.dim!r} ({type(self.dim).__name__}); "
                 f"write e.g. gt.sbp.split(0)"
             )
+        if self.balance is not None and self.balance not in BALANCES:
+            raise SbpError(
+                f"split(dim, balance=...) expects one of {list(BALANCES)} or None, found "
+                f"{self.balance!r}; write e.g. gt.sbp.split(1, balance=\"head_tail\")")
 
     def __repr__(self):
-        return f"S({self.dim})"
+        return f"S({self.dim})" if self.balance is None else f"S({self.dim}, {self.balance})"
 
     __str__ = __repr__
 
@@ -35,7 +47,12 @@ class Split:
                 f"split({self.dim}) needs a tensor dim in [{-ndim}, {ndim}), found a tensor with "
                 f"{ndim} dims; pick a dim the tensor has"
             )
-        return Split(self.dim % ndim) if self.dim < 0 else self
+        return Split(self.dim % ndim, self.balance) if self.dim < 0 else self
+
+    @property
+    def plain(self) -> "Split":
+        """This split without its balance (the piece sizes are the same)."""
+        return self if self.balance is None else Split(self.dim)
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,20 +95,32 @@ B = broadcast
 P = partial_sum
 
 
-def split(dim: int | None = None, *, axis: int | None = None) -> Split:
+def split(dim: int | None = None, *, axis: int | None = None,
+          balance: str | None = None) -> Split:
     """``split(dim)``: each rank along the placement axis holds a slice of tensor dim ``dim``.
     ``split(axis=1)`` is OneFlow's spelling of ``split(1)`` (its keyword; the tensor dim, not a
-    placement axis)."""
+    placement axis). ``balance="head_tail"``: the permuted split that balances causal attention
+    (rank i of k holds chunks i and 2k-1-i of the dim's 2k; see :class:`Split`)."""
     if (dim is None) == (axis is None):
         found = "neither" if dim is None else f"both dim={dim!r} and axis={axis!r}"
         raise SbpError(f"gt.sbp.split expects one tensor dim, as split(1) or OneFlow's "
                        f"split(axis=1), found {found}; pass one of them")
-    return Split(dim if axis is None else axis)
+    return Split(dim if axis is None else axis, balance)
 
 
-def S(dim: int) -> Split:
-    """``S(dim)``: the short spelling of ``split(dim)``, as sbps print."""
-    return Split(dim)
+def S(dim: int, balance: str | None = None) -> Split:
+    """``S(dim)``: the short spelling of ``split(dim)``, as sbps print (``S(1, "head_tail")``)."""
+    return Split(dim, balance)
+
+
+def balanced(values) -> bool:
+    """Whether any of the sbp ``values`` is a balanced (permuted) split."""
+    return any(type(v) is Split and v.balance is not None for v in values)
+
+
+def plain(values) -> tuple:
+    """The sbp ``values`` with every split's balance dropped."""
+    return tuple(v.plain if type(v) is Split else v for v in values)
 
 
 def _one(value) -> SbpValue:
@@ -176,18 +205,22 @@ def format_sbp(values) -> str:
     values = tuple(values)
     return "(" + ", ".join(str(v) for v in values) + (",)" if len(values) == 1 else ")")
 
+_BALANCED_CODE = 1 << 16  # S(d, head_tail): d + this
+
+
 def to_codes(values) -> tuple[int, ...]:
-    """Resolved sbp values as ints (S(d): d, B: -1, P: -2): what torch.compile's opaque calls
-    can take as constants."""
-    return tuple(v.dim if isinstance(v, Split) else (-2 if isinstance(v, PartialSum) else -1)
-                 for v in values)
+    """Resolved sbp values as ints (S(d): d, S(d, head_tail): d + 65536, B: -1, P: -2): what
+    torch.compile's opaque calls can take as constants."""
+    return tuple((v.dim + (_BALANCED_CODE if v.balance else 0)) if isinstance(v, Split)
+                 else (-2 if isinstance(v, PartialSum) else -1) for v in values)
 
 
 def from_codes(codes) -> tuple[SbpValue, ...]:
     """The sbp values :func:`to_codes` gave."""
-    return tuple(Split(c) if c >= 0 else (partial_sum if c == -2 else broadcast) for c in codes)
+    return tuple((Split(c) if c < _BALANCED_CODE else Split(c - _BALANCED_CODE, "head_tail"))
+                 if c >= 0 else (partial_sum if c == -2 else broadcast) for c in codes)
 
 
 __all__ = ["Split", "Broadcast", "PartialSum", "SbpValue", "SbpSpec", "broadcast", "partial_sum",
            "replicated",
-           "B", "P", "split", "S", "normalize", "format_sbp", "SbpError"]
+           "B", "P", "split", "S", "balanced", "plain", "normalize", "format_sbp", "SbpError"]

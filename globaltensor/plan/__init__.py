@@ -13,7 +13,7 @@ Pure: no torch.distributed, no rank. Plans depend only on (src, dst) and the cos
 (``cost.current()``: the defaults, or those ``gt.set_costs`` / the start-up probe set, which
 clear every cache) and are cached. This
 module only re-exports; one file per part (docs/architecture.md, docs/planner.md):
-steps · cost · codes · ranges · space · messages · moves · traffic · exchange · bound · search ·
+steps · reorder · cost · codes · ranges · space · messages · moves · traffic · exchange · bound · search ·
 reference ·
 oracle (a plan run over every rank's full set of pieces in one process: the tests' and
 ``gt.verify``'s oracle, imported on its own: ``from globaltensor.plan import oracle``).
@@ -25,12 +25,13 @@ from .cost import DEFAULT, SEARCH_ITEMSIZE, Costs
 from .exchange import exchange
 from .ranges import most_overlaps
 from .reference import reference_plan
+from .reorder import Reorder, reorder_piece
 from .search import cost_above, plan
 from .steps import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Move, Plan,
                     ReduceScatter, Step, ZeroFill, holds_full)
 
 __all__ = ["DEFAULT", "SEARCH_ITEMSIZE", "AllGather", "AllGatherV", "Costs",
            "AllReduce", "AllToAll", "Exchange", "LocalSlice", "Move", "Plan", "ReduceScatter",
-           "Step", "ZeroFill", "candidate_terms", "code", "cost", "cost_above", "exchange",
+           "Reorder", "Step", "reorder_piece", "ZeroFill", "candidate_terms", "code", "cost", "cost_above", "exchange",
            "fewest_collectives", "holds_full", "lower_bound", "most_overlaps", "move_bounds",
            "plan", "reference_plan"]

@@ -18,10 +18,11 @@ from __future__ import annotations
 import torch
 
 from ..errors import GlobalTensorError, ShapeMismatchError
-from ..layout import Layout, box_shape, relative
+from ..layout import Layout, box_shape, head_tail_order, relative
 from .steps import (AllGather, AllReduce, AllToAll, Exchange, LocalSlice, Plan, ReduceScatter,
                     ZeroFill)
 from ..sbp import Broadcast
+from .reorder import Reorder, reorder_piece
 
 
 def run(plan: Plan, locals):
@@ -31,6 +32,21 @@ def run(plan: Plan, locals):
     for step in plan.steps:
         pieces = _run_step(step, pieces)
     return [pieces[r] for r in range(len(pieces))] if as_list else pieces
+
+
+def permuted(full: torch.Tensor, order, inverse: bool = False) -> torch.Tensor:
+    """``full`` with each (dim, ranks) of a layout's ``order`` in the order its pieces hold it
+    (head-tail), or back (``inverse``)."""
+    for d, k in order:
+        index = torch.tensor(head_tail_order(full.shape[d], k), dtype=torch.long,
+                             device=full.device)
+        if inverse:
+            out = torch.empty_like(full)
+            out.index_copy_(d, index, full)
+            full = out
+        else:
+            full = full.index_select(d, index)
+    return full
 
 
 def _as_dict(locals):
@@ -74,6 +90,9 @@ def _run_step(step, pieces: dict) -> dict:
                 out[rank] = _local(step, pieces[rank], coord)
         case Exchange():
             out.update(_exchange(step, pieces))
+        case Reorder():
+            for rank in after.placement.flat_ranks:
+                out[rank] = reorder_piece(step, pieces[rank])
         case _:
             raise GlobalTensorError(f"the simulator does not know the step {step!r}")
     return out
@@ -159,6 +178,8 @@ def scatter(full: torch.Tensor, layout: Layout, world_size: int | None = None,
     if tuple(full.shape) != layout.shape:
         raise ShapeMismatchError(
             f"expected a tensor of the layout's shape {list(layout.shape)}, found {list(full.shape)}")
+    if layout.order:  # a head-tail split: the plain layout's pieces of the permuted tensor
+        full, layout = permuted(full, layout.order), layout.plain()
     world = world_size or max(layout.placement.flat_ranks) + 1
     gen = torch.Generator().manual_seed(seed)
     out = [full.new_zeros((0,) * full.ndim) for _ in range(world)]
@@ -206,6 +227,8 @@ def gather(locals, layout: Layout) -> torch.Tensor:
     """
     pieces, _ = _as_dict(locals)
     check_locals(pieces, layout)
+    if layout.order:
+        return permuted(gather(pieces, layout.plain()), layout.order, inverse=True)
     first = pieces[layout.placement.flat_ranks[0]]
     totals: dict = {}
     seen: dict = {}
@@ -226,4 +249,4 @@ def gather(locals, layout: Layout) -> torch.Tensor:
         else next(iter(totals.values()))
 
 
-__all__ = ["run", "scatter", "gather", "check_locals"]
+__all__ = ["run", "scatter", "gather", "check_locals", "permuted"]

@@ -21,6 +21,7 @@ from .bound import Bound
 from .codes import B, P
 from .cost import SEARCH_ITEMSIZE
 from .exchange import exchange
+from .reorder import reordered
 from .steps import Plan, Step, holds_full
 
 
@@ -49,6 +50,8 @@ def plan(src: Layout, dst: Layout) -> Plan:
     check(src, dst)
     if src == dst:
         return _PLANS.put((src, dst), Plan(src, dst, ()))
+    if src.plain() is not src or dst.plain() is not dst:  # a head-tail split (reorder.py)
+        return _PLANS.put((src, dst), reordered(src, dst, plan))
     with _SEARCH_LOCK:  # a stopped search is shared state (thread-ranks share this module)
         search = _SEARCHES.pop((src, dst), None) or Search(src, dst)
         steps = search.run()
@@ -68,6 +71,8 @@ def cost_above(src: Layout, dst: Layout, limit: float,
     found = _PLANS.get((src, dst))
     if found is not None:  # planned before (its search is gone from _SEARCHES)
         return found.cost(itemsize), True
+    if src.plain() is not src or dst.plain() is not dst:  # a head-tail split: plan it
+        return plan(src, dst).cost(itemsize), True
     scale = min(1.0, itemsize / SEARCH_ITEMSIZE)  # costs at itemsize over those at the search's
     with _SEARCH_LOCK:
         search = _SEARCHES.get((src, dst))

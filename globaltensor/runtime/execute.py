@@ -21,7 +21,7 @@ from .._cache import MISSING, ById
 from ..errors import GlobalTensorError
 from ..layout import box_shape, relative
 from ..plan import (AllGather, AllGatherV, AllReduce, AllToAll, Exchange, LocalSlice, Plan,
-                     ReduceScatter, ZeroFill)
+                     ReduceScatter, Reorder, ZeroFill, reorder_piece)
 from ..sbp import Broadcast
 from ..world.simulated import simulated
 from .emit import EAGER, emitter_for
@@ -94,7 +94,7 @@ _STATIC = ById(4096)
 
 
 def _local_only(plan: Plan, where) -> bool:
-    return all(isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
+    return all(isinstance(s, (LocalSlice, ZeroFill, Reorder)) for s in plan.steps)
 
 
 def _cuts(plan: Plan, rank: int):
@@ -117,13 +117,15 @@ def _run_step(step, local: torch.Tensor, rank: int, tag: int, emit=EAGER) -> tor
     after = step.after
     if isinstance(step, Exchange):
         return emit.exchange(step, local, rank, tag)
+    if isinstance(step, Reorder):  # local, no axis
+        return reorder_piece(step, local) if rank in after.placement else local
     # every rank of the world creates the axis's groups together, members or not
     n = after.placement.shape[step.axis]
     pairwise = emit.point_to_point and (
         _pairwise(step) or (local.dtype in _GLOO_CANNOT_REDUCE  # int16: p2p sums it
                             and after.placement.type == "cpu"
                             and isinstance(step, (ReduceScatter, AllReduce))))
-    if n > 1 and not pairwise and not isinstance(step, (LocalSlice, ZeroFill)):
+    if n > 1 and not pairwise and not isinstance(step, (LocalSlice, ZeroFill, Reorder)):
         groups_along(after.placement, step.axis)
     coord = after.placement.coord_of(rank)
     if coord is None:

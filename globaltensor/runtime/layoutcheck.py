@@ -33,7 +33,7 @@ import torch.distributed.distributed_c10d as c10d
 from .. import debug
 from .._cache import ById
 from ..errors import ShapeMismatchError
-from ..plan import LocalSlice, ZeroFill
+from ..plan import LocalSlice, Reorder, ZeroFill
 from . import failure, wire
 from .guard import step_guard
 from .pairwise import send_recv
@@ -65,7 +65,7 @@ def _describe(plan, dtype):
     raw = word.to_bytes(8, "little") + text.encode()[:RECORD_BYTES - 8]
     record = raw + bytes(RECORD_BYTES - len(raw))
     members = sorted(set(plan.src.placement.flat_ranks) | set(plan.dst.placement.flat_ranks))
-    local = all(isinstance(s, (LocalSlice, ZeroFill)) for s in plan.steps)
+    local = all(isinstance(s, (LocalSlice, ZeroFill, Reorder)) for s in plan.steps)
     return word, record, 2 + 2 * (word % (2 ** 30 - 2)), (
         None if local or len(members) == 1 else members)
 
