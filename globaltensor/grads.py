@@ -112,7 +112,10 @@ def _this_backwards() -> "_Reductions":
 def _bucketed(param, grad: GlobalTensor, pending_of) -> bool:
     """If the move of ``grad`` to ``param``'s layout ends in all-reduces, run what comes before
     them now and put the rest in a bucket of ``pending_of()``: True. Otherwise False (nothing
-    done)."""
+    done). Not for a head-tail layout at either end: the steps' layouts are then of the
+    permuted tensor (plan/reorder.py), not ones to redistribute to."""
+    if grad._layout.order or param._layout.order:
+        return False
     steps = plan(grad._layout, param._layout).steps
     k = len(steps)
     while k > 0 and isinstance(steps[k - 1], AllReduce):

@@ -120,6 +120,15 @@ class Layout:
                 out[value.dim] = head_tail_ranges(self.shape[value.dim], n, i)
         return tuple(out)
 
+    def range_of(self, coord, dim: int) -> tuple[int, int]:
+        """The [start, stop) of tensor dim ``dim`` held at grid ``coord``; raises for a dim
+        with a head-tail split (two ranges: :meth:`ranges`)."""
+        if any(d == dim for d, _ in self.order):
+            raise GlobalTensorError(
+                f"internal: dim {dim} of {self!r} has a head-tail split (two ranges); expected a "
+                f"caller reading Layout.ranges(coord). Please report this.")
+        return _box(self.plain(), tuple(coord))[dim]
+
     @property
     def order(self) -> tuple[tuple[int, int], ...]:
         """(dim, ranks) of each head-tail split on an axis of more than one rank: the dims its

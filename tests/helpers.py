@@ -43,7 +43,11 @@ def gen(*shape, seed=0, dtype=torch.float64):
 
 
 def piece(full: torch.Tensor, layout: Layout, coord) -> torch.Tensor:
-    """The piece at ``coord``; along a P axis the value is split into unequal parts."""
+    """The piece at ``coord``; along a P axis the value is split into unequal parts. A
+    head-tail layout's piece holds its ranges in their order (Layout.ranges)."""
+    if layout.order:
+        from globaltensor.plan import oracle
+        return piece(oracle.permuted(full, layout.order), layout.plain(), coord)
     part = full[layout.slices(coord)].clone()
     if part.is_floating_point():
         for a, v in enumerate(layout.sbp):

@@ -84,10 +84,10 @@ def searchsorted(call: Call):
     return tuple(rows)
 
 
-register(*PLAIN, rule=plain)
-register(*BACKWARD, rule=backward)
-register("rsub.Tensor", rule=rsub)
-register("glu", "glu_backward", rule=glu)
+register(*PLAIN, rule=plain, order_free=True)
+register(*BACKWARD, rule=backward, order_free=True)
+register("rsub.Tensor", rule=rsub, order_free=True)
+register("glu", "glu_backward", rule=glu, order_free=True)
 register("bucketize.Tensor", rule=values_split("self"))
 register("isin.Tensor_Tensor", rule=values_split("elements"))
 register("searchsorted.Tensor", rule=searchsorted)

@@ -34,8 +34,8 @@ def new_full(call: Call) -> tuple[Row, ...]:
     return (sig("* -> B"),) if len(call.shapes) == 1 else ()
 
 
-register("zeros_like", "ones_like", "empty_like", "full_like", rule=like)
-register("fill", "fill_", "zero", "zero_", rule=like)
+register("zeros_like", "ones_like", "empty_like", "full_like", rule=like, order_free=True)
+register("fill", "fill_", "zero", "zero_", rule=like, order_free=True)
 register("new_zeros", "new_ones", "new_empty", "new_full", "new_empty_strided", rule=new_full)
 
 # global mode: factories whose result is the same on every rank

@@ -42,7 +42,7 @@ def _local_targets(ctx, x_layout, target, ignore_index):
     dim = 1 if len(x_layout.shape) >= 2 else 0
     if not any(isinstance(v, S) and v.dim == dim for v in x_layout.sbp):
         return target
-    lo, hi = x_layout.box(ctx.coord)[dim]
+    lo, hi = x_layout.range_of(ctx.coord, dim)
     held = (target >= lo) & (target < hi)
     return torch.where(held, target - lo, torch.full_like(target, ignore_index))
 
@@ -242,16 +242,16 @@ def sample_loss_backward(call: Call):
     return tuple(rows)
 
 register("mse_loss", "smooth_l1_loss", "huber_loss", rule=pointwise_loss,
-         kernels={"loss_mean": _k_loss_mean})
+         kernels={"loss_mean": _k_loss_mean}, order_free=True)
 register("mse_loss_backward", "smooth_l1_loss_backward", "huber_loss_backward",
-         rule=pointwise_loss_backward)
+         rule=pointwise_loss_backward, order_free=True)
 register("binary_cross_entropy", "binary_cross_entropy_with_logits", "soft_margin_loss",
-         rule=elementwise_loss)
+         rule=elementwise_loss, order_free=True)
 register("binary_cross_entropy_backward", "soft_margin_loss_backward",
-         rule=elementwise_loss_backward)
+         rule=elementwise_loss_backward, order_free=True)
 register("multi_margin_loss", rule=sample_loss(1), kernels={"sample_loss": _k_sample_loss})
 register("multilabel_margin_loss_forward", rule=sample_loss(2))
 register("multi_margin_loss_backward", "multilabel_margin_loss_backward",
          rule=sample_loss_backward)
-register("nll_loss_forward", rule=nll_loss, kernels={"nll": _k_nll})
-register("nll_loss_backward", rule=nll_loss_backward, kernels={"nll_back": _k_nll_backward})
+register("nll_loss_forward", rule=nll_loss, kernels={"nll": _k_nll}, order_free=True)
+register("nll_loss_backward", rule=nll_loss_backward, kernels={"nll_back": _k_nll_backward}, order_free=True)

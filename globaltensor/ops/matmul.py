@@ -208,11 +208,11 @@ def _rest(ctx, largs, lkwargs) -> dict:
     return {n: v for n, v in values.items() if v is not None}
 
 
-register("mm", rule=lambda call: MM)
-register("addmm", rule=addmm, kernels={"addmm_partial": _k_addmm_partial})
-register("bmm", rule=lambda call: BMM)
-register("dot", rule=lambda call: DOT)
-register("mv", rule=lambda call: MV)
+register("mm", rule=lambda call: MM, order_free=True)
+register("addmm", rule=addmm, kernels={"addmm_partial": _k_addmm_partial}, order_free=True)
+register("bmm", rule=lambda call: BMM, order_free=True)
+register("dot", rule=lambda call: DOT, order_free=True)
+register("mv", rule=lambda call: MV, order_free=True)
 register("_grouped_mm", rule=grouped_mm, kernels={"grouped_mm": _k_grouped_mm})
 register("addmv", "baddbmm", "addbmm", "addmm_", "baddbmm_", "linear", "matmul", "einsum",
          decompose=True)

@@ -11,7 +11,7 @@ import math
 
 import torch
 
-from .rules import B, P, S, Call, Ref, Row, broadcasting, fit, repeat, sig
+from .rules import B, P, S, Call, Ref, Row, broadcasting, fit, repeat, sig, with_arg
 
 from .registry import register
 
@@ -32,7 +32,7 @@ def _k_embedding_vocab(ctx, largs, lkwargs):
     if ctx.coord is None:
         return ctx.empties()
     weight, indices = largs[0], largs[1]
-    lo, hi = ctx.targets[0].box(ctx.coord)[0]
+    lo, hi = ctx.targets[0].range_of(ctx.coord, 0)
     outside = (indices < lo) | (indices >= hi)
     local = (indices - lo).masked_fill(outside, 0)
     out = aten.embedding.default(weight, local)
@@ -118,12 +118,47 @@ def _k_attention_pieces(ctx, largs, lkwargs):
         return ctx.empties()
     first = 1 if ctx.call.packet.endswith("_backward") else 0
     seq = largs[first].dim() - 2
-    lo, hi = ctx.targets[first].box(ctx.coord)[seq]
+    ranges = ctx.targets[first].ranges(ctx.coord)[seq]
+    if len(ranges) == 2:  # a head-tail split: two runs of rows (docs/long_sequences.md)
+        return _two_ranges(ctx, largs, lkwargs, first, seq, ranges)
+    lo, hi = ranges[0]
     if (lo, hi) == (0, ctx.targets[first].shape[seq]):  # the whole sequence: no offset
         if any(p is not None and p.numel() == 0 for p in ctx.pieces):
             return ctx.zeros()
         return ctx.func(*largs, **lkwargs)
     return _attention_rows(ctx, largs, lkwargs, first, lo, hi)
+
+
+def _two_ranges(ctx, largs, lkwargs, first: int, seq: int, ranges):
+    """The rows of a head-tail piece, its head range then its tail range (each computed as
+    :func:`_attention_rows`), joined: outputs along the rows, the k/v gradients summed."""
+    if any(p is not None and p.numel() == 0 for p in ctx.pieces):
+        return ctx.zeros()
+    parts, start = [], 0
+    for lo, hi in ranges:
+        if hi > lo:
+            part = _rows_of(ctx, largs, lkwargs, first, seq, start, start + hi - lo)
+            parts.append(_attention_rows(ctx, *part, first, lo, hi))
+        start += hi - lo
+    if len(parts) == 1:
+        return parts[0]
+    (a0, a1), (b0, b1) = parts[0][:2], parts[1][:2]
+    if first == 0:  # (out, lse): both along the rows
+        return torch.cat([a0, b0], dim=seq), torch.cat([a1, b1], dim=seq)
+    return torch.cat([a0, b0], dim=seq), a1 + b1, parts[0][2] + parts[1][2]
+
+
+def _rows_of(ctx, largs, lkwargs, first: int, seq: int, a: int, b: int):
+    """The local arguments with only the piece's rows [a, b): q, a mask's rows, and in
+    backward the output's gradient, the output and its log-sum-exp."""
+    largs = list(largs)
+    rows = (first,) if first == 0 else (0, 1, 4, 5)
+    for i in rows:
+        largs[i] = largs[i].narrow(seq, a, b - a)
+    mask = ctx.arg(largs, lkwargs, "attn_mask")
+    if mask is not None and mask.dim() >= 2 and mask.shape[-2] > 1:
+        lkwargs = with_arg(ctx.call.op, largs, lkwargs, "attn_mask", mask.narrow(-2, a, b - a))
+    return largs, lkwargs
 
 
 def _attention_rows(ctx, largs, lkwargs, first: int, lo: int, hi: int):
@@ -211,8 +246,8 @@ def pooling_backward(spatial: int, linear: bool):
         return tuple(rows)
     return rule
 
-register("embedding", rule=embedding, kernels={"embedding_vocab": _k_embedding_vocab})
-register("embedding_dense_backward", rule=embedding_backward)
+register("embedding", rule=embedding, kernels={"embedding_vocab": _k_embedding_vocab}, order_free=True)
+register("embedding_dense_backward", rule=embedding_backward, order_free=True)
 for _k in (1, 2, 3):
     register(f"max_pool{_k}d_with_indices", rule=pooling_with_indices(_k))
     register(f"max_pool{_k}d_with_indices_backward", rule=pooling_backward(_k, False))
@@ -224,5 +259,6 @@ for _k in (1, 2, 3):
 register("convolution", rule=convolution)
 register("convolution_backward", rule=convolution_backward)
 register("_scaled_dot_product_flash_attention_for_cpu", rule=attention(2),
-         kernels={"attention_pieces": _k_attention_pieces})
-register("_scaled_dot_product_flash_attention_for_cpu_backward", rule=attention(3))
+         kernels={"attention_pieces": _k_attention_pieces}, order_free=True)
+register("_scaled_dot_product_flash_attention_for_cpu_backward", rule=attention(3),
+         order_free=True)

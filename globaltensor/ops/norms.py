@@ -211,8 +211,8 @@ def _k_sync_bn_backward(ctx, largs, lkwargs):
         gx = gx * scale.reshape(view)
     return gx, (sum_gx if mask[1] else None), (sum_g if mask[2] else None)
 
-register("native_layer_norm", rule=layer_norm)
-register("native_layer_norm_backward", rule=layer_norm_backward)
+register("native_layer_norm", rule=layer_norm, order_free=True)
+register("native_layer_norm_backward", rule=layer_norm_backward, order_free=True)
 register("native_group_norm", rule=group_norm, rewrite=_rewrite_group_norm)
 register("native_group_norm_backward", rule=group_norm_backward, rewrite=_rewrite_group_norm)
 # updates running_mean / running_var in training, though its schema marks neither (a!)

@@ -51,7 +51,7 @@ def pointwise(call: Call) -> Rule:
     n = len(call.shapes)
     out = broadcast_shapes(call.shapes)
     rows = [Row(repeat(n, B), (B,))] + [Row(repeat(n, S(d)), (S(d),)) for d in range(len(out))]
-    return broadcasting(rows + _linear_rows(call), call.shapes, frame=out)
+    return broadcasting(rows + _linear_rows(call), call.shapes, frame=out, order_free=True)
 
 
 def to_copy(call: Call) -> Rule:

@@ -274,27 +274,27 @@ def vdot(call: Call):
     return (sig("B B -> B"), sig("S(0) S(0) -> P"), sig("P B -> P"), sig("B P -> P"))
 
 
-register("sum", rule=reduction_sum)
-register("mean", rule=reduction_mean, kernels={"mean_partial": _k_mean_partial})
+register("sum", rule=reduction_sum, order_free=True)
+register("mean", rule=reduction_mean, kernels={"mean_partial": _k_mean_partial}, order_free=True)
 register("amax", "amin", "argmax", "argmin", "prod", "any", "all", "logsumexp",
          "linalg_vector_norm", "norm.ScalarOpt_dim", "norm.Scalar", "norm.ScalarOpt_dim_dtype",
          "var.correction", "std.correction", "max.default", "min.default",
-         rule=reduction_gather(1))
+         rule=reduction_gather(1), order_free=True)
 register("max.dim", "min.dim", "var_mean.correction", "std_mean.correction",
-         rule=reduction_gather(2))
-register("_softmax", "_log_softmax", rule=softmax_rule, kernels={"softmax_split": _k_softmax_split})
-register("_safe_softmax", rule=along_dim())
+         rule=reduction_gather(2), order_free=True)
+register("_softmax", "_log_softmax", rule=softmax_rule, kernels={"softmax_split": _k_softmax_split}, order_free=True)
+register("_safe_softmax", rule=along_dim(), order_free=True)
 register("_softmax_backward_data", "_log_softmax_backward_data", rule=softmax_backward,
-         kernels={"softmax_back_split": _k_softmax_back_split})
-register("cumsum", rule=along_dim(linear=("self",)))
-register("cumprod", rule=along_dim())
-register("sort", "topk", rule=along_dim(nouts=2, default=-1))
-register("cummax", "cummin", rule=along_dim(nouts=2))
-register("logcumsumexp", rule=along_dim())
-register("kthvalue", "median.dim", "nanmedian.dim", "mode", rule=order_statistic)
-register("median.default", "nanmedian.default", rule=whole(1))
-register("aminmax", rule=aminmax)
-register("nansum", "count_nonzero", rule=sum_like)
+         kernels={"softmax_back_split": _k_softmax_back_split}, order_free=True)
+register("cumsum", rule=along_dim(linear=("self",)), order_free=True)
+register("cumprod", rule=along_dim(), order_free=True)
+register("sort", "topk", rule=along_dim(nouts=2, default=-1), order_free=True)
+register("cummax", "cummin", rule=along_dim(nouts=2), order_free=True)
+register("logcumsumexp", rule=along_dim(), order_free=True)
+register("kthvalue", "median.dim", "nanmedian.dim", "mode", rule=order_statistic, order_free=True)
+register("median.default", "nanmedian.default", rule=whole(1), order_free=True)
+register("aminmax", rule=aminmax, order_free=True)
+register("nansum", "count_nonzero", rule=sum_like, order_free=True)
 register("index_fill", "index_fill_", "index_reduce", "index_reduce_", rule=index_along(False))
 register("index_copy", "index_copy_", rule=index_along(True))
 register("take", rule=take)

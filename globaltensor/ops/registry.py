@@ -37,6 +37,7 @@ class OpEntry:
     mutates: tuple[str, ...] = ()       # inputs it writes that its schema does not mark (a!)
     write_back: Callable | None = None  # a view: write_back(get, k) -> scatter(base, view)
     factory: str | None = None          # in global mode: "same", "uniform", "normal", "first"
+    order_free: bool = False            # its rows read no positions along the dims they split
 
 
 OPS: dict[str, OpEntry] = {}          # op name -> its entry (every family registers here)
@@ -47,17 +48,19 @@ _EMPTY = OpEntry()
 
 def register(*names: str, rule: Callable | None = None, kernels: dict | None = None,
              rewrite: Callable | None = None, decompose: bool = False, mutates: tuple = (),
-             write_back: Callable | None = None, factory: str | None = None) -> None:
+             write_back: Callable | None = None, factory: str | None = None,
+             order_free: bool = False) -> None:
     """Register ops by overload or packet name: their rule (``rule(call) -> rows or Rule``),
     the local kernels its rows name, a rewrite of global sizes in their arguments, that they
     run as their decomposition (``decompose=True``), the inputs they write although their
     schema does not say so (``mutates``: argument names), how a write into a view they made
     from moved pieces reaches the base (``write_back``), and the role of a torch factory of
-    that name in global mode (``factory``). An op may be registered in several lines, each
-    giving what the others do not."""
+    that name in global mode (``factory``), and that its rows read no positions along the
+    dims they split (``order_free``: they also run on head-tail pieces, ops/choice/balanced.py).
+    An op may be registered in several lines, each giving what the others do not."""
     given = {"rule": rule, "kernels": tuple(kernels or ()), "rewrite": rewrite,
              "decompose": decompose, "mutates": tuple(mutates), "write_back": write_back,
-             "factory": factory}
+             "factory": factory, "order_free": order_free}
     given = {k: v for k, v in given.items() if v}
     lenient = given.keys() == {"factory"} or sys._getframe(1).f_globals.get(
         "__name__", "").startswith("globaltensor.")  # our tables name ops of other torch versions
@@ -116,7 +119,8 @@ def rows_for(call: Call) -> Rule | None:
     check = rule.check
     if not rule.ragged and any(splits_unequal(r, call.shapes) for r in rows):
         check = _even_where_unequal(rule.check)
-    return Rule(rows, check, work=rule.work)
+    order_free = rule.order_free or entry(call.op).order_free or entry(call.packet).order_free
+    return Rule(rows, check, work=rule.work, order_free=order_free)
 
 
 def tensor_slots(call: Call) -> tuple:
@@ -182,7 +186,7 @@ def _over_global_inputs(rule: Rule, call: Call) -> Rule:
     frames = rule.frames
     if frames is not None and len(frames) == len(slots):
         frames = tuple(f for f, k in zip(frames, keep) if k)
-    return Rule(tuple(rows), rule.check, frames, rule.ragged, rule.work)
+    return Rule(tuple(rows), rule.check, frames, rule.ragged, rule.work, rule.order_free)
 
 
 def _even_where_unequal(check):

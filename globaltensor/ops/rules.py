@@ -83,6 +83,10 @@ class Rule:
     (embedding_bag's bags); otherwise such rows run only where each of those dims is cut
     evenly (ops/pieces.py).
 
+    ``order_free``: the rows read no positions along the dims they split (True), or the
+    rows for which that holds (a predicate over a row): they also run on head-tail pieces
+    (ops/choice/balanced.py). False (the default): such inputs are put in order first.
+
     ``work``: the op's compute in flops, for an op whose compute outweighs what its rows send
     (attention, quadratic in the sequence): a candidate then also costs the share of it each
     rank computes (the whole, over the ranks its first output is split or partial along:
@@ -94,10 +98,12 @@ class Rule:
     frames: tuple | None = None
     ragged: bool = False
     work: float = 0.0
+    order_free: bool | Callable = False
 
     def plus(self, rows) -> Rule:
         """The same rule with ``rows`` (written like its own) appended."""
-        return Rule(self.rows + tuple(rows), self.check, self.frames, self.ragged, self.work)
+        return Rule(self.rows + tuple(rows), self.check, self.frames, self.ragged, self.work,
+                    self.order_free)
 
 
 @memo(4096)
@@ -257,11 +263,13 @@ def aligned(value, shape, frame):
     return S(k)
 
 
-def broadcasting(rows, shapes, inputs=None, frame=None, work: float = 0.0) -> Rule:
+def broadcasting(rows, shapes, inputs=None, frame=None, work: float = 0.0,
+                 order_free=False) -> Rule:
     """A rule whose ``rows`` split dims of ``frame`` (default: the broadcast shape of
     ``shapes``) for the inputs listed in ``inputs`` (indices; default: all), the others'
     rows being in their own dims."""
     frame = broadcast_shapes(shapes) if frame is None else tuple(frame)
     chosen = range(len(shapes)) if inputs is None else tuple(inputs)
     return Rule(tuple(rows), frames=tuple(frame if i in chosen else None
-                                          for i in range(len(shapes))), work=work)
+                                          for i in range(len(shapes))), work=work,
+                order_free=order_free)

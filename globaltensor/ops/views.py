@@ -81,7 +81,11 @@ def view(call: Call) -> Rule:
     def check(call, grid, ins, outs):
         return all(_same_pieces(src, dst, gi, gj, grid, ins[0], outs[0]) for gi, gj in groups
                    if gi and gj)
-    return Rule(tuple(rows), check)
+
+    def order_free(row) -> bool:  # a head-tail dim viewed as a dim of its own size
+        return all(not isinstance(i, Split) or src[i.dim] == dst[o.dim]
+                   for i, o in zip(row.ins, row.outs))
+    return Rule(tuple(rows), check, order_free=order_free)
 
 
 def _same_pieces(src, dst, gi, gj, grid, sbp_in, sbp_out) -> bool:
@@ -363,16 +367,16 @@ def _scatter_split(get, k):
 
 
 register("view", "_unsafe_view", "reshape", rule=view, rewrite=rewrite_view)
-register("permute", rule=permute)
-register("transpose", "t", rule=transpose)
-register("squeeze", rule=squeeze, kernels={"squeeze": _k_squeeze})
-register("unsqueeze", rule=unsqueeze)
-register("expand", rule=expand, rewrite=rewrite_expand)
-register("select", rule=select)
-register("slice", rule=slice_)
-register("split", "split_with_sizes", rule=split)
-register("unbind", rule=unbind)
-register("diagonal", rule=diagonal)
+register("permute", rule=permute, order_free=True)
+register("transpose", "t", rule=transpose, order_free=True)
+register("squeeze", rule=squeeze, kernels={"squeeze": _k_squeeze}, order_free=True)
+register("unsqueeze", rule=unsqueeze, order_free=True)
+register("expand", rule=expand, rewrite=rewrite_expand, order_free=True)
+register("select", rule=select, order_free=True)
+register("slice", rule=slice_, order_free=True)
+register("split", "split_with_sizes", rule=split, order_free=True)
+register("unbind", rule=unbind, order_free=True)
+register("diagonal", rule=diagonal, order_free=True)
 # a write into the view reaches the base (the write-backs above)
 register("select", write_back=_scatter_select)
 register("slice", write_back=_scatter_slice)

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from ...layout import Layout, trusted
 from ...plan import plan
-from ...sbp import Broadcast, PartialSum
+from ...sbp import Broadcast, PartialSum, Split, balanced
 from ..rules import B, P
 
 
@@ -50,6 +50,13 @@ def backward_move(src: Layout, dst: Layout, outs):
     grad = grad_layout(dst, outs)
     wanted = tuple(g if isinstance(s, Broadcast) else (B if isinstance(s, PartialSum) else s)
                    for s, g in zip(src.sbp, grad.sbp))
+    if balanced(wanted):  # a head-tail dim no other axis may split: B where a B source took
+        grid = src.placement.shape  # the gradient's split of such a dim (it takes any)
+        ordered = {w.dim for w, n in zip(wanted, grid) if type(w) is Split and w.balance and n > 1}
+        wanted = tuple(B if isinstance(s, Broadcast) and type(w) is Split and w.dim in ordered
+                       and (not w.balance or any(isinstance(v, Split) and v.dim == w.dim
+                                                 for v in src.sbp)) else w
+                       for s, w in zip(src.sbp, wanted))
     return grad, wanted
 
 

@@ -21,6 +21,7 @@ from ...errors import GlobalTensorError
 from ...layout import Layout
 from ...plan import cost, cost_above, lower_bound, plan
 from ...sbp import Broadcast, PartialSum, SbpValue
+from .balanced import with_balanced
 from .backward import backward_cost, backward_move, with_sbp
 from .candidates import (Table, axis_options, candidates, costing_nothing, outs_of, partial_count,
                          resolved_layouts, target_layouts)
@@ -110,6 +111,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
                 f"call has {len(layouts)} global tensor inputs; please report this")
     grid = layouts[0].placement.shape
     options = axis_options(rule, layouts, len(grid), fixed, free)
+    options, rule = with_balanced(rule, layouts, options, grid, fixed)
     # a candidate that moves nothing costs 0 and wins, unless the rule weighs its work: then
     # keeping inputs as they are may mean computing the whole op on every rank
     stay = None if rule.work else _stay(rule, call, layouts, options)

@@ -27,11 +27,13 @@ import globaltensor as gt
 from globaltensor.layout import Layout
 from globaltensor.testing import run_ranks
 
-S, B, P = gt.sbp.split, gt.sbp.broadcast, gt.sbp.partial_sum
+S, B, P = gt.sbp.S, gt.sbp.broadcast, gt.sbp.partial_sum
+Split = gt.sbp.Split
 # seeds per world: 2 ranks ([2]) from 0, 4 ranks ([2, 2]) from 10_000. The default run takes
 # the first PROGRAMS (a 2x2 program costs about 2.5x a [2] one), -m slow the rest of SLOW_PROGRAMS
 PROGRAMS = {2: 60, 4: 20}
 SLOW_PROGRAMS = 300
+HEAD_TAIL_PROGRAMS = 20  # on [2], the default run's programs with half their splits head-tail
 FIRST_SEED = {2: 0, 4: 10_000}
 
 
@@ -265,10 +267,30 @@ def describe(steps) -> str:
     return "\n".join(f"  {k}: {s}" for k, s in enumerate(steps))
 
 
-def check_programs(seeds, world: int) -> list[str]:
-    """Run the programs of ``seeds`` on ``world`` thread-ranks; the mismatches, described."""
+def head_tail(steps, seed: int, grid) -> list[tuple]:
+    """The program with about half of its splits head-tail (where no other axis splits that
+    dim): the same ops on pieces that hold their dims permuted (ops/choice/balanced.py)."""
+    rng = random.Random(seed + 7_000_000)
+
+    def balanced(sbp):
+        out = list(sbp)
+        for a, v in enumerate(sbp):
+            if (isinstance(v, Split) and rng.random() < 0.5 and not any(
+                    b != a and isinstance(w, Split) and w.dim == v.dim for b, w in enumerate(sbp))):
+                out[a] = S(v.dim, "head_tail")
+        return tuple(out)
+
+    return [(s[0], s[1], balanced(s[2]), s[3]) if s[0] == "input"
+            else (s[0], s[1], balanced(s[2])) if s[0] == "to_global" else s for s in steps]
+
+
+def check_programs(seeds, world: int, balanced: bool = False) -> list[str]:
+    """Run the programs of ``seeds`` on ``world`` thread-ranks; the mismatches, described. With
+    ``balanced``, about half of every program's splits are head-tail."""
     grid = gt.placement("cpu", [0, 1]) if world == 2 else gt.placement("cpu", [[0, 1], [2, 3]])
     programs = {seed: draw(seed, grid.ndim) for seed in seeds}
+    if balanced:
+        programs = {seed: head_tail(steps, seed, grid) for seed, steps in programs.items()}
     expected = {}
     for seed, steps in programs.items():
         values, inputs = run(steps, lambda t, sbp: t.clone().requires_grad_(),
@@ -332,14 +354,30 @@ def test_more_random_programs_match_the_full_tensor_oracle(world):
     _check(world, PROGRAMS[world], SLOW_PROGRAMS)
 
 
+def test_random_programs_over_head_tail_splits_match_the_full_tensor_oracle():
+    seeds = range(FIRST_SEED[2], FIRST_SEED[2] + HEAD_TAIL_PROGRAMS)
+    bad = check_programs(seeds, 2, balanced=True)
+    assert not bad, f"{len(bad)} of {len(seeds)} programs differ:\n" + "\n".join(bad[:5])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 4])
+def test_more_random_programs_over_head_tail_splits_match_the_full_tensor_oracle(world):
+    first = FIRST_SEED[world] + (HEAD_TAIL_PROGRAMS if world == 2 else 0)
+    seeds = range(first, FIRST_SEED[world] + SLOW_PROGRAMS // 2)
+    bad = check_programs(seeds, world, balanced=True)
+    assert not bad, f"{len(bad)} of {len(seeds)} programs differ:\n" + "\n".join(bad[:5])
+
+
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--count", type=int, default=1000, help="how many programs")
     ap.add_argument("--start", type=int, default=0, help="the first seed")
     ap.add_argument("--world", type=int, choices=(2, 4), default=2, help="2: [2]; 4: [2, 2]")
+    ap.add_argument("--head-tail", action="store_true", help="half the splits head-tail")
     args = ap.parse_args()
-    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[1]))
-    bad = check_programs(range(args.start, args.start + args.count), args.world)
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).resolve().parents[2]))
+    bad = check_programs(range(args.start, args.start + args.count), args.world, args.head_tail)
     for line in bad:
         print(line, "\n")
     print(f"{len(bad)} of {args.count} programs differ (seeds {args.start}.."
