@@ -2,20 +2,27 @@
 
     python benchmarks/context_parallel.py [--seq 4096] [--hidden 256] [--layers 4] [--steps 3]
 
-In the same 4 processes, steps alternating: ``gt`` (the model laid out with ``to_global(line)``,
+In the same 4 processes, steps in turn: ``gt`` (the model laid out with ``to_global(line)``,
 the token ids split on the sequence, ``S(1)`` over "cp": attention keeps its queries split and
-gathers k and v) and ``whole`` (plain torch, the whole sequence on every rank: what each rank
+gathers k and v), ``head-tail`` (the same with ``S(1, "head_tail")``: rank i holds chunks i and
+7-i of 8, the causal work even; ``gt.attention_balance`` gives each layout's busiest rank over
+the mean) and ``whole`` (plain torch, the whole sequence on every rank: what each rank
 would compute and hold without the split). Per contender: the step (forward, backward, AdamW)
 median over ``--steps``, slowest rank; rank 0's allocator peak above the step's start
 (``_common.allocator_profile``); the first loss (same data and weights: they must agree); the
 bytes gt sent per rank (``gt.comm_trace``). torch's ``context_parallel`` needs CUDA's SDPA
 kernels (flash, efficient, cuDNN) and cannot run on this CPU machine: it is not in the table.
+"CPU s per rank": each rank's own compute in a step (process CPU time): what balance evens out.
+On this machine 4 ranks share 2 cores, so a rank that finishes early gives its core to the
+others and the step time follows the total work, not the busiest rank's; with a core (or a GPU)
+per rank the step waits for the busiest.
 """
 from __future__ import annotations
 
 import argparse
 import statistics
 import sys
+import time
 
 import torch
 
@@ -38,12 +45,15 @@ def worker(local_rank, a):
     gt.init()
     line = gt.placement("cpu", [0, 1, 2, 3], axes=("cp",))
     whole = build(a)
-    split = build(a)
-    split.load_state_dict(whole.state_dict())
-    split.to_global(line)
+    split, balanced = build(a), build(a)
+    for model in (split, balanced):
+        model.load_state_dict(whole.state_dict())
+        model.to_global(line)
     ids = torch.randint(0, 1024, (1, a.seq), generator=torch.Generator().manual_seed(1))
-    x = ids.to_global(line, gt.sbp.broadcast).to_global(sbp=gt.sbp.split(1))
+    x = ids.to_global(line, gt.sbp.broadcast).to_global(sbp=gt.sbp.S(1))
+    y = ids.to_global(line, gt.sbp.broadcast).to_global(sbp=gt.sbp.S(1, "head_tail"))
     contenders = {"gt": (split, x, torch.optim.AdamW(split.parameters(), lr=1e-4)),
+                  "head-tail": (balanced, y, torch.optim.AdamW(balanced.parameters(), lr=1e-4)),
                   "whole": (whole, ids, torch.optim.AdamW(whole.parameters(), lr=1e-4))}
     first = {}
 
@@ -53,25 +63,33 @@ def worker(local_rank, a):
         loss.backward()
         opt.step()
         opt.zero_grad()
-        first.setdefault(name, loss.full_tensor().item() if name == "gt" else loss.item())
+        first.setdefault(name, loss.item() if name == "whole" else loss.full_tensor().item())
 
     for name in contenders:  # warm-up: the first step's decisions and AdamW's state
         step(name)
     times = {name: [] for name in contenders}
+    names = list(contenders)
+    cpu = {name: [] for name in contenders}  # this rank's own compute (CPU seconds) per step
     for i in range(a.steps):
-        for name in (contenders if i % 2 == 0 else list(contenders)[::-1]):
+        for name in names[i % len(names):] + names[:i % len(names)]:
+            start = time.process_time()
             times[name].append(timed(lambda name=name: step(name)))
-    peaks, sent = {}, 0
+            cpu[name].append(time.process_time() - start)
+    peaks, sent = {}, {}
     for name in contenders:
         with allocator_profile() as prof:
-            if name == "gt":
+            if name != "whole":
                 with gt.comm_trace() as trace:
                     step(name)
-                sent = trace.bytes_per_rank
+                sent[name] = trace.bytes_per_rank
             else:
                 step(name)
         peaks[name] = allocation_peak(prof)
-    return ({k: statistics.median(v) for k, v in times.items()}, peaks, first, sent)
+    queries = (1, 8, a.seq, a.hidden // 8)
+    ratios = {name: gt.attention_balance(gt.Layout(line, (sbp,), queries)).ratio
+              for name, sbp in (("gt", gt.sbp.S(2)), ("head-tail", gt.sbp.S(2, "head_tail")))}
+    return ({k: statistics.median(v) for k, v in times.items()}, peaks, first, sent, ratios,
+            {k: statistics.median(v) for k, v in cpu.items()})
 
 
 def main():
@@ -81,14 +99,22 @@ def main():
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--steps", type=int, default=3)
     a = p.parse_args()
-    times, peaks, first, sent = gt.spawn(worker, args=(a,), nproc_per_node=4, timeout=1800)[0]
+    results = gt.spawn(worker, args=(a,), nproc_per_node=4, timeout=1800)
+    times, peaks, first, sent, ratios, _ = results[0]
+    cpu = {k: [r[5][k] for r in results] for k in times}  # per rank
+    spread = {k: max(v) / (sum(v) / len(v)) for k, v in cpu.items()}
     print(f"HF Llama, hidden {a.hidden}, {a.layers} layers, 8 heads over 2 key heads, one "
           f"sequence of {a.seq}, 4 ranks, AdamW")
-    print(f"{'contender':>10} {'step s':>8} {'peak MiB (rank 0)':>18} {'first loss':>11}")
+    print(f"{'contender':>10} {'step s':>8} {'peak MiB (rank 0)':>18} {'first loss':>11} "
+          f"{'attention work: busiest/mean':>29} {'CPU s per rank':>26} {'busiest/mean':>13}")
     for k in times:
-        print(f"{k:>10} {times[k]:8.3f} {peaks[k] / 2**20:18.1f} {first[k]:11.5f}")
-    print(f"gt / whole: step {times['gt'] / times['whole']:.2f}x, peak "
-          f"{peaks['gt'] / peaks['whole']:.2f}x; gt sent {sent / 2**20:.1f} MiB per rank a step")
+        ratio = f"{ratios[k]:.2f}" if k in ratios else "-"
+        ranks = " ".join(f"{c:.2f}" for c in cpu[k])
+        print(f"{k:>10} {times[k]:8.3f} {peaks[k] / 2**20:18.1f} {first[k]:11.5f} {ratio:>29} "
+              f"{ranks:>26} {spread[k]:13.2f}")
+    for k in sent:
+        print(f"{k} / whole: step {times[k] / times['whole']:.2f}x, peak "
+              f"{peaks[k] / peaks['whole']:.2f}x; sent {sent[k] / 2**20:.1f} MiB per rank a step")
     return 0
 
 

@@ -28,6 +28,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
     from .tools.policy import communication
     from .tools.verify import verify
     from .tools.visualize import visualize
+    from .tools.balance import attention_balance
     from .sim.memory import memory
     from .sim import simulate
     from .convert import from_local, install_tensor_methods
@@ -49,6 +50,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
 
 __all__ = [
     "GlobalTensor",
+    "attention_balance",
     "GlobalTensorError",
     "costs",
     "explain",

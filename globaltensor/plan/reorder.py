@@ -18,7 +18,7 @@ import torch
 
 from .._cache import memo
 from ..layout import Layout, head_tail_order
-from ..sbp import Split, broadcast
+from ..sbp import Split, broadcast, partial_sum
 from . import cost as model
 from .cost import SEARCH_ITEMSIZE
 from .steps import Plan, Step
@@ -94,7 +94,7 @@ def reordered(src: Layout, dst: Layout, plan_of) -> Plan:
         return Plan(src, dst, plan_of(plain_src, plain_dst).steps)
     dims = tuple((d, before.get(d, 1), after.get(d, 1)) for d in changed)
     best = None
-    for pivot in _pivots(plain_src, changed):
+    for pivot in _pivots(plain_src, changed, plain_dst):
         step = Reorder(dims, pivot, pivot)
         # (on the source's placement; a change of placement then moves the reordered pieces)
         steps = plan_of(plain_src, pivot).steps + (step,) + plan_of(pivot, plain_dst).steps
@@ -105,14 +105,17 @@ def reordered(src: Layout, dst: Layout, plan_of) -> Plan:
     return Plan(src, dst, steps)
 
 
-def _pivots(layout: Layout, changed) -> list[Layout]:
+def _pivots(layout: Layout, changed, dst: Layout) -> list[Layout]:
     """The layouts, on ``layout``'s placement, in which no axis splits a dim of ``changed`` and
     every other axis is as in ``layout``: each axis splitting such a dim holds B there, or a
     split of another dim (S(0) -> S(1, head_tail) is a reorder of whole rows, then an
-    all_to_all)."""
+    all_to_all), or P where ``dst`` is P on that axis (a zero-fill: each piece is whole, and
+    permuting the terms of a sum permutes the sum, so S(1, head_tail) -> P moves nothing)."""
     others = [Split(d) for d in range(layout.ndim) if d not in changed]
-    options = [[broadcast] + others if isinstance(v, Split) and v.dim in changed else [v]
-               for v in layout.sbp]
+    same = dst.placement == layout.placement
+    options = [[broadcast] + others + ([partial_sum] if same and dst.sbp[a] == partial_sum else [])
+               if isinstance(v, Split) and v.dim in changed else [v]
+               for a, v in enumerate(layout.sbp)]
     return [layout.with_sbp(sbp) for sbp in itertools.product(*options)]
 
 

@@ -6,6 +6,7 @@
     verify.py         gt.verify(): every op also computed on the full tensors, and compared
     verify_values.py  the comparison: tolerances per dtype, the rounding floor
     visualize.py      gt.visualize(x): which ranks hold which block
+    balance.py        gt.attention_balance(q): the attention work each rank's queries cost
 
 A leaf: the core never imports it. The core announces what it does through ``observe.py``
 (observers held in one ContextVar); the tools register as observers. Only ``globaltensor``'s

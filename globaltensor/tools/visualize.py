@@ -12,7 +12,8 @@ def _blocks(layout: Layout, dim: int) -> list[tuple[int, int]]:
         return [(0, 1)]
     cuts = {0, layout.shape[dim]}
     for coord in layout.placement.coords():
-        cuts.update(layout.box(coord)[dim])
+        for piece in layout.ranges(coord)[dim]:  # (two for a head-tail split)
+            cuts.update(piece)
     cuts = sorted(cuts)
     return list(zip(cuts, cuts[1:]))
 
@@ -21,12 +22,15 @@ def _label(layout: Layout, row: tuple[int, int], col: tuple[int, int]) -> str:
     """The ranks whose piece covers the block ``row`` x ``col`` (first two dims)."""
     held = []
     for coord in layout.placement.coords():
-        box = layout.box(coord)
-        r0, r1 = box[0] if layout.ndim >= 1 else (0, 1)
-        c0, c1 = box[1] if layout.ndim >= 2 else (0, 1)
-        if r0 <= row[0] and row[1] <= r1 and c0 <= col[0] and col[1] <= c1 and r0 < r1 and c0 < c1:
+        ranges = layout.ranges(coord)
+        if all(_covers(ranges[d] if layout.ndim > d else ((0, 1),), block)
+               for d, block in enumerate((row, col))):
             held.append(str(layout.placement.rank_at(coord)))
     return ",".join(held) if held else "-"
+
+
+def _covers(pieces, block: tuple[int, int]) -> bool:
+    return any(lo <= block[0] and block[1] <= hi and lo < hi for lo, hi in pieces)
 
 
 def _span(block: tuple[int, int]) -> str:
@@ -64,7 +68,7 @@ def draw(layout: Layout, max_rows: int = 16, max_cols: int = 16) -> str:
     lines.append("pieces:")
     for coord in layout.placement.coords():
         rank = layout.placement.rank_at(coord)
-        box = ", ".join(f"{a}:{b}" for a, b in layout.box(coord))
+        box = ", ".join("+".join(f"{a}:{b}" for a, b in dim) for dim in layout.ranges(coord))
         lines.append(f"  rank {rank} at {coord}: [{box}]  local shape {list(layout.local_shape(coord))}")
     return "\n".join(lines)
 

@@ -38,14 +38,20 @@ def test_each_rank_holds_its_head_and_tail_chunks(n, k):
 
 def test_causal_work_is_balanced():
     """Rows at position p see p + 1 keys: a plain split of 4,096 over 4 gives rank 3 seven times
-    rank 0's work; head-tail gives each rank the same."""
-    n, k = 4096, 4
-    line = gt.placement("cpu", list(range(k)))
-    for sbp, spread in ((S(0), 7.0), (S(0, HT), 1.0)):
-        layout = Layout(line, (sbp,), (n,))
-        work = [sum(p + 1 for lo, hi in layout.ranges((i,))[0] for p in range(lo, hi))
-                for i in range(k)]
-        assert max(work) / min(work) == pytest.approx(spread, rel=0.01)
+    rank 0's work (7/16 of it); head-tail gives each rank the same (gt.attention_balance)."""
+    line = gt.placement("cpu", [0, 1, 2, 3])
+    plain = gt.attention_balance(Layout(line, (S(2),), (1, 8, 4096, 64)))
+    flops = [plain.flops[r] for r in range(4)]
+    assert flops[3] / flops[0] == pytest.approx(7.0, rel=0.01)
+    assert flops[3] / sum(flops) == pytest.approx(7 / 16, rel=0.01)
+    assert plain.ratio == pytest.approx(1.75, rel=0.01)
+    assert sum(flops) == pytest.approx(4.0 * 8 * 64 * 4096 * 4097 / 2)  # the whole causal work
+    balanced = gt.attention_balance(Layout(line, (S(2, HT),), (1, 8, 4096, 64)))
+    assert balanced.ratio == pytest.approx(1.0, abs=1e-3) and "1.00x the mean" in str(balanced)
+    full = gt.attention_balance(Layout(line, (S(2),), (1, 8, 4096, 64)), causal=False)
+    assert full.ratio == 1.0  # without a mask every row sees every key
+    with pytest.raises(gt.GlobalTensorError, match="expects the queries"):
+        gt.attention_balance(torch.ones(3))
 
 
 def test_str_codes_and_plain():

@@ -16,6 +16,13 @@ S, B = gt.sbp.split, gt.sbp.broadcast
 TIMEOUT = 120
 LINE = gt.placement("cpu", [0, 1, 2, 3], axes=("cp",))
 GRID = gt.placement("cpu", [[0, 1], [2, 3]], axes=("dp", "cp"))
+# a plain split, and the head-tail one of causal load balance (rank i of k holds chunks i and
+# 2k-1-i): every case below runs both, and the results must not differ
+BALANCES = ["plain", "head_tail"]
+
+
+def _seq(dim: int, balance: str):
+    return gt.sbp.S(dim, None if balance == "plain" else balance)
 
 
 def _llama(transformers, layers: int = 2, positions: int = 256):
@@ -47,18 +54,20 @@ def _inputs(length: int, masked: bool):
     return q, k, v, mask
 
 
+@pytest.mark.parametrize("balance", BALANCES)
 @pytest.mark.parametrize("length", [256, 250], ids=["even", "uneven"])
 @pytest.mark.parametrize("causal,masked", [(True, False), (False, False), (False, True)],
                          ids=["causal", "full", "additive-mask"])
-def test_attention_over_a_split_sequence_equals_one_process(length, causal, masked):
+def test_attention_over_a_split_sequence_equals_one_process(length, causal, masked, balance):
     q, k, v, mask = _inputs(length, masked)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*leaves, is_causal=causal, attn_mask=mask)
     ref.square().sum().backward()
 
     def body(rank):
-        ins = [t.to_global(LINE, B).to_global(sbp=S(2)).requires_grad_() for t in (q, k, v)]
-        m = None if mask is None else mask.to_global(LINE, B).to_global(sbp=S(2))
+        ins = [t.to_global(LINE, B).to_global(sbp=_seq(2, balance)).requires_grad_()
+               for t in (q, k, v)]
+        m = None if mask is None else mask.to_global(LINE, B).to_global(sbp=_seq(2, balance))
         with gt.comm_trace() as trace:
             out = F.scaled_dot_product_attention(*ins, is_causal=causal, attn_mask=m)
             out.square().sum().backward()
@@ -69,11 +78,12 @@ def test_attention_over_a_split_sequence_equals_one_process(length, causal, mask
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         for got, want in zip(grads, leaves):
             torch.testing.assert_close(got, want.grad, atol=1e-4, rtol=1e-4)
-        assert sbp == (S(2),)  # the output stays split on the sequence
+        assert sbp == (_seq(2, balance),)  # the output stays split on the sequence
         assert moved == [(B,), (B,)]  # only k and v were gathered (the mask came split)
 
 
-def test_a_2x2_grid_of_data_and_sequence_splits_equals_one_process():
+@pytest.mark.parametrize("balance", BALANCES)
+def test_a_2x2_grid_of_data_and_sequence_splits_equals_one_process(balance):
     # (at 128 positions the whole attention is cheaper to compute on every rank of "cp" than
     # the k/v gradients' reduce-scatters: the choice weighs its work, docs/long_sequences.md)
     q, k, v, _ = _inputs(512, False)
@@ -82,7 +92,7 @@ def test_a_2x2_grid_of_data_and_sequence_splits_equals_one_process():
     ref.square().sum().backward()
 
     def body(rank):
-        ins = [t.to_global(GRID, (B, B)).to_global(sbp=(S(0), S(2))).requires_grad_()
+        ins = [t.to_global(GRID, (B, B)).to_global(sbp=(S(0), _seq(2, balance))).requires_grad_()
                for t in (q, k, v)]
         out = F.scaled_dot_product_attention(*ins, is_causal=True)
         out.square().sum().backward()
@@ -91,10 +101,11 @@ def test_a_2x2_grid_of_data_and_sequence_splits_equals_one_process():
         torch.testing.assert_close(out, ref, atol=1e-5, rtol=1e-5)
         for got, want in zip(grads, leaves):
             torch.testing.assert_close(got, want.grad, atol=1e-4, rtol=1e-4)
-        assert sbp == (S(0), S(2))
+        assert sbp == (S(0), _seq(2, balance))
 
 
-def test_hf_llama_trains_on_a_sequence_split_by_its_layout_alone():
+@pytest.mark.parametrize("balance", BALANCES)
+def test_hf_llama_trains_on_a_sequence_split_by_its_layout_alone(balance):
     """A tiny HF Llama (sdpa, grouped-query: 4 heads over 2 key heads), a sequence of 256 split
     over 4 ranks, HF's own loss: loss and gradients equal one process; what is gathered is the
     key and value heads (2 per layer forward), never the hidden states."""
@@ -111,7 +122,7 @@ def test_hf_llama_trains_on_a_sequence_split_by_its_layout_alone():
         model = transformers.LlamaForCausalLM(config)
         model.load_state_dict(state)
         model.to_global(LINE)
-        x = ids.to_global(LINE, B).to_global(sbp=S(1))
+        x = ids.to_global(LINE, B).to_global(sbp=_seq(1, balance))
         with gt.comm_trace() as trace:
             out = model(x, labels=x).loss
             out.backward()
@@ -123,7 +134,10 @@ def test_hf_llama_trains_on_a_sequence_split_by_its_layout_alone():
         assert abs(got - loss.item()) < 1e-5
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
-        assert gathered == [(1, 2, 256, 16)] * 4, gathered
+        # head-tail: also HF's shifted labels (1 KiB of ints): a label is its neighbour's id,
+        # which a head-tail piece does not hold at its chunks' edges (a positional op)
+        labels = [(256,)] if balance == "head_tail" else []
+        assert gathered == [(1, 2, 256, 16)] * 4 + labels, gathered
 
 
 _TP = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
@@ -131,8 +145,9 @@ _TP = {"*.q_proj": "colwise", "*.k_proj": "colwise", "*.v_proj": "colwise",
        "*.down_proj": "rowwise"}
 
 
-@pytest.mark.parametrize("kind", ["cp", "dp-cp", "cp-tp"])
-def test_hf_llama_on_packed_documents_over_a_split_sequence_equals_one_process(kind):
+@pytest.mark.parametrize("kind,balance", [("cp", "plain"), ("dp-cp", "plain"), ("cp-tp", "plain"),
+                                          ("cp", "head_tail"), ("dp-cp", "head_tail")])
+def test_hf_llama_on_packed_documents_over_a_split_sequence_equals_one_process(kind, balance):
     """Three documents of 100, 80 and 76 tokens packed in each 256-token sequence (position ids
     restarting per document, ``use_cache=False``: HF then masks attention to each document), the
     sequence split over "cp": on a line of 4, on a (dp, cp) grid with 2 sequences split on "dp",
@@ -156,10 +171,10 @@ def test_hf_llama_on_packed_documents_over_a_split_sequence_equals_one_process(k
         model = transformers.LlamaForCausalLM(config)
         model.load_state_dict(state)
         if kind == "cp":
-            grid, sbp = LINE, (S(1),)
+            grid, sbp = LINE, (_seq(1, balance),)
             model.to_global(grid)
         elif kind == "dp-cp":
-            grid, sbp = GRID, (S(0), S(1))
+            grid, sbp = GRID, (S(0), _seq(1, balance))
             model.to_global(grid)
         else:
             grid, sbp = gt.placement("cpu", [[0, 1], [2, 3]], axes=("cp", "tp")), (S(1), B)
@@ -240,8 +255,9 @@ def test_gt_simulate_counts_a_sequence_split_step_as_it_runs():
     assert real[0][0].get("all_gather", 0) == 2  # the layer's k and v heads
 
 
+@pytest.mark.parametrize("balance", BALANCES)
 @pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family):
+def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family, balance):
     """HF Llama and GPT-2 (sdpa, tiny widths), one sequence of 1,024 tokens split over 4 ranks,
     three AdamW steps: the losses and the parameters after them equal one process. (GPT-2 at
     this length takes the heads split by all-to-all, Ulysses' way, where it costs less than
@@ -265,7 +281,7 @@ def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family):
         model = make(config)
         model.load_state_dict(state)
         model.to_global(LINE)
-        x = ids.to_global(LINE, B).to_global(sbp=S(1))
+        x = ids.to_global(LINE, B).to_global(sbp=_seq(1, balance))
         got = _adamw_steps(model, x, 3)
         return got, {n: p.full_tensor() for n, p in model.named_parameters()}
     for got, params in run_ranks(body, 4, timeout=TIMEOUT):
@@ -336,7 +352,8 @@ def test_fully_shard_over_data_beside_a_sequence_split_trains_as_one_process():
 
 
 
-def test_a_torchtitan_shaped_llama_over_a_split_sequence_equals_one_process():
+@pytest.mark.parametrize("balance", BALANCES)
+def test_a_torchtitan_shaped_llama_over_a_split_sequence_equals_one_process(balance):
     """torchtitan's own way of writing Llama 3 (complex RoPE buffer sliced by the sequence,
     its own repeat_kv, ``F.cross_entropy`` on flattened logits), 512 tokens over 4 ranks: the
     loss and every gradient equal one process."""
@@ -352,7 +369,7 @@ def test_a_torchtitan_shaped_llama_over_a_split_sequence_equals_one_process():
         model = TitanLlama()
         model.load_state_dict(state)
         model.to_global(LINE)
-        x, y = (t.to_global(LINE, B).to_global(sbp=S(1)) for t in (ids, tgt))
+        x, y = (t.to_global(LINE, B).to_global(sbp=_seq(1, balance)) for t in (ids, tgt))
         got = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
         got.backward()
         return got.full_tensor().item(), {n: p.grad.full_tensor()

@@ -27,17 +27,19 @@ ORDER_FREE_KERNELS = frozenset({"mean_partial", "softmax_split", "softmax_back_s
                                 "nll_back", "loss_mean", "attention_pieces"})
 
 
-def with_balanced(rule: Rule, layouts, options, grid, fixed=()):
+def with_balanced(rule: Rule, layouts, options, grid, fixed=(), free=()):
     """``(options, rule)`` with, on each axis of more than one rank where an input is
     head-tail, the order-free rows also in their head-tail form; the rule's check then also
     leaves out candidates splitting a head-tail dim on another axis. ``fixed``: inputs (an
-    in-place op's self) whose layout, and the result's, must not change."""
+    in-place op's self) whose layout, and the result's, must not change; ``free``: per input,
+    the layouts it is already available in (a head-tail one counts as an input's own)."""
     if not rule.order_free:
         return options, rule
     added = False
     out = []
     for axis, opts in enumerate(options):
-        if grid[axis] > 1 and any(_balanced(layout.sbp[axis]) for layout in layouts):
+        if grid[axis] > 1 and (any(_balanced(layout.sbp[axis]) for layout in layouts) or any(
+                _balanced(f.sbp[axis]) for fs in free for f in fs)):
             own = [layout.sbp[axis] for layout in layouts]
             more = [o for o in (_head_tail(rule, layouts, o) for o in opts) if o is not None
                     and all(o[3][i] == own[i] for i in fixed)

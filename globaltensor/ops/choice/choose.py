@@ -111,7 +111,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
                 f"call has {len(layouts)} global tensor inputs; please report this")
     grid = layouts[0].placement.shape
     options = axis_options(rule, layouts, len(grid), fixed, free)
-    options, rule = with_balanced(rule, layouts, options, grid, fixed)
+    options, rule = with_balanced(rule, layouts, options, grid, fixed, free)
     # a candidate that moves nothing costs 0 and wins, unless the rule weighs its work: then
     # keeping inputs as they are may mean computing the whole op on every rank
     stay = None if rule.work else _stay(rule, call, layouts, options)
