@@ -29,6 +29,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
     from .tools.verify import verify
     from .tools.visualize import visualize
     from .tools.balance import attention_balance
+    from .ops.nn import set_attention_method
     from .sim.memory import memory
     from .sim import simulate
     from .convert import from_local, install_tensor_methods
@@ -50,7 +51,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
 
 __all__ = [
     "GlobalTensor",
-    "attention_balance",
+    "attention_balance", "set_attention_method",
     "GlobalTensorError",
     "costs",
     "explain",

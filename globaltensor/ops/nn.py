@@ -13,7 +13,10 @@ import torch
 
 from .rules import B, P, S, Call, Ref, Row, broadcasting, fit, repeat, sig, with_arg
 
+from .._cache import clear_all
+from ..errors import GlobalTensorError
 from .registry import register
+from .ring import ring, ring_axis
 
 aten = torch.ops.aten
 
@@ -73,29 +76,81 @@ def convolution_backward(call: Call):
     return tuple(rows)
 
 
+# how a split sequence's attention gets its keys: "auto" (by cost), "all_gather" or "ring"
+# (gt.set_attention_method, which clears the cached choices)
+METHODS = ("auto", "all_gather", "ring")
+_METHOD = ["auto"]
+
+
+def set_attention_method(method: str) -> str:
+    """``gt.set_attention_method("ring")``: how attention over a split sequence gets its keys
+    from now on, on this process (call it alike on every rank): ``"auto"`` (the default: the
+    choice weighs both ways' costs), ``"all_gather"`` or ``"ring"``. Returns the one before;
+    a change forgets the cached choices (as ``gt.set_costs`` does)."""
+    if method not in METHODS:
+        raise GlobalTensorError(
+            f"set_attention_method expects one of {list(METHODS)}, found {method!r}; e.g. "
+            f"gt.set_attention_method(\"ring\")")
+    before, _METHOD[0] = _METHOD[0], method
+    if before != method:
+        clear_all()
+    return before
+
+
 def attention(nouts: int):
     """``_scaled_dot_product_flash_attention_for_cpu`` (and its backward): batch or head split,
-    or the queries' sequence split (docs/long_sequences.md): q (and the output, its log-sum-exp,
-    the gradient of the output) split on the sequence, k and v whole (the planner gathers them:
-    Llama 3's all-gather), the kernel masking each rank's rows at their global positions; the
-    backward's k and v gradients are then partial sums (each rank's rows' share). The mask
-    broadcasts against the scores, (batch, heads, L, S): a mask with one head (or no batch dims)
-    stays whole on a head (or batch) split, and is split on its rows with the queries."""
+    or the queries' sequence split (docs/long_sequences.md), two ways: q (and the output, its
+    log-sum-exp, the gradient of the output) split on the sequence and k, v whole (the planner
+    gathers them: Llama 3's all-gather), the kernel masking each rank's rows at their global
+    positions, the backward's k and v gradients partial sums (each rank's rows' share); or q, k
+    and v all split on one axis, the key/value chunks passed around it (ring attention,
+    ops/ring.py: its shifts priced by ``sends``). The mask broadcasts against the scores,
+    (batch, heads, L, S): a mask with one head (or no batch dims) stays whole on a head (or
+    batch) split, and is split on its rows with the queries."""
     def rule(call: Call):
         n = len(call.shapes)
         first = 1 if call.packet.endswith("_backward") else 0  # grad_out comes first
         q, k = call.shapes[first], call.shapes[first + 1]
+        seq = len(q) - 2
         rows = [Row(repeat(n, B), repeat(nouts, B))]
         rows += [Row(repeat(n, S(d)), repeat(nouts, S(d)), "attention_pieces") for d in (0, 1)]
         mask = call.get("attn_mask")
         inputs = (mask.index,) if isinstance(mask, Ref) else ()
-        if mask is None or inputs:  # (a mask that is not global: gathered rows only)
-            rows.append(_sequence_row(n, first, len(q) - 2))
+        method = _METHOD[0]
+        if (mask is None or inputs) and method != "ring":  # (a local mask: gathered rows only)
+            rows.append(_sequence_row(n, first, seq))
+        if (mask is None or inputs) and method != "all_gather" and q[seq] == k[seq]:
+            rows.append(Row(repeat(n, S(seq)), repeat(nouts, S(seq)), "attention_pieces"))
         # q @ k^T and p @ v: 4 flops per (query, key, feature) per head; backward about 2.5x
         work = 4.0 * math.prod(q[:-1]) * k[-2] * q[-1] * (2.5 if first else 1.0)
         return broadcasting(rows, call.shapes, inputs=inputs, frame=q[:-1] + k[-2:-1],
-                            work=work)
+                            work=work, check=_one_ring(first, seq), sends=_ring_sends(first, seq))
     return rule
+
+
+def _one_ring(first: int, seq: int):
+    """A candidate splits the keys' sequence on one axis at most (one ring)."""
+    def check(call, grid, ins, outs):
+        keys = ins[first + 1]
+        return sum(1 for v, n in zip(keys, grid) if isinstance(v, S) and v.dim == seq
+                   and n > 1) <= 1
+    return check
+
+
+def _ring_sends(first: int, seq: int):
+    """What a ring candidate's shifts send on a rank: k and v, n - 1 times each; in backward
+    (or a forward whose k or v will get a gradient) also their gradients, n times each."""
+    def sends(targets, itemsizes, grads):
+        layout = targets[first + 1]
+        axis = ring_axis(layout, seq)
+        if axis is None:
+            return 0, 0
+        n, piece = layout.placement.shape[axis], layout.max_local_numel() * itemsizes[first + 1]
+        shifts = 2 * (n - 1)
+        if first or (grads and (grads[first + 1] or grads[first + 2])):
+            shifts += 2 * n
+        return shifts, shifts * piece
+    return sends
 
 
 def _sequence_row(n: int, first: int, seq: int) -> Row:
@@ -114,10 +169,13 @@ def _k_attention_pieces(ctx, largs, lkwargs):
     here) are left out, and the backward's k/v gradients are 0 there. Where an uneven split
     leaves this rank no batch entry, head or row, zeros of its output shapes; torch's CPU
     kernel traps (SIGFPE) on a piece with no head."""
+    first = 1 if ctx.call.packet.endswith("_backward") else 0
+    seq = len(ctx.targets[first].shape) - 2
+    axis = ring_axis(ctx.targets[first + 1], seq)
+    if axis is not None:  # k and v split too: ring attention (every rank shifts, ops/ring.py)
+        return ring(ctx, largs, lkwargs, first, seq, axis, _merged)
     if ctx.coord is None:
         return ctx.empties()
-    first = 1 if ctx.call.packet.endswith("_backward") else 0
-    seq = largs[first].dim() - 2
     ranges = ctx.targets[first].ranges(ctx.coord)[seq]
     if len(ranges) == 2:  # a head-tail split: two runs of rows (docs/long_sequences.md)
         return _two_ranges(ctx, largs, lkwargs, first, seq, ranges)

@@ -120,7 +120,7 @@ def rows_for(call: Call) -> Rule | None:
     if not rule.ragged and any(splits_unequal(r, call.shapes) for r in rows):
         check = _even_where_unequal(rule.check)
     order_free = rule.order_free or entry(call.op).order_free or entry(call.packet).order_free
-    return Rule(rows, check, work=rule.work, order_free=order_free)
+    return Rule(rows, check, work=rule.work, order_free=order_free, sends=rule.sends)
 
 
 def tensor_slots(call: Call) -> tuple:
@@ -186,7 +186,8 @@ def _over_global_inputs(rule: Rule, call: Call) -> Rule:
     frames = rule.frames
     if frames is not None and len(frames) == len(slots):
         frames = tuple(f for f, k in zip(frames, keep) if k)
-    return Rule(tuple(rows), rule.check, frames, rule.ragged, rule.work, rule.order_free)
+    return Rule(tuple(rows), rule.check, frames, rule.ragged, rule.work, rule.order_free,
+                rule.sends)
 
 
 def _even_where_unequal(check):

@@ -87,6 +87,10 @@ class Rule:
     rows for which that holds (a predicate over a row): they also run on head-tail pieces
     (ops/choice/balanced.py). False (the default): such inputs are put in order first.
 
+    ``sends``: for a rule whose kernel communicates (ring attention), what a candidate's kernel
+    sends: ``sends(targets, itemsizes, grads) -> (messages, bytes)`` on the busiest rank, from
+    the candidate's input layouts; the choice prices it like a move.
+
     ``work``: the op's compute in flops, for an op whose compute outweighs what its rows send
     (attention, quadratic in the sequence): a candidate then also costs the share of it each
     rank computes (the whole, over the ranks its first output is split or partial along:
@@ -99,11 +103,12 @@ class Rule:
     ragged: bool = False
     work: float = 0.0
     order_free: bool | Callable = False
+    sends: Callable | None = None
 
     def plus(self, rows) -> Rule:
         """The same rule with ``rows`` (written like its own) appended."""
         return Rule(self.rows + tuple(rows), self.check, self.frames, self.ragged, self.work,
-                    self.order_free)
+                    self.order_free, self.sends)
 
 
 @memo(4096)
@@ -264,12 +269,12 @@ def aligned(value, shape, frame):
 
 
 def broadcasting(rows, shapes, inputs=None, frame=None, work: float = 0.0,
-                 order_free=False) -> Rule:
+                 order_free=False, check=None, sends=None) -> Rule:
     """A rule whose ``rows`` split dims of ``frame`` (default: the broadcast shape of
     ``shapes``) for the inputs listed in ``inputs`` (indices; default: all), the others'
     rows being in their own dims."""
     frame = broadcast_shapes(shapes) if frame is None else tuple(frame)
     chosen = range(len(shapes)) if inputs is None else tuple(inputs)
-    return Rule(tuple(rows), frames=tuple(frame if i in chosen else None
-                                          for i in range(len(shapes))), work=work,
-                order_free=order_free)
+    return Rule(tuple(rows), check, frames=tuple(frame if i in chosen else None
+                                                 for i in range(len(shapes))), work=work,
+                order_free=order_free, sends=sends)

@@ -256,8 +256,8 @@ def test_gt_simulate_counts_a_sequence_split_step_as_it_runs():
 
 
 @pytest.mark.parametrize("balance", BALANCES)
-@pytest.mark.parametrize("family", ["llama", "gpt2"])
-def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family, balance):
+@pytest.mark.parametrize("family,method", [("llama", "auto"), ("gpt2", "auto"), ("llama", "ring")])
+def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family, method, balance):
     """HF Llama and GPT-2 (sdpa, tiny widths), one sequence of 1,024 tokens split over 4 ranks,
     three AdamW steps: the losses and the parameters after them equal one process. (GPT-2 at
     this length takes the heads split by all-to-all, Ulysses' way, where it costs less than
@@ -282,9 +282,17 @@ def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family, b
         model.load_state_dict(state)
         model.to_global(LINE)
         x = ids.to_global(LINE, B).to_global(sbp=_seq(1, balance))
-        got = _adamw_steps(model, x, 3)
-        return got, {n: p.full_tensor() for n, p in model.named_parameters()}
-    for got, params in run_ranks(body, 4, timeout=TIMEOUT):
+        with gt.comm_trace() as trace:
+            got = _adamw_steps(model, x, 3)
+        ring = any(c == "send/recv" for r in trace.records if "flash" in r.op for c in r.collectives)
+        return got, {n: p.full_tensor() for n, p in model.named_parameters()}, ring
+    before = gt.set_attention_method(method)
+    try:
+        results = run_ranks(body, 4, timeout=TIMEOUT)
+    finally:
+        gt.set_attention_method(before)
+    for got, params, ring in results:
+        assert ring == (method == "ring")  # the ring's shifts, or none
         assert got == pytest.approx(losses, abs=1e-5)
         for name, p in ref.named_parameters():  # (AdamW's lr 1e-2 steps: float noise grows)
             torch.testing.assert_close(params[name], p, atol=5e-4, rtol=1e-3, msg=name)
@@ -378,3 +386,48 @@ def test_a_torchtitan_shaped_llama_over_a_split_sequence_equals_one_process(bala
         assert abs(got - loss.item()) < 1e-5
         for name, p in ref.named_parameters():
             torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+@pytest.mark.parametrize("balance", BALANCES)
+def test_ring_attention_equals_one_process_and_sends_only_its_shifts(balance):
+    """``gt.set_attention_method("ring")``: q, k and v stay split on the sequence and the
+    key/value chunks go around the ranks (3 shifts of k and v forward; backward 3 more and 4
+    of their gradients, which end where they started): causal, full and masked attention, an
+    uneven 1,021 positions, equal to one process; only point-to-point messages."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 1, 1021, 8, generator=g) for _ in range(3))
+    mask = torch.randn(1, 1, 1021, 1021, generator=g)
+    cases = [(True, None), (False, None), (False, mask)]
+    refs = []
+    for causal, m in cases:
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = F.scaled_dot_product_attention(*leaves, is_causal=causal, attn_mask=m)
+        out.square().sum().backward()
+        refs.append((out.detach(), [t.grad for t in leaves]))
+
+    def body(rank):
+        found = []
+        for causal, m in cases:
+            ins = [t.to_global(LINE, B).to_global(sbp=_seq(2, balance)).requires_grad_()
+                   for t in (q, k, v)]
+            gm = None if m is None else m.to_global(LINE, B).to_global(sbp=_seq(2, balance))
+            with gt.comm_trace() as trace:
+                out = F.scaled_dot_product_attention(*ins, is_causal=causal, attn_mask=gm)
+                out.square().sum().backward()
+            kinds = [c for r in trace.records for c in r.collectives]
+            found.append((out.full_tensor(), [t.grad.full_tensor() for t in ins], out.sbp, kinds))
+        return found
+    before = gt.set_attention_method("ring")
+    try:
+        results = run_ranks(body, 4, timeout=TIMEOUT)
+    finally:
+        gt.set_attention_method(before)
+    for found in results:
+        for (out, grads, sbp, kinds), (want, wants) in zip(found, refs):
+            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+            for got, w in zip(grads, wants):
+                torch.testing.assert_close(got, w, atol=1e-4, rtol=1e-4)
+            assert sbp == (_seq(2, balance),)
+            assert kinds == ["send/recv"] * (6 + 6 + 8), kinds
+    with pytest.raises(gt.GlobalTensorError, match="expects one of"):
+        gt.set_attention_method("zigzag")

@@ -50,7 +50,7 @@ def with_balanced(rule: Rule, layouts, options, grid, fixed=(), free=()):
     if not added:
         return options, rule
     return out, Rule(rule.rows, _checked(rule.check), rule.frames, rule.ragged, rule.work,
-                     rule.order_free)
+                     rule.order_free, rule.sends)
 
 
 def _balanced(value) -> bool:

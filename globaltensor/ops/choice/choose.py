@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from ...errors import GlobalTensorError
 from ...layout import Layout
 from ...plan import cost, cost_above, lower_bound, plan
-from ...sbp import Broadcast, PartialSum, SbpValue
+from ...sbp import Broadcast, PartialSum, SbpValue, Split
 from .balanced import with_balanced
 from .backward import backward_cost, backward_move, with_sbp
 from .candidates import (Table, axis_options, candidates, costing_nothing, outs_of, partial_count,
@@ -114,7 +114,7 @@ def _choose(rule: Rule, call: Call, layouts, itemsizes, fixed, grads=(), free=()
     options, rule = with_balanced(rule, layouts, options, grid, fixed, free)
     # a candidate that moves nothing costs 0 and wins, unless the rule weighs its work: then
     # keeping inputs as they are may mean computing the whole op on every rank
-    stay = None if rule.work else _stay(rule, call, layouts, options)
+    stay = None if rule.work or rule.sends else _stay(rule, call, layouts, options)
     if stay is not None and (not partial_count(stay.outs, grid)
                              or not any(math.prod(l.shape) for l in layouts)):
         # (one leaving partial sums may tie with one that resolves them: search; but where the
@@ -200,14 +200,16 @@ def _cost_further(rule, call, layouts, itemsizes, grads, free, table, entry, lim
         if rule.check is not None and not rule.check(
                 call, grid, tuple(zip(*(values for _, _, values, _ in combo))), outs):
             return None
-        terms = _terms(layouts, targets, itemsizes, outs, grads, free, rule.work)
+        terms = _terms(layouts, targets, itemsizes, outs, grads, free,
+                       _own(rule, targets, itemsizes, outs, grads))
     else:  # then the plans, the largest bound first: one may be enough to rule it out
         terms = _exact_one(terms, layouts, targets, itemsizes, outs, limit)
     if any(not exact for _, exact, _, _ in terms):
         total = sum(value for value, _, _, _ in terms) * (1 - 1e-9)
         heapq.heappush(heap, (max(bound, total), partials, changed, index, terms, combo, resolved))
         return None
-    return (_candidate_cost(layouts, targets, itemsizes, outs, grads, free, rule.work), targets,
+    return (_candidate_cost(layouts, targets, itemsizes, outs, grads, free,
+                            _own(rule, targets, itemsizes, outs, grads)), targets,
             outs, rows)
 
 
@@ -242,13 +244,13 @@ def _first(rule: Rule, call: Call, layouts, options) -> Choice | None:
 
 
 
-def _terms(layouts, targets, itemsizes, outs, grads, free, work=0.0) -> tuple:
+def _terms(layouts, targets, itemsizes, outs, grads, free, own=0.0) -> tuple:
     """The parts of a candidate's cost, each as (bound, exact?, input, backward?): the moves
     its inputs need (the planner's bound, or 0 for a free layout) and, for inputs that will
     get a gradient, the move that gradient needs in backward; and, exact from the start, one α
-    per partial sum the results leave and this rank's share of the op's ``work`` (input -1)."""
+    per partial sum the results leave and the op's ``own`` seconds (:func:`_own`; input -1)."""
     grid = layouts[0].placement.shape
-    owed = cost.ALPHA * partial_count(outs, grid) + _work_share(work, outs, grid)
+    owed = cost.ALPHA * partial_count(outs, grid) + own
     terms = [(owed, True, -1, False)] if owed else []
     for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):
         if src == dst:
@@ -308,7 +310,8 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
             continue
         if fixed and outs[0] != layouts[fixed[0]].sbp:
             continue  # an in-place result must land in self's own layout
-        cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free, rule.work)
+        cost = _candidate_cost(layouts, targets, itemsizes, outs, grads, free,
+                               _own(rule, targets, itemsizes, outs, grads))
         if math.isinf(cost):
             continue
         key = (cost, partial_count(outs, grid), sum(1 for s, t in zip(layouts, targets) if s != t),
@@ -319,16 +322,31 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
 
 
 
-def _work_share(work: float, outs, grid) -> float:
+def _own(rule: Rule, targets, itemsizes, outs, grads) -> float:
+    """The candidate's own seconds beside its moves: this rank's share of the op's work
+    (``Rule.work``) and what its kernel sends (``Rule.sends``: ring attention's shifts)."""
+    grid = targets[0].placement.shape if targets else ()
+    seconds = _work_share(rule.work, outs, grid, targets[0] if targets else None)
+    if rule.sends is not None and targets:
+        messages, nbytes = rule.sends(targets, itemsizes, grads)
+        seconds += cost.ALPHA * messages + cost.BETA * nbytes
+    return seconds
+
+
+def _work_share(work: float, outs, grid, first=None) -> float:
     """Seconds of the op's ``work`` (flops) one rank computes: the whole over the ranks along
-    the axes its first output is split or partial on."""
+    the axes its first output is split or partial on, or, where its first input's target
+    ``first`` is split, that input's largest piece's share of it (a dim of 1 split over 4
+    ranks leaves one rank all the work)."""
     if not work:
         return 0.0
     share = math.prod(n for n, v in zip(grid, outs[0]) if not isinstance(v, Broadcast))
+    if first is not None and first.numel() and any(isinstance(v, Split) for v in first.sbp):
+        share = min(share, first.numel() / first.max_local_numel())
     return work * cost.FLOP / share
 
 
-def _candidate_cost(layouts, targets, itemsizes, outs, grads, free, work=0.0) -> float:
+def _candidate_cost(layouts, targets, itemsizes, outs, grads, free, own=0.0) -> float:
     """The moves the candidate's inputs need (and their gradients' in backward), plus one α per
     partial sum it leaves in its results: a reduction owed is at least one collective whenever
     it is paid, so keeping a sum partial is not free. It is what makes the choice follow the
@@ -336,8 +354,7 @@ def _candidate_cost(layouts, targets, itemsizes, outs, grads, free, work=0.0) ->
     weight's gradient: gather the weight and keep the activation's gradient partial, or
     all-reduce that gradient as Megatron does; the first where α is small)."""
     grid = layouts[0].placement.shape if layouts else ()
-    total = cost.ALPHA * partial_count(outs, grid) + _work_share(work, outs, grid) \
-        if layouts else 0.0
+    total = cost.ALPHA * partial_count(outs, grid) + own if layouts else 0.0
     pending = frozenset(a for layout in layouts for a, v in enumerate(layout.sbp)
                         if isinstance(v, PartialSum))
     for i, (src, dst, n) in enumerate(zip(layouts, targets, itemsizes)):

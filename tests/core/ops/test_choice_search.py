@@ -85,7 +85,7 @@ def test_choice_within_the_tolerance_costs_at_most_that_much_more():
     # best: the choice is a real candidate, its cost is its own, and no candidate is cheaper
     # by more than TOLERANCE; the exact cheapest is still the answer wherever the rest is
     # clearly dearer
-    from globaltensor.ops.choice.choose import TOLERANCE, _candidate_cost
+    from globaltensor.ops.choice.choose import TOLERANCE, _candidate_cost, _own
     from globaltensor.ops.registry import rows_for
     from globaltensor.plan import cost
     checked, same, dearer = 0, 0, 0
@@ -98,7 +98,7 @@ def test_choice_within_the_tolerance_costs_at_most_that_much_more():
                 continue
             checked += 1
             own = _candidate_cost(layouts, new.ins, itemsizes, new.outs, grads, free,
-                                  rows_for(call).work)
+                                  _own(rows_for(call), new.ins, itemsizes, new.outs, grads))
             assert new.cost == pytest.approx(own, rel=1e-12, abs=1e-15), (call.op, layouts)
             assert ref.cost * (1 - 1e-9) <= new.cost <= ref.cost + TOLERANCE * cost.ALPHA, (call.op, layouts)
             same += new == ref

@@ -1,0 +1,137 @@
+"""Ring attention: the queries, keys and values all split on the sequence along one axis; the
+key/value chunks travel around the axis's ranks (n - 1 shifts of one chunk each, the
+accumulated key/value gradients one more in backward, so they end where they started), and
+each rank merges its rows' partial softmaxes by log-sum-exp (docs/long_sequences.md, "Ring").
+
+A shift is a redistribution between two placements: the axis's ranks rolled by j and by j + 1
+(the piece a rank holds of the first is the piece its predecessor holds of the second), so it
+runs on the wire as point-to-point messages, counted by comm_trace and gt.simulate like any
+other. Every rank makes every shift (a rank with no rows too, and ranks outside the placement:
+empty pieces), so the calls match everywhere. Causal: a key chunk after all of a row range's
+positions is passed on without compute, the diagonal one runs with torch's causal mask, the
+earlier ones unmasked; chunks of one layout are identical or disjoint, so no rows x keys mask
+is made. Works for head-tail splits too: a piece is then two ranges of rows and of keys.
+
+Pure: communication only through ``ctx.redistribute``.
+"""
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from ..layout import Layout
+from ..placement import Placement
+from ..sbp import Split
+
+
+def ring_axis(layout: Layout, seq: int):
+    """The axis (of more than one rank) along which ``layout`` (the keys') splits the
+    sequence dim ``seq``, or None (the keys are whole: the all-gather way)."""
+    for a, (v, n) in enumerate(zip(layout.sbp, layout.placement.shape)):
+        if isinstance(v, Split) and v.dim == seq and n > 1:
+            return a
+    return None
+
+
+def _rolled(layout: Layout, axis: int, j: int) -> Layout:
+    """``layout`` on its placement with ``axis`` rolled by ``j``: coordinate c held by the
+    rank at c + j."""
+    p = layout.placement
+    ranks = np.roll(p.ranks, -j, axis=axis)
+    return Layout(Placement(p.type, ranks, p.axes), layout.sbp, layout.shape)
+
+
+def _runs(layout: Layout, coord, seq: int):
+    """(start in the piece, [lo, hi) in the sequence) of each range ``coord``'s piece holds."""
+    out, start = [], 0
+    for lo, hi in layout.ranges(coord)[seq]:
+        if hi > lo:
+            out.append((start, lo, hi))
+        start += hi - lo
+    return out
+
+
+def _visible(causal: bool, rows, keys) -> tuple[bool, bool]:
+    """(compute this block?, with torch's causal mask?) for row and key ranges that are equal
+    or disjoint."""
+    (lo, hi), (a, b) = rows, keys
+    if not causal or b <= lo:
+        return True, False
+    if (a, b) == (lo, hi):
+        return True, True
+    return False, False  # keys after every row here
+
+
+def ring(ctx, largs, lkwargs, first: int, seq: int, axis: int, merged):
+    """Attention (``first`` 0) or its backward (``first`` 1) with k and v split along
+    ``axis``; ``merged(a, b)`` joins two (out, lse) of disjoint keys."""
+    layout = ctx.targets[first + 1]
+    n = layout.placement.shape[axis]
+    coord = ctx.coord
+    q, k, v = largs[first:first + 3]
+    mask = ctx.arg(largs, lkwargs, "attn_mask")
+    scale = ctx.arg(largs, lkwargs, "scale")
+    dropout = ctx.arg(largs, lkwargs, "dropout_p", 0.0)
+    causal = bool(ctx.arg(largs, lkwargs, "is_causal", False))
+    live = coord is not None and not any(p is not None and p.numel() == 0 for p in ctx.pieces)
+    rows = _runs(ctx.targets[first], coord, seq) if live else []
+    backward = first == 1
+    if backward:
+        grad, out, lse = largs[0], largs[4], largs[5]
+        dq = torch.zeros_like(q)
+        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
+    else:
+        acc = [None] * len(rows)
+    for j in range(n):
+        if live:
+            held = tuple(coord[:axis]) + ((coord[axis] - j) % n,) + tuple(coord[axis + 1:])
+            for r, (rs, lo, hi) in enumerate(rows):
+                for ks, a, b in _runs(layout, held, seq):
+                    run, tri = _visible(causal, (lo, hi), (a, b))
+                    if not run:
+                        continue
+                    m = None if mask is None else _block(mask, rs, hi - lo, a, b)
+                    kb, vb = k.narrow(-2, ks, b - a), v.narrow(-2, ks, b - a)
+                    if backward:
+                        g = ctx.func(grad.narrow(-2, rs, hi - lo), q.narrow(-2, rs, hi - lo),
+                                     kb, vb, out.narrow(-2, rs, hi - lo),
+                                     lse.narrow(-1, rs, hi - lo), dropout, tri, attn_mask=m,
+                                     scale=scale)
+                        dq.narrow(-2, rs, hi - lo).add_(g[0])
+                        dk.narrow(-2, ks, b - a).add_(g[1])
+                        dv.narrow(-2, ks, b - a).add_(g[2])
+                    else:
+                        part = ctx.func(q.narrow(-2, rs, hi - lo), kb, vb, dropout, tri,
+                                        attn_mask=m, scale=scale)[:2]
+                        acc[r] = part if acc[r] is None else merged(acc[r], part)
+        if j < n - 1:
+            k, v = (_shift(ctx, t, layout, axis, j) for t in (k, v))
+        if backward:  # the gradients travel with their chunk: n shifts bring them home
+            dk, dv = (_shift(ctx, t, layout, axis, j) for t in (dk, dv))
+    if coord is None:
+        return ctx.empties()
+    if not live:
+        return ctx.zeros()
+    if backward:
+        return dq, dk, dv
+    outs = [part for part in acc if part is not None]
+    if len(outs) == 1:
+        return outs[0]
+    # (the log-sum-exp is (batch, heads, L): its sequence dim is the output's too)
+    return (torch.cat([o for o, _ in outs], dim=seq), torch.cat([l for _, l in outs], dim=seq))
+
+
+def _block(mask, start: int, length: int, a: int, b: int):
+    """The mask's rows of this row range (its piece holds the queries' rows) and columns of
+    the key range (whole)."""
+    if mask.dim() >= 2 and mask.shape[-2] > 1:
+        mask = mask.narrow(-2, start, length)
+    return mask.narrow(-1, a, b - a) if mask.shape[-1] > 1 else mask
+
+
+def _shift(ctx, piece, layout: Layout, axis: int, j: int):
+    """The piece held at the next step: every rank's to its successor along ``axis``."""
+    return ctx.redistribute(piece, _rolled(layout, axis, j), _rolled(layout, axis, j + 1))
+
+
+__all__ = ["ring", "ring_axis"]
