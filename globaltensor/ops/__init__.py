@@ -6,6 +6,7 @@ and its size rewrites, registered with one ``register(...)`` line per op or grou
                    factory role); register(); rows_for(call); describe(op); KernelContext
     naming.py      the keys of ops: torch's spellings of an op, custom ops with their namespace
     pieces.py      which pieces of a row belong together; zeros only where exact
+    ring.py        ring attention's kernel: key/value chunks shifted around an axis
     choice/        the signature choice (choose, candidates, backward): the only part that
                    imports ``plan``
     the families:  pointwise  activations  creation  random_ops  sampling  reductions
