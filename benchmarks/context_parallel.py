@@ -6,7 +6,9 @@ In the same 4 processes, steps in turn: ``gt`` (the model laid out with ``to_glo
 the token ids split on the sequence, ``S(1)`` over "cp": attention keeps its queries split and
 gathers k and v), ``head-tail`` (the same with ``S(1, "head_tail")``: rank i holds chunks i and
 7-i of 8, the causal work even; ``gt.attention_balance`` gives each layout's busiest rank over
-the mean) and ``whole`` (plain torch, the whole sequence on every rank: what each rank
+the mean), ``ring`` (the plain split with ``gt.set_attention_method("ring")``: k and v stay
+split and go around the ranks; in a phase of its own, since the setting forgets the cached
+choices; ``gt``'s row is what the choice takes by itself) and ``whole`` (plain torch, the whole sequence on every rank: what each rank
 would compute and hold without the split). Per contender: the step (forward, backward, AdamW)
 median over ``--steps``, slowest rank; rank 0's allocator peak above the step's start
 (``_common.allocator_profile``); the first loss (same data and weights: they must agree); the
@@ -45,8 +47,8 @@ def worker(local_rank, a):
     gt.init()
     line = gt.placement("cpu", [0, 1, 2, 3], axes=("cp",))
     whole = build(a)
-    split, balanced = build(a), build(a)
-    for model in (split, balanced):
+    split, balanced, ringed = build(a), build(a), build(a)
+    for model in (split, balanced, ringed):
         model.load_state_dict(whole.state_dict())
         model.to_global(line)
     ids = torch.randint(0, 1024, (1, a.seq), generator=torch.Generator().manual_seed(1))
@@ -54,7 +56,8 @@ def worker(local_rank, a):
     y = ids.to_global(line, gt.sbp.broadcast).to_global(sbp=gt.sbp.S(1, "head_tail"))
     contenders = {"gt": (split, x, torch.optim.AdamW(split.parameters(), lr=1e-4)),
                   "head-tail": (balanced, y, torch.optim.AdamW(balanced.parameters(), lr=1e-4)),
-                  "whole": (whole, ids, torch.optim.AdamW(whole.parameters(), lr=1e-4))}
+                  "whole": (whole, ids, torch.optim.AdamW(whole.parameters(), lr=1e-4)),
+                  "ring": (ringed, x, torch.optim.AdamW(ringed.parameters(), lr=1e-4))}
     first = {}
 
     def step(name):
@@ -65,29 +68,33 @@ def worker(local_rank, a):
         opt.zero_grad()
         first.setdefault(name, loss.item() if name == "whole" else loss.full_tensor().item())
 
-    for name in contenders:  # warm-up: the first step's decisions and AdamW's state
-        step(name)
     times = {name: [] for name in contenders}
-    names = list(contenders)
     cpu = {name: [] for name in contenders}  # this rank's own compute (CPU seconds) per step
-    for i in range(a.steps):
-        for name in names[i % len(names):] + names[:i % len(names)]:
-            start = time.process_time()
-            times[name].append(timed(lambda name=name: step(name)))
-            cpu[name].append(time.process_time() - start)
     peaks, sent = {}, {}
-    for name in contenders:
-        with allocator_profile() as prof:
-            if name != "whole":
-                with gt.comm_trace() as trace:
+    # the ring runs in a phase of its own: gt.set_attention_method forgets the cached choices
+    for names, method in ((["gt", "head-tail", "whole"], "auto"), (["ring"], "ring")):
+        gt.set_attention_method(method)
+        for name in names:  # warm-up: the first step's decisions and AdamW's state
+            step(name)
+        for i in range(a.steps):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                start = time.process_time()
+                times[name].append(timed(lambda name=name: step(name)))
+                cpu[name].append(time.process_time() - start)
+        for name in names:
+            with allocator_profile() as prof:
+                if name != "whole":
+                    with gt.comm_trace() as trace:
+                        step(name)
+                    sent[name] = trace.bytes_per_rank
+                else:
                     step(name)
-                sent[name] = trace.bytes_per_rank
-            else:
-                step(name)
-        peaks[name] = allocation_peak(prof)
+            peaks[name] = allocation_peak(prof)
+    gt.set_attention_method("auto")
     queries = (1, 8, a.seq, a.hidden // 8)
     ratios = {name: gt.attention_balance(gt.Layout(line, (sbp,), queries)).ratio
-              for name, sbp in (("gt", gt.sbp.S(2)), ("head-tail", gt.sbp.S(2, "head_tail")))}
+              for name, sbp in (("gt", gt.sbp.S(2)), ("head-tail", gt.sbp.S(2, "head_tail")),
+                                ("ring", gt.sbp.S(2)))}
     return ({k: statistics.median(v) for k, v in times.items()}, peaks, first, sent, ratios,
             {k: statistics.median(v) for k, v in cpu.items()})
 
