@@ -15,6 +15,7 @@ from . import debug as _debug
 from . import env, observe, random
 from .errors import GlobalTensorError
 from .layout import Layout
+from .pieces import piece_of, positions
 from .convert import check_placement, device_for
 from .runtime.agreement import check
 from .tensor import GlobalTensor
@@ -233,8 +234,7 @@ def arange(start, end=None, step=1, *, placement=None, sbp=None, dtype=None,
     coord = layout.placement.coord_of(env.get_rank())
     is_int = all(isinstance(v, int) for v in (start, end, step))
     dtype = dtype or (torch.int64 if is_int else torch.get_default_dtype())
-    a, b = layout.box(coord)[0] if coord is not None else (0, 0)
-    index = torch.arange(a, b, dtype=torch.int64 if is_int else torch.float64)
+    index = positions(layout, coord, 0, torch.int64 if is_int else torch.float64)
     local = _placed((start + step * index).to(dtype), layout)
     return _finish(local, layout, coord, requires_grad)
 
@@ -250,8 +250,7 @@ def _indexed(n: int, placement, sbp, requires_grad, values) -> GlobalTensor:
     indices of this rank's piece (a 1-D int64 tensor)."""
     layout = _layout((n,), placement, sbp)
     coord = layout.placement.coord_of(env.get_rank())
-    a, b = layout.box(coord)[0] if coord is not None else (0, 0)
-    local = values(torch.arange(a, b, dtype=torch.int64))
+    local = values(positions(layout, coord, 0))
     return _finish(_placed(local, layout), layout, coord, requires_grad)
 
 
@@ -367,8 +366,7 @@ def eye(n, m=None, *, placement=None, sbp=None, dtype=None,
     layout = _layout((n, m), placement, sbp)
     coord = layout.placement.coord_of(env.get_rank())
     dtype = _checked_dtype(dtype) or torch.get_default_dtype()
-    (r0, r1), (c0, c1) = layout.box(coord) if coord is not None else ((0, 0), (0, 0))
-    rows, cols = torch.arange(r0, r1).unsqueeze(1), torch.arange(c0, c1).unsqueeze(0)
+    rows, cols = positions(layout, coord, 0).unsqueeze(1), positions(layout, coord, 1).unsqueeze(0)
     local = (rows == cols).to(dtype).to(device_for(layout.placement))
     return _finish(local, layout, coord, requires_grad)
 
@@ -390,7 +388,7 @@ def tensor(data, *, placement=None, sbp=None, dtype=None, requires_grad=False) -
     if coord is None:
         local = full_value.new_empty((0,) * full_value.dim())
     else:
-        local = full_value[layout.slices(coord)].clone()
+        local = piece_of(full_value, layout, coord).clone()
     return _finish(local.to(device), layout, coord, requires_grad)
 
 

@@ -16,6 +16,7 @@ import math
 import torch
 
 from .layout import Layout
+from .pieces import piece_of, positions
 
 _MASK64 = (1 << 64) - 1
 
@@ -90,17 +91,17 @@ def _mix(x: torch.Tensor) -> torch.Tensor:
 
 
 def _global_index(layout: Layout, coord, on=None) -> torch.Tensor:
-    """Global linear indices (row-major) of the piece at ``coord``, shaped like the piece."""
-    box = layout.box(coord)
+    """Global linear indices (row-major) of the piece at ``coord``, shaped like the piece (a
+    head-tail dim: its two ranges' positions, in the piece's order)."""
     index = torch.zeros((), dtype=torch.int64)
     stride = 1
     for d in reversed(range(layout.ndim)):
-        a, b = box[d]
+        along = positions(layout, coord, d, device=on)
         shape = [1] * layout.ndim
-        shape[d] = b - a
-        index = index + torch.arange(a, b, dtype=torch.int64, device=on).reshape(shape) * stride
+        shape[d] = along.numel()
+        index = index + along.reshape(shape) * stride
         stride *= layout.shape[d]
-    return index.expand(tuple(b - a for a, b in box)) if layout.ndim else index
+    return index.expand(layout.local_shape(coord)) if layout.ndim else index
 
 
 def _stream_key(seed: int, stream: int) -> torch.Tensor:
@@ -172,7 +173,7 @@ def permutation_piece(n: int, layout: Layout, coord, dtype=torch.int64, device=N
         return torch.empty((0,) * layout.ndim, dtype=dtype, device=device)
     keys = _mix(torch.arange(n, dtype=torch.int64, device=_on(device)) + offset +
                 _stream_key(seed, 4))
-    perm = torch.argsort(keys, stable=True)[layout.slices(coord)].to(dtype)
+    perm = piece_of(torch.argsort(keys, stable=True), layout, coord).to(dtype)
     return perm.to(device) if device is not None else perm
 
 

@@ -10,7 +10,7 @@ import torch
 from ..world import world
 from ..errors import GlobalTensorError
 from ..layout import Box, Layout, box_numel
-from ..sbp import Broadcast, PartialSum, Split
+from ..sbp import Broadcast, PartialSum, Split, plain
 from ..tensor import GlobalTensor, redistribute
 
 
@@ -53,6 +53,11 @@ def _create_chunk_list(self: GlobalTensor) -> list:
     for an empty piece, or off coordinate 0 of a partial axis: that piece is zeroed)."""
     self.__dict__.pop(_REDUCED, None)  # a save's leftover (its write went to another rank)
     layout = self._layout
+    if layout.order:
+        raise GlobalTensorError(
+            f"loading a checkpoint into a tensor laid out as {layout!r}: expected plain splits "
+            f"(a head-tail piece is two ranges, which a checkpoint's chunk of it is not); load "
+            f"into the plain split, then x.to_global(sbp=...) to the head-tail one")
     coord = _coord(layout)
     if coord is None:
         return []
@@ -90,10 +95,13 @@ def install_checkpoint_methods() -> None:
 
 
 def _savable(x: GlobalTensor) -> tuple[Layout, torch.Tensor]:
-    """``x``'s layout and piece with every partial axis summed."""
+    """``x``'s layout and piece with every partial axis summed, and head-tail splits put in
+    order (a checkpoint's chunk is one box)."""
     layout = x._layout
+    if layout.order:
+        layout = Layout(layout.placement, plain(layout.sbp), layout.shape)
     if not layout.is_partial:
-        return layout, x._local
+        return layout, x._local if layout == x._layout else redistribute(x, layout)._local
     summed = _summed(layout)
     return summed, redistribute(x, summed)._local
 

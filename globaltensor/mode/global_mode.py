@@ -39,6 +39,7 @@ from ..compile_support import nonstrict
 from ..convert import check_placement, device_for
 from ..errors import GlobalTensorError
 from ..layout import Layout
+from ..pieces import piece_of
 from ..ops import factory_roles
 from ..placement import Placement
 from ..sbp import from_codes, normalize, replicated, to_codes
@@ -231,7 +232,7 @@ def _piece_of(full: torch.Tensor, layout: Layout) -> GlobalTensor:
     if coord is None:
         local = full.new_empty((0,) * full.dim())
     else:
-        local = full[layout.slices(coord)]
+        local = piece_of(full, layout, coord)
         if layout.partial_axes and not all(coord[a] == 0 for a in layout.partial_axes):
             local = torch.zeros_like(local)
         if local.shape == full.shape and (is_traced(full) or local.data_ptr() == full.data_ptr()):

@@ -225,34 +225,44 @@ def test_a_rank_without_tokens_takes_part_and_a_wrong_mask_is_an_error_on_every_
             torch.testing.assert_close(got, want.grad, atol=1e-5, rtol=1e-5)
 
 
-def test_gt_simulate_counts_a_sequence_split_step_as_it_runs():
+@pytest.mark.parametrize("balance,method", [("plain", "auto"), ("head_tail", "auto"),
+                                            ("plain", "ring")])
+def test_gt_simulate_counts_a_sequence_split_step_as_it_runs(balance, method):
     """gt.simulate of the HF Llama step over a split sequence: per rank the collectives and
     bytes gt.comm_trace records in the real run, the peak within 10% of gt.memory()'s (the
     thread-ranks' peaks differ among themselves by a few percent: their frees come from other
-    threads)."""
+    threads); head-tail and the ring's shifts too."""
     transformers = pytest.importorskip("transformers")
-    config = _llama(transformers, layers=1)
+    config = _llama(transformers, layers=1, positions=1024 if method == "ring" else 256)
+    length = 1024 if method == "ring" else 256
 
     def job():
         gt.init()
         torch.manual_seed(0)
         model = transformers.LlamaForCausalLM(config)
         model.to_global(LINE)
-        ids = gt.randint(0, 128, (1, 256), placement=LINE, sbp=S(1))
+        ids = gt.randint(0, 128, (1, length), placement=LINE, sbp=_seq(1, balance))
         model(ids, labels=ids).loss.backward()
 
     def body(rank):
         with gt.comm_trace() as trace, gt.memory() as mem:
             job()
         return trace.counts(), trace.bytes_per_rank, mem.peak_bytes()
-    real = run_ranks(body, 4, timeout=TIMEOUT)
-    with gt.simulate(4) as sim:
-        job()
+    before = gt.set_attention_method(method)
+    try:
+        real = run_ranks(body, 4, timeout=TIMEOUT)
+        with gt.simulate(4) as sim:
+            job()
+    finally:
+        gt.set_attention_method(before)
     for rank, (counts, sent, peak) in enumerate(real):
         assert sim.collectives(rank) == counts, rank
         assert sum(sim.comm_bytes(rank).values()) == sent, rank
         assert abs(sim.peak_bytes(rank) - peak) <= 0.10 * peak, (rank, sim.peak_bytes(rank), peak)
-    assert real[0][0].get("all_gather", 0) == 2  # the layer's k and v heads
+    if method == "ring":  # k and v around the ring: 6 shifts forward, 6 + 8 in backward
+        assert real[0][0].get("send/recv", 0) >= 20
+    else:  # the layer's k and v heads (and head-tail's shifted labels)
+        assert real[0][0].get("all_gather", 0) == (2 if balance == "plain" else 3)
 
 
 @pytest.mark.parametrize("balance", BALANCES)
