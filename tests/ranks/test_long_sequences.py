@@ -309,7 +309,8 @@ def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family, m
 
 
 @pytest.mark.slow  # (17 s: verify gathers every op's inputs and outputs)
-def test_gt_verify_checks_a_sequence_split_step_and_names_a_wrong_kernel(monkeypatch):
+@pytest.mark.parametrize("balance", BALANCES)
+def test_gt_verify_checks_a_sequence_split_step_and_names_a_wrong_kernel(monkeypatch, balance):
     """gt.verify over the HF Llama step on a split sequence: every op equals its one-device
     value; with the kernel's rows put at the wrong positions (each rank's rows computed as if
     they began the sequence: the bug other stacks ship), the attention ops are named."""
@@ -324,7 +325,7 @@ def test_gt_verify_checks_a_sequence_split_step_and_names_a_wrong_kernel(monkeyp
         model = transformers.LlamaForCausalLM(config)
         model.load_state_dict(state)
         model.to_global(LINE)
-        x = ids.to_global(LINE, B).to_global(sbp=S(1))
+        x = ids.to_global(LINE, B).to_global(sbp=_seq(1, balance))
         with gt.verify(mode="report") as v:
             model(x, labels=x).loss.backward()
         return v.table()
