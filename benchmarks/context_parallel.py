@@ -1,4 +1,4 @@
-"""A sequence split over ranks (docs/long_sequences.md): HF Llama, one long sequence, 4 gloo ranks.
+"""A sequence split over ranks (docs/long_context.md): HF Llama, one long sequence, 4 gloo ranks.
 
     python benchmarks/context_parallel.py [--seq 4096] [--hidden 256] [--layers 4] [--steps 3]
 

@@ -19,7 +19,7 @@ BALANCES = ("head_tail",)
 class Split:
     """``S(dim)``; with ``balance="head_tail"`` the permuted split of causal load balance: over k
     ranks, rank i's piece (the uneven rule's size) holds chunk i of the dim's 2k chunks, then
-    chunk 2k-1-i (its first half, rounded up, is the head; docs/long_sequences.md)."""
+    chunk 2k-1-i (its first half, rounded up, is the head; docs/long_context.md)."""
 
     dim: int
     balance: str | None = None

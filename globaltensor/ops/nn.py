@@ -99,7 +99,7 @@ def set_attention_method(method: str) -> str:
 
 def attention(nouts: int):
     """``_scaled_dot_product_flash_attention_for_cpu`` (and its backward): batch or head split,
-    or the queries' sequence split (docs/long_sequences.md), two ways: q (and the output, its
+    or the queries' sequence split (docs/long_context.md), two ways: q (and the output, its
     log-sum-exp, the gradient of the output) split on the sequence and k, v whole (the planner
     gathers them: Llama 3's all-gather), the kernel masking each rank's rows at their global
     positions, the backward's k and v gradients partial sums (each rank's rows' share); or q, k
@@ -177,7 +177,7 @@ def _k_attention_pieces(ctx, largs, lkwargs):
     if ctx.coord is None:
         return ctx.empties()
     ranges = ctx.targets[first].ranges(ctx.coord)[seq]
-    if len(ranges) == 2:  # a head-tail split: two runs of rows (docs/long_sequences.md)
+    if len(ranges) == 2:  # a head-tail split: two runs of rows (docs/long_context.md)
         return _two_ranges(ctx, largs, lkwargs, first, seq, ranges)
     lo, hi = ranges[0]
     if (lo, hi) == (0, ctx.targets[first].shape[seq]):  # the whole sequence: no offset

@@ -1,7 +1,7 @@
 """Ring attention: the queries, keys and values all split on the sequence along one axis; the
 key/value chunks travel around the axis's ranks (n - 1 shifts of one chunk each, the
 accumulated key/value gradients one more in backward, so they end where they started), and
-each rank merges its rows' partial softmaxes by log-sum-exp (docs/long_sequences.md, "Ring").
+each rank merges its rows' partial softmaxes by log-sum-exp (docs/long_context.md, "Ring").
 
 A shift is a redistribution between two placements: the axis's ranks rolled by j and by j + 1
 (the piece a rank holds of the first is the piece its predecessor holds of the second), so it

@@ -1,5 +1,5 @@
 """Plans between layouts whose pieces hold a dim in different orders (a head-tail split holds
-its dim permuted, docs/long_sequences.md "Head-tail").
+its dim permuted, docs/long_context.md "Head-tail").
 
 A layout with a head-tail split is, piece for piece, its plain layout (:meth:`Layout.plain`) of
 the tensor permuted along that dim; the permutation depends only on the dim's size and the

@@ -1,5 +1,5 @@
 """``gt.attention_balance(q)``: how a layout of attention's queries spreads its work over the
-ranks (pure: a Layout in, figures out; docs/long_sequences.md, "Head-tail").
+ranks (pure: a Layout in, figures out; docs/long_context.md, "Head-tail").
 
 Under causal attention the query at position p sees p + 1 keys, so a plain split of the
 sequence over k ranks gives the last rank about 2k - 1 times the first one's work (7x on 4

@@ -1,6 +1,6 @@
 """The head-tail split (``S(d, head_tail)``), in one process: which positions each rank holds,
 and every plan into, out of and between such layouts preserving the value in the oracle
-(docs/long_sequences.md, "Head-tail")."""
+(docs/long_context.md, "Head-tail")."""
 import pytest
 import torch
 from hypothesis import HealthCheck, assume, given, settings

@@ -1,6 +1,6 @@
 """``torch.compile(model)`` of HF Llama over a split sequence (issue 55, item 4), in real gloo
-processes: the loss and every gradient equal one process. Slow (about 50 s of compiling on a
-2-core machine): ``pytest -m slow``."""
+processes, plain and head-tail splits: the loss and every gradient equal one process. Slow
+(about 50 s of compiling each on a 2-core machine): ``pytest -m slow``."""
 import pytest
 import torch
 
@@ -9,7 +9,7 @@ import globaltensor as gt
 S, B = gt.sbp.split, gt.sbp.broadcast
 
 
-def _rank(local_rank):
+def _rank(local_rank, balance=None):
     import transformers
     torch.set_num_threads(1)
     gt.init()
@@ -27,7 +27,7 @@ def _rank(local_rank):
     model.load_state_dict(ref.state_dict())
     model.to_global(line)
     compiled = torch.compile(model)
-    x = ids.to_global(line, B).to_global(sbp=S(1))
+    x = ids.to_global(line, B).to_global(sbp=gt.sbp.S(1, balance))
     got = compiled(x, labels=x).loss
     got.backward()
     worst = max((p.grad.full_tensor() - q.grad).abs().max().item()
@@ -36,8 +36,9 @@ def _rank(local_rank):
 
 
 @pytest.mark.slow
-def test_compiled_hf_llama_over_a_split_sequence_equals_one_process():
+@pytest.mark.parametrize("balance", [None, "head_tail"])
+def test_compiled_hf_llama_over_a_split_sequence_equals_one_process(balance):
     pytest.importorskip("transformers")
-    for want, got, worst in gt.spawn(_rank, nproc_per_node=4, timeout=600):
+    for want, got, worst in gt.spawn(_rank, args=(balance,), nproc_per_node=4, timeout=600):
         assert abs(got - want) < 1e-5, (got, want)
         assert worst < 1e-5, worst

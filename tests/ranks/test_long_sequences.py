@@ -1,4 +1,4 @@
-"""Attention over a split sequence (issue 55, item 1; docs/long_sequences.md): the queries stay
+"""Attention over a split sequence (issue 55, item 1; docs/long_context.md): the queries stay
 split on the sequence, k and v are gathered (Llama 3's all-gather), each rank's rows are masked
 at their global positions; forward and backward equal one process, causal, full and with an
 additive mask, on even and uneven splits, on a line and on a 2x2 (dp, cp) grid; unmodified HF
@@ -85,7 +85,7 @@ def test_attention_over_a_split_sequence_equals_one_process(length, causal, mask
 @pytest.mark.parametrize("balance", BALANCES)
 def test_a_2x2_grid_of_data_and_sequence_splits_equals_one_process(balance):
     # (at 128 positions the whole attention is cheaper to compute on every rank of "cp" than
-    # the k/v gradients' reduce-scatters: the choice weighs its work, docs/long_sequences.md)
+    # the k/v gradients' reduce-scatters: the choice weighs its work, docs/long_context.md)
     q, k, v, _ = _inputs(512, False)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
     ref = F.scaled_dot_product_attention(*leaves, is_causal=True)
@@ -195,7 +195,7 @@ def test_hf_llama_on_packed_documents_over_a_split_sequence_equals_one_process(k
 
 def test_a_rank_without_tokens_takes_part_and_a_wrong_mask_is_an_error_on_every_rank():
     """3 positions over 4 ranks: the rank without a row gives an empty piece and no share of the
-    k/v gradients, and the result is one process's (docs/long_sequences.md: allowed, as every
+    k/v gradients, and the result is one process's (docs/long_context.md: allowed, as every
     uneven split is). A mask whose key dim does not match: a GlobalTensorError on every rank."""
     q, k, v = (torch.randn(1, 2, 3, 8, generator=torch.Generator().manual_seed(i))
                for i in range(3))

@@ -1,6 +1,6 @@
 """Rows over head-tail splits: a rule whose rows do not read positions along the dims they
 split (``Rule.order_free``) runs them as well on pieces that hold those dims permuted
-(docs/long_sequences.md, "Head-tail").
+(docs/long_context.md, "Head-tail").
 
 A head-tail layout is its plain layout of the tensor permuted along the dim
 (:meth:`Layout.plain`). An op that commutes with one permutation applied alike to the split
