@@ -324,10 +324,15 @@ _USER_CALLS = {
 }
 
 
+# the user-level call of the thread that handed this one its work (world/threads.py)
+HANDED: contextvars.ContextVar[str | None] = contextvars.ContextVar("gt_handed_call",
+                                                                    default=None)
+
+
 def user_call(skip: int = 1, frame=None) -> str | None:
     """The user-level call that led here (``item()``, ``print``, ``full_tensor()``,
-    ``to_global``, ``aten.mm`` for an operator), read from the call stack; None when none is
-    known. Walks only globaltensor's and torch's own frames, so it costs microseconds: call it
+    ``to_global``, ``aten.mm`` for an operator), read from the call stack (in a thread a rank
+    handed work to: the handing thread's call); None when none is known. Walks only globaltensor's and torch's own frames, so it costs microseconds: call it
     only when debugging or tracing, never on the warm path. ``frame``: start there instead (a
     waiting thread's, read by the stall report's watchdog)."""
     frame = sys._getframe(skip) if frame is None else frame
@@ -343,7 +348,7 @@ def user_call(skip: int = 1, frame=None) -> str | None:
         else:
             found = _USER_CALLS.get((module, name)) or _USER_CALLS.get((module, "*")) or found
         frame = frame.f_back
-    return found
+    return found or HANDED.get()
 
 
 def user_line(skip: int = 1, frame=None) -> str:

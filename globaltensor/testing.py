@@ -29,6 +29,7 @@ import torch.distributed.distributed_c10d as c10d
 
 from . import env
 from .errors import GlobalTensorError
+from .world.threads import add_carrier
 
 _install_lock = threading.Lock()
 _installed = False
@@ -92,7 +93,18 @@ def _install() -> None:
         c10d._world = _ThreadLocalWorld()
         c10d._register_process_group = _register
         c10d._unregister_process_group = _unregister
+        add_carrier(_capture_world)
         _installed = True
+
+
+def _capture_world():
+    """This thread's world, for a thread a rank hands work to (world/threads.py)."""
+    data, on = getattr(_ThreadLocalWorld._local, "data", None), getattr(_in_harness, "on", False)
+
+    def adopt():
+        _ThreadLocalWorld._local.data = data
+        _in_harness.on = on
+    return adopt
 
 
 class RankFailed(GlobalTensorError):

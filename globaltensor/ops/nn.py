@@ -138,18 +138,19 @@ def _one_ring(first: int, seq: int):
 
 
 def _ring_sends(first: int, seq: int):
-    """What a ring candidate's shifts send on a rank: k and v, n - 1 times each; in backward
-    (or a forward whose k or v will get a gradient) also their gradients, n times each."""
+    """What a ring candidate's shifts send on a rank, (messages, bytes) hidden behind its
+    compute and (messages, bytes) not: the k and v shifts (n - 1 each) run while the chunk
+    before is computed; in backward (or a forward whose k or v will get a gradient) the
+    gradients' (n each) wait for the chunk's compute."""
     def sends(targets, itemsizes, grads):
         layout = targets[first + 1]
         axis = ring_axis(layout, seq)
         if axis is None:
-            return 0, 0
+            return (0, 0), (0, 0)
         n, piece = layout.placement.shape[axis], layout.max_local_numel() * itemsizes[first + 1]
-        shifts = 2 * (n - 1)
-        if first or (grads and (grads[first + 1] or grads[first + 2])):
-            shifts += 2 * n
-        return shifts, shifts * piece
+        hidden = 2 * (n - 1) * (2 if first else 1)
+        exposed = 2 * n if first or (grads and (grads[first + 1] or grads[first + 2])) else 0
+        return (hidden, hidden * piece), (exposed, exposed * piece)
     return sends
 
 
@@ -262,12 +263,15 @@ def _attention_rows(ctx, largs, lkwargs, first: int, lo: int, hi: int):
 
 def _merged(first, second):
     """Two blocks' (out, lse) over disjoint keys as one softmax's: the outputs weighed by
-    exp(lse_i - lse), lse = log(exp(lse_1) + exp(lse_2))."""
+    exp(lse_i - lse), lse = log(exp(lse_1) + exp(lse_2)); a row neither block gives a key
+    (both lse -inf) stays 0 with lse -inf."""
     (o1, l1), (o2, l2) = first, second
     lse = torch.logaddexp(l1, l2)
-    out = o1.float() * torch.exp(l1 - lse).unsqueeze(-1) + \
-        o2.float() * torch.exp(l2 - lse).unsqueeze(-1)
+    safe = lse.masked_fill(torch.isneginf(lse), 0.0)
+    out = o1.float() * torch.exp(l1 - safe).unsqueeze(-1) + \
+        o2.float() * torch.exp(l2 - safe).unsqueeze(-1)
     return out.to(o1.dtype), lse
+
 
 def pooling(spatial: int, linear: bool):
     """Pools (max, avg, adaptive; forward): a split of a leading (batch or channel) dim passes

@@ -14,12 +14,14 @@ Pure: no torch.distributed, no rank.
 from __future__ import annotations
 
 import sys
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
 import torch
 
 from ..errors import GlobalTensorError
+from ..world.threads import carried
 from .naming import op_key
 from .pieces import (layouts_of, nothing_held, splits_size_one, splits_unequal,
                      unequal_splits_even, zero_pieces)
@@ -240,17 +242,41 @@ class KernelContext:
     """What a kernel gets besides the local arguments: the aten op and the Call, the target
     input layouts, the output specs (``.layout``, ``.dtype``), this rank's grid coordinate (None
     outside the placement) and the input pieces; ``redistribute(piece, src, dst)`` for the
-    kernels that communicate, and ``empties()``: a rank outside the placement's result.
+    kernels that communicate, ``start(pieces, src, dst)``: the same for several pieces, moving
+    on a thread of the call's own while the kernel computes (a future: ``.result()``; every
+    rank starts the same moves in the same order, and they run in that order), and
+    ``empties()``: a rank outside the placement's result.
 
     Every rank calls a kernel, ranks outside the placement too: kernels that draw random numbers
     or communicate must do so on every rank alike, then return empty pieces there."""
 
-    __slots__ = ("func", "call", "targets", "outs", "coord", "pieces", "redistribute", "empties")
+    __slots__ = ("func", "call", "targets", "outs", "coord", "pieces", "redistribute", "empties",
+                 "carried", "_pool")
 
-    def __init__(self, func, call, targets, outs, coord, pieces, redistribute, empties):
+    def __init__(self, func, call, targets, outs, coord, pieces, redistribute, empties,
+                 carried=carried):
         self.func, self.call, self.targets, self.outs = func, call, targets, outs
         self.coord, self.pieces = coord, pieces
         self.redistribute, self.empties = redistribute, empties
+        self.carried, self._pool = carried, None
+
+    def start(self, pieces, src, dst):
+        """A future of ``pieces`` (a tuple) moved from ``src`` to ``dst``: on the call's own
+        thread, in the order started (at once where no thread can carry this rank's world)."""
+        move = self.redistribute
+        if self.carried is None:
+            done = Future()
+            done.set_result(tuple(move(p, src, dst) for p in pieces))
+            return done
+        if self._pool is None:
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gt-kernel")
+        return self._pool.submit(self.carried(), lambda: tuple(move(p, src, dst) for p in pieces))
+
+    def close(self) -> None:
+        """Wait for the moves started; a kernel that starts moves closes (ring's _Shifts)."""
+        if self._pool is not None:
+            self._pool.shutdown(wait=True)
+            self._pool = None
 
     def arg(self, largs, lkwargs, name: str, default=None):
         """Local argument ``name`` of this call (see :func:`arg_value`)."""

@@ -12,7 +12,8 @@ positions is passed on without compute, the diagonal one runs with torch's causa
 earlier ones unmasked; chunks of one layout are identical or disjoint, so no rows x keys mask
 is made. Works for head-tail splits too: a piece is then two ranges of rows and of keys.
 
-Pure: communication only through ``ctx.redistribute``.
+The next chunk's messages overlap this chunk's compute: the shifts run, in order, on the
+call's own thread (``KernelContext.start``, :class:`_Shifts`). Pure: communication only through ``ctx.redistribute``.
 """
 from __future__ import annotations
 
@@ -82,43 +83,63 @@ def ring(ctx, largs, lkwargs, first: int, seq: int, axis: int, merged):
         dk, dv = torch.zeros_like(k), torch.zeros_like(v)
     else:
         acc = [None] * len(rows)
-    for j in range(n):
-        if live:
-            held = tuple(coord[:axis]) + ((coord[axis] - j) % n,) + tuple(coord[axis + 1:])
-            for r, (rs, lo, hi) in enumerate(rows):
-                for ks, a, b in _runs(layout, held, seq):
-                    run, tri = _visible(causal, (lo, hi), (a, b))
-                    if not run:
-                        continue
-                    m = None if mask is None else _block(mask, rs, hi - lo, a, b)
-                    kb, vb = k.narrow(-2, ks, b - a), v.narrow(-2, ks, b - a)
-                    if backward:
-                        g = ctx.func(grad.narrow(-2, rs, hi - lo), q.narrow(-2, rs, hi - lo),
-                                     kb, vb, out.narrow(-2, rs, hi - lo),
-                                     lse.narrow(-1, rs, hi - lo), dropout, tri, attn_mask=m,
-                                     scale=scale)
-                        dq.narrow(-2, rs, hi - lo).add_(g[0])
-                        dk.narrow(-2, ks, b - a).add_(g[1])
-                        dv.narrow(-2, ks, b - a).add_(g[2])
-                    else:
-                        part = ctx.func(q.narrow(-2, rs, hi - lo), kb, vb, dropout, tri,
-                                        attn_mask=m, scale=scale)[:2]
-                        acc[r] = part if acc[r] is None else merged(acc[r], part)
-        if j < n - 1:
-            k, v = (_shift(ctx, t, layout, axis, j) for t in (k, v))
-        if backward:  # the gradients travel with their chunk: n shifts bring them home
-            dk, dv = (_shift(ctx, t, layout, axis, j) for t in (dk, dv))
+    with _Shifts(ctx, layout, axis) as shifts:
+        for j in range(n):
+            # the held chunk goes on to the next rank while this rank computes with it
+            coming = shifts.start((k, v), j) if j < n - 1 else None
+            if live:
+                held = tuple(coord[:axis]) + ((coord[axis] - j) % n,) + tuple(coord[axis + 1:])
+                for r, (rs, lo, hi) in enumerate(rows):
+                    for ks, a, b in _runs(layout, held, seq):
+                        run, tri = _visible(causal, (lo, hi), (a, b))
+                        if not run:
+                            continue
+                        m = None if mask is None else _block(mask, rs, hi - lo, a, b)
+                        kb, vb = k.narrow(-2, ks, b - a), v.narrow(-2, ks, b - a)
+                        if backward:
+                            g = ctx.func(grad.narrow(-2, rs, hi - lo), q.narrow(-2, rs, hi - lo),
+                                         kb, vb, out.narrow(-2, rs, hi - lo),
+                                         lse.narrow(-1, rs, hi - lo), dropout, tri, attn_mask=m,
+                                         scale=scale)
+                            dq.narrow(-2, rs, hi - lo).add_(g[0])
+                            dk.narrow(-2, ks, b - a).add_(g[1])
+                            dv.narrow(-2, ks, b - a).add_(g[2])
+                        else:
+                            part = ctx.func(q.narrow(-2, rs, hi - lo), kb, vb, dropout, tri,
+                                            attn_mask=m, scale=scale)[:2]
+                            part = _no_keys(part, m)
+                            acc[r] = part if acc[r] is None else merged(acc[r], part)
+            if backward:  # the gradients travel with their chunk: n shifts bring them home
+                dk, dv = shifts.start((dk, dv), j).result()
+            if coming is not None:
+                k, v = coming.result()
     if coord is None:
         return ctx.empties()
     if not live:
         return ctx.zeros()
     if backward:
         return dq, dk, dv
-    outs = [part for part in acc if part is not None]
+    # a row the mask hides every key from: out 0 and lse 0, as torch's kernel gives it
+    outs = [(o, lse.masked_fill(torch.isneginf(lse), 0.0))
+            for o, lse in (part for part in acc if part is not None)]
     if len(outs) == 1:
         return outs[0]
     # (the log-sum-exp is (batch, heads, L): its sequence dim is the output's too)
     return (torch.cat([o for o, _ in outs], dim=seq), torch.cat([l for _, l in outs], dim=seq))
+
+
+def _no_keys(part, mask):
+    """A block's (out, lse) with the rows its mask hides every key from marked as such (lse
+    -inf: they add nothing to the merge). torch's CPU kernel gives them 0 and an lse of 0,
+    which a merge would weigh as a block of keys (a boolean mask's False is -inf here)."""
+    if mask is None or not mask.is_floating_point():
+        return part
+    dead = torch.isneginf(mask).all(-1)  # (..., rows), broadcast against (batch, heads, rows)
+    if not bool(dead.any()):
+        return part
+    out, lse = part
+    dead = dead.expand(lse.shape)
+    return out.masked_fill(dead.unsqueeze(-1), 0.0), lse.masked_fill(dead, float("-inf"))
 
 
 def _block(mask, start: int, length: int, a: int, b: int):
@@ -129,9 +150,26 @@ def _block(mask, start: int, length: int, a: int, b: int):
     return mask.narrow(-1, a, b - a) if mask.shape[-1] > 1 else mask
 
 
-def _shift(ctx, piece, layout: Layout, axis: int, j: int):
-    """The piece held at the next step: every rank's to its successor along ``axis``."""
-    return ctx.redistribute(piece, _rolled(layout, axis, j), _rolled(layout, axis, j + 1))
+class _Shifts:
+    """The ring's shifts, started in order on the call's own thread (``ctx.start``) while the
+    caller computes (torch's kernels and the wire's messages release the GIL): every rank
+    starts the same shifts in the same order and only that thread sends until the ring is
+    done, so the messages pair up as they would one after another."""
+
+    def __init__(self, ctx, layout: Layout, axis: int):
+        self.ctx, self.layout, self.axis = ctx, layout, axis
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.ctx.close()
+        return False
+
+    def start(self, pieces, j: int):
+        """The future of ``pieces`` as held at step ``j + 1``: each rank's to its successor."""
+        return self.ctx.start(pieces, _rolled(self.layout, self.axis, j),
+                              _rolled(self.layout, self.axis, j + 1))
 
 
 __all__ = ["ring", "ring_axis"]

@@ -88,8 +88,9 @@ class Rule:
     (ops/choice/balanced.py). False (the default): such inputs are put in order first.
 
     ``sends``: for a rule whose kernel communicates (ring attention), what a candidate's kernel
-    sends: ``sends(targets, itemsizes, grads) -> (messages, bytes)`` on the busiest rank, from
-    the candidate's input layouts; the choice prices it like a move.
+    sends on the busiest rank, from the candidate's input layouts: ``sends(targets, itemsizes,
+    grads) -> ((messages, bytes) sent while it computes, (messages, bytes) not)``; the choice
+    prices the first only where it outlasts the work's share, the second like a move.
 
     ``work``: the op's compute in flops, for an op whose compute outweighs what its rows send
     (attention, quadratic in the sequence): a candidate then also costs the share of it each

@@ -5,6 +5,7 @@
     exits.py   gt.init's closing rendezvous; at exit every rank closes its groups and rank 0
                (the store host) waits for the others
     simulated.py  gt.simulate's world: torch's fake process group, nothing sent
+    threads.py work a rank hands to a thread of its own: the world carried there
     stalls.py  what each rank waits in, published to the store by a daemon thread; the stall
                report (GT_STALL_REPORT) naming the ranks and lines that do not progress
 

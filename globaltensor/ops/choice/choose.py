@@ -324,12 +324,14 @@ def reference_choose(call: Call, layouts, itemsizes, fixed=(), grads=(), free=()
 
 def _own(rule: Rule, targets, itemsizes, outs, grads) -> float:
     """The candidate's own seconds beside its moves: this rank's share of the op's work
-    (``Rule.work``) and what its kernel sends (``Rule.sends``: ring attention's shifts)."""
+    (``Rule.work``) and what its kernel sends (``Rule.sends``: ring attention's shifts), the
+    part sent while the kernel computes counting only where it outlasts the compute."""
     grid = targets[0].placement.shape if targets else ()
     seconds = _work_share(rule.work, outs, grid, targets[0] if targets else None)
     if rule.sends is not None and targets:
-        messages, nbytes = rule.sends(targets, itemsizes, grads)
-        seconds += cost.ALPHA * messages + cost.BETA * nbytes
+        (m, b), (m2, b2) = rule.sends(targets, itemsizes, grads)
+        hidden = cost.ALPHA * m + cost.BETA * b
+        seconds = max(seconds, hidden) + cost.ALPHA * m2 + cost.BETA * b2
     return seconds
 
 
