@@ -67,65 +67,71 @@ def ring(ctx, largs, lkwargs, first: int, seq: int, axis: int, merged):
     """Attention (``first`` 0) or its backward (``first`` 1) with k and v split along
     ``axis``; ``merged(a, b)`` joins two (out, lse) of disjoint keys."""
     layout = ctx.targets[first + 1]
-    n = layout.placement.shape[axis]
-    coord = ctx.coord
+    n, coord = layout.placement.shape[axis], ctx.coord
     q, k, v = largs[first:first + 3]
-    mask = ctx.arg(largs, lkwargs, "attn_mask")
-    scale = ctx.arg(largs, lkwargs, "scale")
-    dropout = ctx.arg(largs, lkwargs, "dropout_p", 0.0)
-    causal = bool(ctx.arg(largs, lkwargs, "is_causal", False))
     live = coord is not None and not any(p is not None and p.numel() == 0 for p in ctx.pieces)
     rows = _runs(ctx.targets[first], coord, seq) if live else []
     backward = first == 1
-    if backward:
-        grad, out, lse = largs[0], largs[4], largs[5]
-        dq = torch.zeros_like(q)
-        dk, dv = torch.zeros_like(k), torch.zeros_like(v)
-    else:
-        acc = [None] * len(rows)
+    # backward: (dq, dk, dv), dk and dv travelling with their chunk; forward: per row range,
+    # the merged (out, lse) of the key chunks seen so far
+    state = [torch.zeros_like(t) for t in (q, k, v)] if backward else [None] * len(rows)
     with _Shifts(ctx, layout, axis) as shifts:
         for j in range(n):
             # the held chunk goes on to the next rank while this rank computes with it
             coming = shifts.start((k, v), j) if j < n - 1 else None
             if live:
                 held = tuple(coord[:axis]) + ((coord[axis] - j) % n,) + tuple(coord[axis + 1:])
-                for r, (rs, lo, hi) in enumerate(rows):
-                    for ks, a, b in _runs(layout, held, seq):
-                        run, tri = _visible(causal, (lo, hi), (a, b))
-                        if not run:
-                            continue
-                        m = None if mask is None else _block(mask, rs, hi - lo, a, b)
-                        kb, vb = k.narrow(-2, ks, b - a), v.narrow(-2, ks, b - a)
-                        if backward:
-                            g = ctx.func(grad.narrow(-2, rs, hi - lo), q.narrow(-2, rs, hi - lo),
-                                         kb, vb, out.narrow(-2, rs, hi - lo),
-                                         lse.narrow(-1, rs, hi - lo), dropout, tri, attn_mask=m,
-                                         scale=scale)
-                            dq.narrow(-2, rs, hi - lo).add_(g[0])
-                            dk.narrow(-2, ks, b - a).add_(g[1])
-                            dv.narrow(-2, ks, b - a).add_(g[2])
-                        else:
-                            part = ctx.func(q.narrow(-2, rs, hi - lo), kb, vb, dropout, tri,
-                                            attn_mask=m, scale=scale)[:2]
-                            part = _no_keys(part, m)
-                            acc[r] = part if acc[r] is None else merged(acc[r], part)
+                _step(ctx, largs, lkwargs, first, rows, _runs(layout, held, seq), k, v, state,
+                      merged)
             if backward:  # the gradients travel with their chunk: n shifts bring them home
-                dk, dv = shifts.start((dk, dv), j).result()
+                state[1], state[2] = shifts.start((state[1], state[2]), j).result()
             if coming is not None:
                 k, v = coming.result()
     if coord is None:
         return ctx.empties()
     if not live:
         return ctx.zeros()
-    if backward:
-        return dq, dk, dv
-    # a row the mask hides every key from: out 0 and lse 0, as torch's kernel gives it
+    return tuple(state) if backward else _joined(state, seq)
+
+
+def _step(ctx, largs, lkwargs, first: int, rows, keys, k, v, state, merged) -> None:
+    """One chunk of keys against this rank's row ranges: the blocks that see a key computed,
+    folded into ``state``."""
+    q = largs[first]
+    mask = ctx.arg(largs, lkwargs, "attn_mask")
+    scale = ctx.arg(largs, lkwargs, "scale")
+    dropout = ctx.arg(largs, lkwargs, "dropout_p", 0.0)
+    causal = bool(ctx.arg(largs, lkwargs, "is_causal", False))
+    for r, (rs, lo, hi) in enumerate(rows):
+        for ks, a, b in keys:
+            run, tri = _visible(causal, (lo, hi), (a, b))
+            if not run:
+                continue
+            m = None if mask is None else _block(mask, rs, hi - lo, a, b)
+            kb, vb = k.narrow(-2, ks, b - a), v.narrow(-2, ks, b - a)
+            if first:
+                grad, out, lse = largs[0], largs[4], largs[5]
+                g = ctx.func(grad.narrow(-2, rs, hi - lo), q.narrow(-2, rs, hi - lo), kb, vb,
+                             out.narrow(-2, rs, hi - lo), lse.narrow(-1, rs, hi - lo), dropout,
+                             tri, attn_mask=m, scale=scale)
+                state[0].narrow(-2, rs, hi - lo).add_(g[0])
+                state[1].narrow(-2, ks, b - a).add_(g[1])
+                state[2].narrow(-2, ks, b - a).add_(g[2])
+            else:
+                part = _no_keys(ctx.func(q.narrow(-2, rs, hi - lo), kb, vb, dropout, tri,
+                                         attn_mask=m, scale=scale)[:2], m)
+                state[r] = part if state[r] is None else merged(state[r], part)
+
+
+def _joined(parts, seq: int):
+    """The row ranges' (out, lse), in the piece's order, as one; a row the mask hides every
+    key from: out 0 and lse 0, as torch's kernel gives it. (The log-sum-exp is (batch, heads,
+    L): its sequence dim is the output's too.)"""
     outs = [(o, lse.masked_fill(torch.isneginf(lse), 0.0))
-            for o, lse in (part for part in acc if part is not None)]
+            for o, lse in (part for part in parts if part is not None)]
     if len(outs) == 1:
         return outs[0]
-    # (the log-sum-exp is (batch, heads, L): its sequence dim is the output's too)
-    return (torch.cat([o for o, _ in outs], dim=seq), torch.cat([l for _, l in outs], dim=seq))
+    return torch.cat([o for o, _ in outs], dim=seq), torch.cat([l for _, l in outs], dim=seq)
 
 
 def _no_keys(part, mask):
