@@ -268,8 +268,9 @@ def _merged(first, second):
     (o1, l1), (o2, l2) = first, second
     lse = torch.logaddexp(l1, l2)
     safe = lse.masked_fill(torch.isneginf(lse), 0.0)
-    out = o1.float() * torch.exp(l1 - safe).unsqueeze(-1) + \
-        o2.float() * torch.exp(l2 - safe).unsqueeze(-1)
+    wide = torch.promote_types(o1.dtype, torch.float32)  # (float64 stays float64)
+    out = o1.to(wide) * torch.exp(l1 - safe).unsqueeze(-1).to(wide) + \
+        o2.to(wide) * torch.exp(l2 - safe).unsqueeze(-1).to(wide)
     return out.to(o1.dtype), lse
 
 

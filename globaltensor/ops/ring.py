@@ -137,10 +137,11 @@ def _joined(parts, seq: int):
 def _no_keys(part, mask):
     """A block's (out, lse) with the rows its mask hides every key from marked as such (lse
     -inf: they add nothing to the merge). torch's CPU kernel gives them 0 and an lse of 0,
-    which a merge would weigh as a block of keys (a boolean mask's False is -inf here)."""
-    if mask is None or not mask.is_floating_point():
+    which a merge would weigh as a block of keys (a boolean mask's False, or -inf)."""
+    if mask is None:
         return part
-    dead = torch.isneginf(mask).all(-1)  # (..., rows), broadcast against (batch, heads, rows)
+    hidden = ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
+    dead = hidden.all(-1)  # (..., rows), broadcast against (batch, heads, rows)
     if not bool(dead.any()):
         return part
     out, lse = part

@@ -33,12 +33,12 @@ def _llama(transformers, layers: int = 2, positions: int = 256):
                                     attn_implementation="sdpa")
 
 
-def _adamw_steps(model, ids, steps: int) -> list[float]:
+def _adamw_steps(model, ids, steps: int, **kwargs) -> list[float]:
     """``steps`` AdamW steps (lr 1e-2) of HF's own loss on ``ids``; the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):
-        loss = model(ids, labels=ids).loss
+        loss = model(ids, labels=ids, **kwargs).loss
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -151,21 +151,21 @@ def test_hf_llama_on_packed_documents_over_a_split_sequence_equals_one_process(k
     """Three documents of 100, 80 and 76 tokens packed in each 256-token sequence (position ids
     restarting per document, ``use_cache=False``: HF then masks attention to each document), the
     sequence split over "cp": on a line of 4, on a (dp, cp) grid with 2 sequences split on "dp",
-    on a (cp, tp) grid with Megatron TP on "tp". HF's loss and every gradient equal one process
-    (the stacks torch's context_parallel serves give a wrong loss here: issue 55)."""
+    on a (cp, tp) grid with Megatron TP on "tp". Three AdamW steps: HF's losses and the
+    parameters equal one process (the stacks torch's context_parallel serves give a wrong loss
+    here: issue 55)."""
     transformers = pytest.importorskip("transformers")
     config = _llama(transformers, layers=1)
     torch.manual_seed(0)
     ref = transformers.LlamaForCausalLM(config)
+    state = {k: v.clone() for k, v in ref.state_dict().items()}
     batch = 1 if kind == "cp" else 2
     ids = torch.randint(0, 128, (batch, 256), generator=torch.Generator().manual_seed(1))
     pos = torch.cat([torch.arange(n) for n in (100, 80, 76)]).repeat(batch, 1)
-    loss = ref(ids, labels=ids, position_ids=pos, use_cache=False).loss
-    loss.backward()
     unpacked = transformers.LlamaForCausalLM(config)
-    unpacked.load_state_dict(ref.state_dict())
-    assert abs(unpacked(ids, labels=ids).loss.item() - loss.item()) > 1e-4  # the mask matters
-    state = ref.state_dict()
+    unpacked.load_state_dict(state)
+    losses = _adamw_steps(ref, ids, 3, position_ids=pos, use_cache=False)
+    assert abs(unpacked(ids, labels=ids).loss.item() - losses[0]) > 1e-4  # the mask matters
 
     def body(rank):
         model = transformers.LlamaForCausalLM(config)
@@ -183,14 +183,12 @@ def test_hf_llama_on_packed_documents_over_a_split_sequence_equals_one_process(k
         whole = (B,) * grid.ndim
         x = ids.to_global(grid, whole).to_global(sbp=sbp)
         p = pos.to_global(grid, whole).to_global(sbp=sbp)
-        out = model(x, labels=x, position_ids=p, use_cache=False).loss
-        out.backward()
-        return out.full_tensor().item(), {n: q.grad.full_tensor()
-                                          for n, q in model.named_parameters()}
-    for got, grads in run_ranks(body, 4, timeout=TIMEOUT):
-        assert abs(got - loss.item()) < 1e-5, (got, loss.item())
-        for name, q in ref.named_parameters():
-            torch.testing.assert_close(grads[name], q.grad, atol=1e-5, rtol=1e-4, msg=name)
+        got = _adamw_steps(model, x, 3, position_ids=p, use_cache=False)
+        return got, {n: q.full_tensor() for n, q in model.named_parameters()}
+    for got, params in run_ranks(body, 4, timeout=TIMEOUT):
+        assert got == pytest.approx(losses, abs=1e-5), (got, losses)
+        for name, q in ref.named_parameters():  # (AdamW's lr 1e-2 steps: float noise grows)
+            torch.testing.assert_close(params[name], q, atol=5e-4, rtol=1e-3, msg=name)
 
 
 def test_a_rank_without_tokens_takes_part_and_a_wrong_mask_is_an_error_on_every_rank():
@@ -374,75 +372,33 @@ def test_fully_shard_over_data_beside_a_sequence_split_trains_as_one_process():
 @pytest.mark.parametrize("balance", BALANCES)
 def test_a_torchtitan_shaped_llama_over_a_split_sequence_equals_one_process(balance):
     """torchtitan's own way of writing Llama 3 (complex RoPE buffer sliced by the sequence,
-    its own repeat_kv, ``F.cross_entropy`` on flattened logits), 512 tokens over 4 ranks: the
-    loss and every gradient equal one process."""
+    its own repeat_kv, ``F.cross_entropy`` on flattened logits), 1,024 tokens over 4 ranks,
+    three AdamW steps: the losses and the parameters equal one process."""
     torch.manual_seed(0)
-    ref = TitanLlama()
+    ref = TitanLlama(max_seq_len=1024)
     state = {k: v.clone() for k, v in ref.state_dict().items()}
-    ids = torch.randint(0, 128, (1, 512), generator=torch.Generator().manual_seed(1))
-    tgt = torch.randint(0, 128, (1, 512), generator=torch.Generator().manual_seed(2))
-    loss = F.cross_entropy(ref(ids).flatten(0, 1), tgt.flatten())
-    loss.backward()
+    ids = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(1))
+    tgt = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(2))
+
+    def steps(model, x, y):
+        opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-2), []
+        for _ in range(3):
+            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.full_tensor().item() if isinstance(loss, gt.GlobalTensor)
+                          else loss.item())
+        return losses
+    losses = steps(ref, ids, tgt)
 
     def body(rank):
-        model = TitanLlama()
+        model = TitanLlama(max_seq_len=1024)
         model.load_state_dict(state)
         model.to_global(LINE)
         x, y = (t.to_global(LINE, B).to_global(sbp=_seq(1, balance)) for t in (ids, tgt))
-        got = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-        got.backward()
-        return got.full_tensor().item(), {n: p.grad.full_tensor()
-                                          for n, p in model.named_parameters()}
-    for got, grads in run_ranks(body, 4, timeout=TIMEOUT):
-        assert abs(got - loss.item()) < 1e-5
+        return steps(model, x, y), {n: p.full_tensor() for n, p in model.named_parameters()}
+    for got, params in run_ranks(body, 4, timeout=TIMEOUT):
+        assert got == pytest.approx(losses, abs=1e-5)
         for name, p in ref.named_parameters():
-            torch.testing.assert_close(grads[name], p.grad, atol=1e-5, rtol=1e-4, msg=name)
-
-
-@pytest.mark.parametrize("balance", BALANCES)
-def test_ring_attention_equals_one_process_and_sends_only_its_shifts(balance):
-    """``gt.set_attention_method("ring")``: q, k and v stay split on the sequence and the
-    key/value chunks go around the ranks (3 shifts of k and v forward; backward 3 more and 4
-    of their gradients, which end where they started): causal, full and masked attention, an
-    uneven 1,021 positions, equal to one process; only point-to-point messages. The boolean
-    mask hides whole rows and a whole rank's keys: blocks with no visible key must add
-    nothing (torch's kernel gives them an lse of 0, which a merge would weigh)."""
-    g = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(1, 1, 1021, 8, generator=g) for _ in range(3))
-    mask = torch.rand(1, 1, 1021, 1021, generator=g) > 0.7
-    mask[..., 5, :] = mask[..., 700, :] = False
-    mask[..., 300:560] = False
-    cases = [(True, None), (False, None), (False, mask)]
-    refs = []
-    for causal, m in cases:
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        out = F.scaled_dot_product_attention(*leaves, is_causal=causal, attn_mask=m)
-        out.square().sum().backward()
-        refs.append((out.detach(), [t.grad for t in leaves]))
-
-    def body(rank):
-        found = []
-        for causal, m in cases:
-            ins = [t.to_global(LINE, B).to_global(sbp=_seq(2, balance)).requires_grad_()
-                   for t in (q, k, v)]
-            gm = None if m is None else m.to_global(LINE, B).to_global(sbp=_seq(2, balance))
-            with gt.comm_trace() as trace:
-                out = F.scaled_dot_product_attention(*ins, is_causal=causal, attn_mask=gm)
-                out.square().sum().backward()
-            kinds = [c for r in trace.records for c in r.collectives]
-            found.append((out.full_tensor(), [t.grad.full_tensor() for t in ins], out.sbp, kinds))
-        return found
-    before = gt.set_attention_method("ring")
-    try:
-        results = run_ranks(body, 4, timeout=TIMEOUT)
-    finally:
-        gt.set_attention_method(before)
-    for found in results:
-        for (out, grads, sbp, kinds), (want, wants) in zip(found, refs):
-            torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
-            for got, w in zip(grads, wants):
-                torch.testing.assert_close(got, w, atol=1e-4, rtol=1e-4)
-            assert sbp == (_seq(2, balance),)
-            assert kinds == ["send/recv"] * (6 + 6 + 8), kinds
-    with pytest.raises(gt.GlobalTensorError, match="expects one of"):
-        gt.set_attention_method("zigzag")
+            torch.testing.assert_close(params[name], p, atol=5e-4, rtol=1e-3, msg=name)
