@@ -33,12 +33,13 @@ def _llama(transformers, layers: int = 2, positions: int = 256):
                                     attn_implementation="sdpa")
 
 
-def _adamw_steps(model, ids, steps: int, **kwargs) -> list[float]:
-    """``steps`` AdamW steps (lr 1e-2) of HF's own loss on ``ids``; the losses."""
+def _adamw_steps(model, ids, steps: int, loss_of=None, **kwargs) -> list[float]:
+    """``steps`` AdamW steps (lr 1e-2) of HF's own loss on ``ids`` (or of ``loss_of(model)``);
+    the losses."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
     for _ in range(steps):
-        loss = model(ids, labels=ids, **kwargs).loss
+        loss = model(ids, labels=ids, **kwargs).loss if loss_of is None else loss_of(model)
         loss.backward()
         opt.step()
         opt.zero_grad()
@@ -381,15 +382,7 @@ def test_a_torchtitan_shaped_llama_over_a_split_sequence_equals_one_process(bala
     tgt = torch.randint(0, 128, (1, 1024), generator=torch.Generator().manual_seed(2))
 
     def steps(model, x, y):
-        opt, losses = torch.optim.AdamW(model.parameters(), lr=1e-2), []
-        for _ in range(3):
-            loss = F.cross_entropy(model(x).flatten(0, 1), y.flatten())
-            loss.backward()
-            opt.step()
-            opt.zero_grad()
-            losses.append(loss.full_tensor().item() if isinstance(loss, gt.GlobalTensor)
-                          else loss.item())
-        return losses
+        return _adamw_steps(model, x, 3, lambda m: F.cross_entropy(m(x).flatten(0, 1), y.flatten()))
     losses = steps(ref, ids, tgt)
 
     def body(rank):
