@@ -138,7 +138,7 @@ def _no_keys(part, mask):
     """A block's (out, lse) with the rows its mask hides every key from marked as such (lse
     -inf: they add nothing to the merge). torch's CPU kernel gives them 0 and an lse of 0,
     which a merge would weigh as a block of keys (a boolean mask's False, or -inf)."""
-    if mask is None:
+    if mask is None or mask.is_meta:  # (a meta piece: no values, the shapes are the same)
         return part
     hidden = ~mask if mask.dtype == torch.bool else torch.isneginf(mask)
     dead = hidden.all(-1)  # (..., rows), broadcast against (batch, heads, rows)

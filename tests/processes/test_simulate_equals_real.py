@@ -9,7 +9,8 @@ comparing them would (docs/simulate.md, "The figures the plan is chosen under").
 The programs are ordinary ones, written as a user writes them: a small transformer with causal
 SDPA and Megatron tensor parallelism through an sbp_fn on a 2x2 (dp, tp) grid and on an uneven
 2x3, two AdamW steps; HF Llama with TP x fully_shard on 2x2; a pipeline of two stages whose
-second is fully_shard'ed on its own sub-placement.
+second is fully_shard'ed on its own sub-placement; the transformer over a split sequence with
+ring attention, plain and head-tail (its shifts run on the kernel's own thread).
 """
 from __future__ import annotations
 
@@ -253,3 +254,31 @@ def test_a_pipeline_with_a_fully_sharded_stage_simulates_as_it_runs(monkeypatch)
         assert abs(sim.peak_bytes(rank) - peak) <= PEAK_TOLERANCE * peak, (
             rank, sim.peak_bytes(rank), peak)
     assert real[2][0].get("reduce_scatter", 0) > 0 and real[0][0].get("send", 0) > 0
+
+
+def ring_job(balance):
+    """The transformer on a line of 4 with its sequence split (head-tail or plain) and ring
+    attention: the key/value shifts run on the kernel's own thread while it computes."""
+    gt.init()
+    line = gt.placement("cpu", [0, 1, 2, 3], axes=("cp",))
+    before = gt.set_attention_method("ring")
+    try:
+        torch.manual_seed(0)
+        model = Transformer(64, 32, 1, 64)
+        model.to_global(line)
+        opt = torch.optim.AdamW(model.parameters())
+        tokens = gt.randint(0, 64, (1, 1021), placement=line, sbp=gt.sbp.S(1, balance))
+        loss = F.cross_entropy(model(tokens).flatten(0, 1), tokens.flatten())
+        loss.backward()
+        opt.step()
+    finally:
+        gt.set_attention_method(before)
+    return model, opt
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("balance", [None, "head_tail"])
+def test_ring_attention_over_a_split_sequence_simulates_as_it_runs(monkeypatch, balance):
+    real = _compare(ring_job, (balance,), 4, monkeypatch, tracked_within=0.10,
+                    allocator_within=None)
+    assert real[0][0].get("send/recv", 0) >= 2 * 20  # two layers' rings, forward and backward
