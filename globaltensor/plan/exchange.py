@@ -9,6 +9,7 @@ import itertools
 import math
 
 from .._cache import memo
+from ..errors import GlobalTensorError
 from ..layout import Layout, box_numel, boxes, intersect, overlap_numel
 from ..sbp import PartialSum, Split, broadcast
 from .moves import (partial_key, split_key, coords_and_ranks, dim_ranges, exchange_moves,
@@ -20,8 +21,19 @@ from .steps import Exchange
 def exchange(before: Layout, after: Layout) -> Exchange:
     """The point-to-point exchange from ``before`` to ``after``: its moves
     (:func:`exchange_moves`) are built when first read; what it costs is worked out without
-    them (:mod:`.traffic`). ``before`` must be non-partial."""
+    them (:mod:`.traffic`). ``before`` must be non-partial. Head-tail layouts of one order (a
+    pipeline's stages, each splitting the sequence over as many ranks) exchange their plain
+    layouts' pieces (docs/planner.md, "Head-tail splits"); of two orders, an error: the
+    pieces would land in the wrong order."""
     non_partial(before)
+    if before.order or after.order:
+        if dict(before.order) != dict(after.order):
+            raise GlobalTensorError(
+                f"a point-to-point exchange from {before!r} to {after!r}: expected head-tail "
+                f"splits of one order on both sides (the same dims over as many ranks), found "
+                f"{dict(before.order)} and {dict(after.order)}; split the sequence over as "
+                f"many ranks on both sides, or move it to a plain split first")
+        return exchange(before.plain(), after.plain())
     return Exchange(before, after)
 
 

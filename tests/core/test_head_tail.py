@@ -145,3 +145,18 @@ def test_plans_pick_the_cheapest_way_round():
     assert [s.kind for s in plan(ht, plain).steps] == ["all_gather", "reorder", "local slice"]
     assert [s.kind for s in plan(Layout(line, (B,), (1, 64, 32)), ht).steps] == [
         "reorder", "local slice"]
+
+
+def test_an_exchange_between_placements_keeps_a_head_tail_order():
+    """A pipeline's stages hand activations over by point-to-point exchanges: head-tail splits
+    over as many ranks on both sides move their pieces as they are; two orders are refused."""
+    from globaltensor.plan import exchange
+    first, second = gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])
+    src, dst = Layout(first, (S(1, HT),), (2, 9)), Layout(second, (S(1, HT),), (2, 9))
+    full = small_ints((2, 9))
+    out = oracle.run(plan(src, dst), oracle.scatter(full, src, world_size=4))
+    assert torch.equal(oracle.gather(out, dst), full)
+    step = exchange(src, dst)
+    assert step.before == src.plain() and step.after == dst.plain()
+    with pytest.raises(gt.GlobalTensorError, match="head-tail splits of one order"):
+        exchange(src, Layout(second, (S(1),), (2, 9)))

@@ -1,7 +1,8 @@
 """A head-tail split (``S(d, head_tail)``) beyond attention, on 4 thread-ranks: factories and
 random draws give each rank its own positions' values (the same global value as any layout),
-a checkpoint saves it in order and refuses to load into it (nothing written), and gt.visualize
-draws its two ranges (docs/sbp.md, "The head-tail split")."""
+a checkpoint saves it in order and refuses to load into it (nothing written), a pipeline hands
+it between its stages, and gt.visualize draws its two ranges (docs/sbp.md, "The head-tail
+split")."""
 import pytest
 import torch
 
@@ -56,3 +57,42 @@ def test_a_checkpoint_saves_a_head_tail_tensor_in_order_and_refuses_to_load_into
         return y.full_tensor()
     for got in run_ranks(body, 4, timeout=60):
         assert torch.equal(got, torch.arange(26.0).reshape(13, 2))
+
+
+def test_a_pipeline_hands_head_tail_activations_between_its_stages():
+    """Two stages on [0, 1] and [2, 3], the sequence of every micro-batch head-tail split on
+    both (the stages' point-to-point exchange moves the permuted pieces as they are): three
+    AdamW steps, the losses of one process."""
+    import copy
+    import torch.nn as nn
+    import torch.nn.functional as F
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(8, 16), nn.Tanh()), nn.Sequential(nn.Linear(16, 8))]
+    x, y = torch.randn(4, 10, 8), torch.randn(4, 10, 8)
+    ref = copy.deepcopy(stages)
+    opt, want = torch.optim.AdamW([p for s in ref for p in s.parameters()], lr=0.01), []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = sum(F.mse_loss(ref[1](ref[0](x[i:i + 2])), y[i:i + 2]) for i in (0, 2)) / 2
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+
+    def body(rank):
+        gt.init()
+        first, second = copy.deepcopy(stages)
+        left, right = gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])
+        first.to_global(left)
+        second.to_global(right)
+        pipe = gt.nn.Pipeline([first, second], microbatches=2, schedule="1f1b")
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.01)
+        gx = gt.tensor(x, placement=left, sbp=S(1, "head_tail"))
+        gy = gt.tensor(y, placement=right, sbp=S(1, "head_tail"))
+        got = []
+        for _ in range(3):
+            opt.zero_grad()
+            got.append(pipe.step(gx, target=gy, loss_fn=F.mse_loss))
+            opt.step()
+        return got
+    for got in run_ranks(body, 4, timeout=60):
+        assert got == pytest.approx(want, rel=1e-5)
