@@ -12,7 +12,8 @@ from typing import Any, Iterable, Union
 from .errors import SbpError
 
 
-BALANCES = ("head_tail",)
+HEAD_TAIL = "head_tail"
+BALANCES = (HEAD_TAIL,)
 
 
 @dataclass(frozen=True, slots=True)

@@ -14,7 +14,7 @@ Pure: no torch.distributed, no rank.
 from __future__ import annotations
 
 import sys
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, fields, replace
 from typing import Callable
 
@@ -262,12 +262,8 @@ class KernelContext:
 
     def start(self, pieces, src, dst):
         """A future of ``pieces`` (a tuple) moved from ``src`` to ``dst``: on the call's own
-        thread, in the order started (at once where no thread can carry this rank's world)."""
+        thread, in the order started."""
         move = self.redistribute
-        if self.carried is None:
-            done = Future()
-            done.set_result(tuple(move(p, src, dst) for p in pieces))
-            return done
         if self._pool is None:
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gt-kernel")
         return self._pool.submit(self.carried(), lambda: tuple(move(p, src, dst) for p in pieces))

@@ -20,6 +20,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from .._cache import memo
 from ..layout import Layout
 from ..placement import Placement
 from ..sbp import Split
@@ -34,6 +35,7 @@ def ring_axis(layout: Layout, seq: int):
     return None
 
 
+@memo(4096)
 def _rolled(layout: Layout, axis: int, j: int) -> Layout:
     """``layout`` on its placement with ``axis`` rolled by ``j``: coordinate c held by the
     rank at c + j."""

@@ -67,10 +67,14 @@ class Reorder(Step):
 def reorder_piece(step: Reorder, piece):
     """One rank's piece put in the order a :class:`Reorder` step makes (the executor's and the
     oracle's)."""
-    for d, _, _ in step.dims:
-        piece = piece.index_select(d, torch.tensor(step.index(d), dtype=torch.long,
-                                                   device=piece.device))
+    for d, a, b in step.dims:
+        piece = piece.index_select(d, _index_tensor(step.after.shape[d], a, b).to(piece.device))
     return piece
+
+
+@memo(1024)
+def _index_tensor(n: int, a: int, b: int) -> torch.Tensor:
+    return torch.tensor(_index(n, a, b), dtype=torch.long)
 
 
 def _name(k: int) -> str:
@@ -101,8 +105,7 @@ def reordered(src: Layout, dst: Layout, plan_of) -> Plan:
         cost = sum(s.cost() for s in steps)
         if best is None or cost < best[0]:
             best = (cost, steps)
-    steps = best[1]
-    return Plan(src, dst, steps)
+    return Plan(src, dst, best[1])
 
 
 def _pivots(layout: Layout, changed, dst: Layout) -> list[Layout]:

@@ -50,13 +50,13 @@ def backward_move(src: Layout, dst: Layout, outs):
     grad = grad_layout(dst, outs)
     wanted = tuple(g if isinstance(s, Broadcast) else (B if isinstance(s, PartialSum) else s)
                    for s, g in zip(src.sbp, grad.sbp))
-    if balanced(wanted):  # a head-tail dim no other axis may split: B where a B source took
+    if balanced(wanted):  # no other axis may split a head-tail dim: B where a B source took
         grid = src.placement.shape  # the gradient's split of such a dim (it takes any)
-        ordered = {w.dim for w, n in zip(wanted, grid) if type(w) is Split and w.balance and n > 1}
-        wanted = tuple(B if isinstance(s, Broadcast) and type(w) is Split and w.dim in ordered
-                       and (not w.balance or any(isinstance(v, Split) and v.dim == w.dim
-                                                 for v in src.sbp)) else w
-                       for s, w in zip(src.sbp, wanted))
+        splits = [w.dim for w, n in zip(wanted, grid) if isinstance(w, Split) and n > 1]
+        clash = {w.dim for w, n in zip(wanted, grid) if type(w) is Split and w.balance
+                 and n > 1 and splits.count(w.dim) > 1}
+        wanted = tuple(B if isinstance(s, Broadcast) and isinstance(w, Split) and w.dim in clash
+                       else w for s, w in zip(src.sbp, wanted))
     return grad, wanted
 
 

@@ -17,10 +17,9 @@ Pure: no torch.distributed, no rank.
 """
 from __future__ import annotations
 
-from ...sbp import Split
+from ...sbp import HEAD_TAIL, Split
 from ..rules import Row, Rule
 
-HEAD_TAIL = "head_tail"
 # the kernels that read no positions along a split dim (sizes, or another dim's range, only)
 ORDER_FREE_KERNELS = frozenset({"mean_partial", "softmax_split", "softmax_back_split",
                                 "addmm_partial", "squeeze", "embedding_vocab", "nll",
