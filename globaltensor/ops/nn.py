@@ -148,8 +148,10 @@ def _ring_sends(first: int, seq: int):
         if axis is None:
             return (0, 0), (0, 0)
         n, piece = layout.placement.shape[axis], layout.max_local_numel() * itemsizes[first + 1]
-        hidden = 2 * (n - 1) * (2 if first else 1)
-        exposed = 2 * n if first or (grads and (grads[first + 1] or grads[first + 2])) else 0
+        backward = first or (grads and (grads[first + 1] or grads[first + 2]))
+        # (a forward whose backward will run: that backward's k/v shifts too)
+        hidden = 2 * (n - 1) * (2 if backward and not first else 1)
+        exposed = 2 * n if backward else 0
         return (hidden, hidden * piece), (exposed, exposed * piece)
     return sends
 
