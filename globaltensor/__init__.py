@@ -30,6 +30,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
     from .tools.visualize import visualize
     from .tools.balance import attention_balance
     from .ops.nn import set_attention_method
+    from .nn.experts import set_experts_method
     from .sim.memory import memory
     from .sim import simulate
     from .convert import from_local, install_tensor_methods
@@ -51,7 +52,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
 
 __all__ = [
     "GlobalTensor",
-    "attention_balance", "set_attention_method",
+    "attention_balance", "set_attention_method", "set_experts_method",
     "GlobalTensorError",
     "costs",
     "explain",

@@ -98,11 +98,18 @@ STAND_IN_BYTES = 1 << 30
 
 
 def _stand_in(value):
-    """A zero-filled tensor of ``value``'s global shape and dtype on its device."""
-    if isinstance(value, torch.Tensor):
-        shape = value._layout.shape if isinstance(value, GlobalTensor) else value.shape
+    """A zero-filled tensor of ``value``'s global shape and dtype on its device, its dims laid
+    out in the order of the piece's strides (a transposed piece stands in as a transposed
+    tensor: kernels that ask for strides, such as _grouped_mm's, see what the pieces give)."""
+    if not isinstance(value, torch.Tensor):
+        return value
+    piece = value._local if isinstance(value, GlobalTensor) else value
+    shape = value._layout.shape if isinstance(value, GlobalTensor) else value.shape
+    order = sorted(range(len(shape)), key=lambda d: -piece.stride(d)) if piece.dim() else []
+    if order == sorted(order) or piece.dim() != len(shape):
         return torch.zeros(shape, dtype=value.dtype, device=value.device)
-    return value
+    laid = torch.zeros([shape[d] for d in order], dtype=value.dtype, device=value.device)
+    return laid.permute([order.index(d) for d in range(len(shape))])
 
 
 def _stand_in_bytes(args, kwargs) -> int:

@@ -10,6 +10,8 @@
     pipeline.py    gt.nn.Pipeline: stages on disjoint placements, micro-batches (docs/pipeline.md)
     schedules.py   the schedules as tables (gpipe, 1f1b, interleaved-1f1b): pure
     stages.py      a pipeline's stages, its micro-batches, what crosses between stages
+    experts.py     expert parallelism: HF's experts modules dispatch tokens by all-to-all
+                   (docs/experts.md)
     parallel/      DistributedDataParallel"""
 from . import parallel
 from .module import to_global, to_local

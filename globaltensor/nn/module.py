@@ -27,7 +27,7 @@ from ..sbp import Broadcast, PartialSum, SBP_TYPES, format_sbp, normalize, repli
 from ..compile_support import never_compiled
 from ..convert import check_placement
 from ..tensor import GlobalTensor, redistribute
-from . import pretrained
+from . import experts, pretrained
 
 __all__ = ["to_global", "to_local"]
 
@@ -52,6 +52,7 @@ def to_global(module: torch.nn.Module, placement: Placement, sbp_fn=None) -> tor
         sub.__dict__.pop(_PIECES, None)
     _refresh_flat_weights(module)
     run_forward_in_global_mode(module, placement)
+    experts.install(module)
     if any(meta_pieces(module)):
         module.__dict__[MAYBE_META] = True  # checked at each forward until materialized
     return module

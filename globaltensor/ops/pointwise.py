@@ -65,4 +65,5 @@ def to_copy(call: Call) -> Rule:
 
 register("_to_copy", rule=to_copy)
 register("clone", "alias", "detach", "lift_fresh", rule=pointwise)
+register("floor_divide", "floor_divide_", rule=pointwise)  # torch tags neither pointwise
 register_tag("pointwise", rule=pointwise)  # every op torch tags pointwise (add, mul, relu, ...)

@@ -274,6 +274,18 @@ def vdot(call: Call):
     return (sig("B B -> B"), sig("S(0) S(0) -> P"), sig("P B -> P"), sig("B P -> P"))
 
 
+def histc(call: Call):
+    """``histc(x, bins, min, max)``: counts per bin, a sum over the elements: a split of any dim
+    gives partial counts (``S(d) -> P``). With ``min == max`` the range is the data's own
+    (its min and max): only whole inputs."""
+    rows = [sig("B -> B")]
+    lo, hi = call.get("min", 0), call.get("max", 0)
+    if lo != hi:
+        rows += [Row((S(d),), (P,)) for d in range(len(call.shapes[0]))]
+    return rows
+
+
+register("histc", rule=histc, order_free=True)
 register("sum", rule=reduction_sum, order_free=True)
 register("mean", rule=reduction_mean, kernels={"mean_partial": _k_mean_partial}, order_free=True)
 register("amax", "amin", "argmax", "argmin", "prod", "any", "all", "logsumexp",

@@ -23,6 +23,7 @@ A flat gather or reduce-scatter also tells gt.memory of gloo's own buffer beside
 from __future__ import annotations
 
 import functools
+import math
 import pickle
 from dataclasses import dataclass
 
@@ -228,6 +229,33 @@ def all_gather_rows(mine: torch.Tensor, group, why: Why) -> torch.Tensor:
     return table
 
 
+def all_to_all_rows(send: torch.Tensor, send_counts, recv_counts, group, why: Why, ranks,
+                    nbytes=None) -> torch.Tensor:
+    """Rows of ``send`` (dim 0) in blocks of ``send_counts[g]`` to group rank ``g`` (ascending
+    global rank); the rows received, ``sum(recv_counts)`` of them, in group rank order (an
+    all_to_all_v: the counts are data, exchanged before). Announced with the rows this rank
+    sends to others (``nbytes``: a simulation's expected figure, for every member)."""
+    row = math.prod(send.shape[1:]) * send.element_size()
+    me = _group_rank(group)
+    mine = (sum(send_counts) - send_counts[me]) * row
+    by_rank = None if nbytes is not None else {world.get_rank(): mine}
+    announce("all_to_all", why, ranks, mine if nbytes is None else nbytes, send.dtype, by_rank)
+    recv = send.new_empty((sum(recv_counts),) + tuple(send.shape[1:]))
+    if _live(group) and (recv.numel() or send.numel()):
+        dist.all_to_all_single(byte_view(recv), byte_view(send.contiguous()),
+                               [c * row for c in recv_counts], [c * row for c in send_counts],
+                               group=group)
+    return recv
+
+
+def _group_rank(group) -> int:
+    """This rank's number in ``group`` (ascending global rank; None: the world)."""
+    if isinstance(group, SimulatedGroup):
+        members = sorted(group.members)
+        return members.index(world.get_rank()) if world.get_rank() in members else 0
+    return dist.get_rank(group)
+
+
 def all_gather_object(value, why: Why) -> list:
     """``[rank] = value`` of every rank of the world (picklable values)."""
     n = world.get_world_size()
@@ -405,6 +433,6 @@ class NoDataWire(SimulatedWire):
 
 
 __all__ = ["Why", "Sent", "announce", "axis_name", "all_gather", "reduce_scatter", "all_reduce",
-           "broadcast", "all_gather_rows", "Workspace", "all_gather_object", "broadcast_object",
+           "broadcast", "all_gather_rows", "all_to_all_rows", "Workspace", "all_gather_object", "broadcast_object",
            "point_to_point", "isend", "irecv", "EagerWire", "TracedWire", "SimulatedWire",
            "NoDataWire"]

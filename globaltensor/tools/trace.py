@@ -33,10 +33,11 @@ from ..world import world
 
 
 _KINDS = ("redistribution", "gt.comm call", "gradient bucket", "fully_shard collective",
-          "pipeline send")
+          "pipeline send", "expert exchange")
 # a wire event's label (runtime/wire.py Why) -> the kind of its row
 _KIND = {"gradient bucket": "gradient bucket", "sync_data": "redistribution", "fully_shard": "fully_shard collective",
-         "pipeline": "pipeline send", "metadata": "metadata exchange",
+         "pipeline": "pipeline send", "expert dispatch": "expert exchange",
+         "metadata": "metadata exchange",
          "layout check": "metadata exchange", "cost probe": "metadata exchange"}
 
 

@@ -1,0 +1,383 @@
+"""Expert parallelism: the routed token rows go to their experts' owners by all-to-all (SPEC
+"Experts", docs/experts.md).
+
+HF's mixture-of-experts models compute their experts in one module whose class transformers'
+``use_experts_implementation`` decorates (Qwen3-MoE, Mixtral, DeepSeek-V3, ...): stacked expert
+weights ``(experts, ...)`` and ``forward(hidden_states, top_k_index, top_k_weights)``, the tokens
+flattened. ``module.to_global`` gives such a module a class (:func:`install`) whose forward, when
+the stacked experts are split on a placement axis (``S(0)`` on "ep") and the tokens are split on
+the same axis, runs the routed computation as expert parallelism does:
+
+1. each rank counts its (token, choice) pairs per expert and the counts go to the experts'
+   owners (a small all-to-all; an expert index out of range travels with them, so every rank
+   of the axis raises the same error);
+2. the pairs' token rows, sorted by expert, go to the owners (an all-to-all-v of the counts);
+3. each owner runs transformers' own experts implementation (``config._experts_implementation``:
+   grouped_mm, eager, ...) on its experts and the rows it received, one choice per row;
+4. the result rows come back the same way, and each rank weighs them by the router's weights
+   and sums each token's choices (HF's own ``view(tokens, k, hidden).sum(1)``).
+
+Backward is the mirror: the two all-to-alls are an autograd function whose backward is the other
+direction. Both go through the wire (``Why("expert dispatch")``): gt.comm_trace names them, and
+gt.simulate, where the router's choices are not known, counts them for a router that spreads
+each rank's pairs evenly over the axis's ranks (the balance a load-balancing loss aims at).
+
+On the other axes the tokens are whole (``B``). Where the experts are whole there too, each rank
+computes on plain pieces. Where their features are split (Megatron inside each expert: "tp"),
+the owner's computation runs on global tensors on the ranks that share its "ep" coordinate,
+whose rows are the same: dispatch's rules split each expert there as they split any matmul.
+Any other layout (experts whole, tokens split on two axes, a module with submodules holding
+parameters) runs as before, through the ``_grouped_mm`` rules (docs/ops.md).
+"""
+from __future__ import annotations
+
+import contextlib
+import functools
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from ..errors import GlobalTensorError
+from ..layout import Layout
+from ..placement import Placement
+from ..runtime import wire
+from ..runtime.groups import group_along
+from ..sbp import Broadcast, Split, broadcast, replicated
+from ..tensor import FromLocal, GlobalTensor, as_global_grad, redistribute
+from ..world import world
+from ..world.simulated import simulated
+
+__all__ = ["install", "set_experts_method", "METHODS"]
+
+# how a split experts module computes (gt.set_experts_method): "all_to_all" dispatches the
+# routed rows; "all_reduce" keeps the _grouped_mm rules (every rank all tokens, partial sums)
+METHODS = ("all_to_all", "all_reduce")
+_METHOD = ["all_to_all"]
+
+
+def set_experts_method(method: str) -> str:
+    """``gt.set_experts_method("all_reduce")``: how an experts module split on an axis computes
+    from now on, on this process (alike on every rank): ``"all_to_all"`` (the default: token
+    dispatch) or ``"all_reduce"`` (the ``_grouped_mm`` rules). Returns the one before."""
+    if method not in METHODS:
+        raise GlobalTensorError(f"set_experts_method expects one of {list(METHODS)}, found "
+                                f"{method!r}; e.g. gt.set_experts_method(\"all_to_all\")")
+    before, _METHOD[0] = _METHOD[0], method
+    return before
+
+
+# --------------------------------------------------------------------------- the module's class
+
+def is_experts_module(module: torch.nn.Module) -> bool:
+    """transformers' experts contract: ``use_experts_implementation`` set ``_is_expert_parallel``
+    and ``config``; the stacked weights are 3-D parameters with ``num_experts`` rows."""
+    if not hasattr(module, "_is_expert_parallel") or not hasattr(module, "config"):
+        return False
+    stacked = [getattr(module, n, None) for n in ("down_proj", "gate_up_proj", "up_proj")]
+    return (isinstance(getattr(module, "num_experts", None), int)
+            and isinstance(stacked[0], torch.Tensor) and stacked[0].dim() == 3
+            and any(isinstance(t, torch.Tensor) and t.dim() == 3 for t in stacked[1:]))
+
+
+def install(module: torch.nn.Module) -> None:
+    """Give each experts module under ``module`` (itself included) the class whose forward
+    dispatches tokens when its layout asks (see the module's docstring)."""
+    for sub in module.modules():
+        if is_experts_module(sub) and "_gt_experts" not in type(sub).__dict__:
+            sub.__class__ = _dispatching(type(sub))
+
+
+@functools.cache
+def _dispatching(cls: type) -> type:
+    """A subclass of ``cls`` (same name and module) whose forward is :func:`forward`."""
+    def forward_(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs):
+        plan = None if args or kwargs else plan_for(self, hidden_states, top_k_index)
+        if plan is None:
+            return cls.forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
+        return forward(self, cls.forward, plan, hidden_states, top_k_index, top_k_weights)
+
+    namespace = {"forward": forward_, "_gt_experts": True, "__module__": cls.__module__,
+                 "__qualname__": cls.__qualname__,
+                 "_gt_plain_class": cls.__dict__.get("_gt_plain_class", cls)}
+    return type(cls.__name__, (cls,), namespace)
+
+
+# --------------------------------------------------------------------------- the plan
+
+@dataclass(frozen=True)
+class Plan:
+    """How one call dispatches: the placement, the "ep" axis, this rank's group along it (its
+    ranks ascending: the group's own order), each member's experts ``[start, stop)``, the
+    tokens' sbp, and the placement of the ranks sharing this rank's "ep" coordinate (None when
+    the experts are whole on every other axis: the owners compute on plain pieces)."""
+
+    placement: Placement
+    axis: int
+    group: object
+    members: tuple
+    bounds: tuple
+    token_sbp: tuple
+    shared: Placement | None
+
+    @property
+    def me(self) -> int:
+        return self.members.index(world.get_rank())
+
+
+def plan_for(module, hidden, top_k_index) -> Plan | None:
+    """The dispatch of this call, or None where it runs as before: the same answer on every
+    rank (it reads layouts only)."""
+    if _METHOD[0] != "all_to_all" or not isinstance(hidden, GlobalTensor) or hidden.dim() != 2:
+        return None
+    placement = hidden.placement
+    if (placement.ranks.size != world.get_world_size() or not isinstance(top_k_index, GlobalTensor)
+            or any(True for _ in module.children() if any(True for _ in _.parameters()))):
+        return None
+    stacked = _stacked(module)
+    if len(stacked) != len(list(module.parameters(recurse=False))):
+        return None  # a parameter that is not per expert: no owner's piece of it
+    axis = _expert_axis(stacked, placement)
+    if axis is None or placement.hierarchy[axis] == 1:
+        return None
+    token_sbp = tuple(Split(0) if a == axis else broadcast for a in range(placement.ndim))
+    coord = placement.coord_of(world.get_rank())
+    group, ranks = group_along(placement, axis, coord)
+    members = tuple(sorted(ranks))
+    layout = stacked[0]._layout
+    bounds = tuple(layout.box(placement.coord_of(r))[0] for r in members)
+    whole = all(isinstance(v, Broadcast) for t in stacked
+                for a, v in enumerate(t.sbp) if a != axis)
+    shared = None if whole else _shared(placement, axis, coord)
+    return Plan(placement, axis, group, members, bounds, token_sbp, shared)
+
+
+def _stacked(module) -> list:
+    """The module's own parameters whose dim 0 is the experts (weights and biases)."""
+    return [p for _, p in module.named_parameters(recurse=False)
+            if p.dim() >= 1 and p.shape[0] == module.num_experts]
+
+
+def _expert_axis(stacked, placement) -> int | None:
+    """The one axis that splits every stacked parameter's expert dim, or None."""
+    if not stacked or not all(isinstance(p, GlobalTensor) and p.placement == placement
+                              for p in stacked):
+        return None
+    axes = {tuple(a for a, v in enumerate(p.sbp) if v == Split(0)) for p in stacked}
+    if len(axes) != 1:
+        return None
+    (found,) = axes
+    return found[0] if len(found) == 1 else None
+
+
+def _shared(placement: Placement, axis: int, coord) -> Placement:
+    """The ranks sharing ``coord`` on ``axis``: the placement of the other axes."""
+    ranks = np.take(placement.ranks, coord[axis], axis=axis)
+    names = None if placement.axes is None else tuple(
+        n for a, n in enumerate(placement.axes) if a != axis)
+    return Placement(placement.type, ranks.tolist(), axes=names)
+
+
+# --------------------------------------------------------------------------- the call
+
+def forward(module, plain_forward, plan: Plan, hidden, top_k_index, top_k_weights):
+    """The routed experts of this call by token dispatch (the module's docstring, steps 1-4)."""
+    hidden, top_k_index, top_k_weights = (_laid_out(t, plan.token_sbp)
+                                          for t in (hidden, top_k_index, top_k_weights))
+    x, ids, weights = hidden.to_local(), top_k_index.to_local(), top_k_weights.to_local()
+    k = ids.shape[-1] if ids.dim() == 2 else 1
+    name = type(module).__name__
+    why = wire.Why("expert dispatch", f"experts dispatch ({name})",
+                   wire.axis_name(plan.placement, plan.axis))
+    route = _route(plan, ids.reshape(-1), module.num_experts, why)
+    rows = x[route.perm // k]
+    got = _AllToAll.apply(rows, route.send, route.recv, plan, why)
+    dtype = torch.promote_types(torch.promote_types(x.dtype, weights.dtype),
+                                module.down_proj.dtype)
+    compute = _on_pieces if plan.shared is None else _on_shared
+    out, sub_sbp = compute(module, plain_forward, plan, got.to(dtype), route.local_ids,
+                           weights.dtype)
+    back = wire.Why(why.label, f"experts combine ({name})", why.axis)
+    returned = _AllToAll.apply(out, route.recv, route.send, plan, back)
+    mine = returned[route.inverse] * weights.reshape(-1, 1)
+    y = mine.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
+    sbp = tuple(Split(0) if a == plan.axis else sub_sbp[a - (a > plan.axis)]
+                for a in range(plan.placement.ndim))
+    return FromLocal.apply(y, Layout(plan.placement, sbp, tuple(hidden.shape)), None)
+
+
+def _laid_out(t, sbp) -> GlobalTensor:
+    if not isinstance(t, GlobalTensor):
+        raise GlobalTensorError(
+            f"expert parallelism: expected the router's top_k_index and top_k_weights to be "
+            f"global tensors like the hidden states, found a {type(t).__name__}; compute them "
+            f"from the hidden states (as HF's routers do)")
+    return t if t.sbp == sbp else t.to_global(sbp=sbp)
+
+
+@dataclass
+class Route:
+    """This rank's pairs sorted by expert (``perm``) and back (``inverse``), the rows it sends
+    to each member and receives from each, and the local expert of each row received."""
+
+    perm: torch.Tensor
+    inverse: torch.Tensor
+    send: list
+    recv: list
+    local_ids: torch.Tensor
+
+
+def _route(plan: Plan, flat: torch.Tensor, experts: int, why) -> Route:
+    """Sort the pairs by expert and exchange the counts with the owners (step 1); in
+    gt.simulate (no values) the counts of an even spread."""
+    perm = torch.sort(flat, stable=True).indices if not flat.is_meta else \
+        torch.empty_like(flat)
+    inverse = torch.empty_like(perm)
+    if flat.is_meta:
+        n, total = len(plan.members), flat.numel()
+        spread = [total // n + (g < total % n) for g in range(n)]
+        local = torch.empty(sum(spread), dtype=torch.int64, device="meta")
+        return Route(perm, inverse, spread, spread, local)
+    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
+    bad = int(((flat < 0) | (flat >= experts)).sum())
+    counts = torch.bincount(flat.clamp(0, experts - 1), minlength=experts).cpu()
+    width = max(stop - start for start, stop in plan.bounds)
+    message = torch.zeros((len(plan.members), width + 1), dtype=torch.int64)
+    for g, (start, stop) in enumerate(plan.bounds):
+        message[g, :stop - start] = counts[start:stop]
+    message[:, width] = bad
+    counts_why = wire.Why(why.label, why.op.replace("dispatch", "counts"), why.axis)
+    table = wire.all_to_all_rows(message, [1] * len(plan.members), [1] * len(plan.members),
+                                 plan.group, counts_why, plan.members)
+    _check_indices(table[:, width], plan, experts)
+    start, stop = plan.bounds[plan.me]
+    received = table[:, :stop - start]
+    local = torch.arange(stop - start).repeat(len(plan.members))
+    local_ids = torch.repeat_interleave(local, received.reshape(-1)).to(flat.device)
+    send = [int(counts[a:b].sum()) for a, b in plan.bounds]
+    return Route(perm, inverse, send, received.sum(dim=1).tolist(), local_ids)
+
+
+def _check_indices(bad: torch.Tensor, plan: Plan, experts: int) -> None:
+    """Every member sent its count of expert indices out of range: each raises alike."""
+    if int(bad.sum()):
+        where = {r: int(b) for r, b in zip(plan.members, bad.tolist()) if b}
+        raise GlobalTensorError(
+            f"expert parallelism: expected every top_k_index entry in [0, {experts}) (the "
+            f"module's num_experts), found {sum(where.values())} out of range, on ranks "
+            f"{sorted(where)} ({where}); check the router (its top-k over num_experts logits)")
+
+
+class _AllToAll(torch.autograd.Function):
+    """Rows to the members by counts (step 2 or 4); backward sends the gradients back."""
+
+    @staticmethod
+    def forward(ctx, rows, send, recv, plan, why):
+        ctx.args = (send, recv, plan, why)
+        return _send_rows(rows, send, recv, plan, why)
+
+    @staticmethod
+    def backward(ctx, grad):
+        send, recv, plan, why = ctx.args
+        back = wire.Why(why.label, why.op + " backward", why.axis)
+        return _send_rows(grad.contiguous(), recv, send, plan, back), None, None, None, None
+
+
+def _send_rows(rows, send, recv, plan: Plan, why) -> torch.Tensor:
+    if not rows.is_meta:
+        return wire.all_to_all_rows(rows, send, recv, plan.group, why, plan.members)
+    # gt.simulate: the even spread's figure, for every member of every group along the axis
+    row = rows[0].numel() * rows.element_size() if rows.shape[0] else 0
+    expected = (sum(send) - send[plan.me]) * row
+    return wire.all_to_all_rows(rows, send, recv, plan.group, why, plan.placement,
+                                nbytes=expected)
+
+
+# --------------------------------------------------------------------------- the owners' compute
+
+class _Owner:
+    """The experts module as its owner sees it: its experts' pieces (``overrides``), the rest
+    of its attributes (config, act_fn, _apply_gate, ...) the module's own."""
+
+    def __init__(self, module, overrides: dict):
+        self.__dict__.update(overrides)
+        self.__dict__["_gt_module"] = module
+
+    def __getattr__(self, name):
+        return getattr(self.__dict__["_gt_module"], name)
+
+
+def _one_choice(module, plain_forward, owner, rows, local_ids, ones):
+    """transformers' experts implementation on the owner's rows, one choice per row."""
+    return plain_forward(owner, rows, local_ids.view(-1, 1), ones)
+
+
+def _on_pieces(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
+    """The owner's experts whole on the other axes: a computation on plain pieces."""
+    start, stop = plan.bounds[plan.me]
+    owner = _Owner(module, {**{n: p.to_local() for n, p in module.named_parameters(recurse=False)},
+                            "num_experts": stop - start, "_is_expert_parallel": False})
+    ones = torch.ones((rows.shape[0], 1), dtype=wdtype, device=rows.device)
+    with _plain_torch():
+        out = _one_choice(module, plain_forward, owner, rows, local_ids, ones)
+    return out, replicated(plan.placement.ndim - 1)
+
+
+def _on_shared(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
+    """The owner's experts split on the other axes: the computation on global tensors on the
+    ranks that share this "ep" coordinate (their rows are the same)."""
+    from ..mode.global_mode import GlobalMode
+
+    sub = plan.shared
+    whole = replicated(sub.ndim)
+    rows = FromLocal.apply(rows, Layout(sub, whole, tuple(rows.shape)), None)
+    ids = GlobalTensor._make(local_ids, Layout(sub, whole, tuple(local_ids.shape)))
+    ones = torch.ones((rows.shape[0], 1), dtype=wdtype, device=local_ids.device)
+    ones = GlobalTensor._make(ones, Layout(sub, whole, tuple(ones.shape)))
+    start, stop = plan.bounds[plan.me]
+    pieces = {n: _Restrict.apply(p, _restricted(p, plan, sub))
+              for n, p in module.named_parameters(recurse=False)}
+    owner = _Owner(module, {**pieces, "num_experts": stop - start, "_is_expert_parallel": False})
+    with GlobalMode(sub):
+        out = _one_choice(module, plain_forward, owner, rows, ids, ones)
+    sbp = tuple(broadcast if v == Split(0) else v for v in out.sbp)
+    out = out if out.sbp == sbp else out.to_global(sbp=sbp)
+    return out.to_local(), sbp
+
+
+def _restricted(p: GlobalTensor, plan: Plan, sub: Placement) -> Layout:
+    """``p``'s piece along the "ep" axis as a global tensor of the other axes' ranks."""
+    shape = list(p.shape)
+    shape[0] = p._local.shape[0]
+    sbp = tuple(v for a, v in enumerate(p.sbp) if a != plan.axis)
+    return Layout(sub, sbp, tuple(shape))
+
+
+class _Restrict(torch.autograd.Function):
+    """A parameter's "ep" piece as a global tensor of the ranks sharing the coordinate; its
+    gradient there is the piece's whole gradient (every row for these experts came here)."""
+
+    @staticmethod
+    def forward(ctx, p: GlobalTensor, layout: Layout):
+        ctx.layouts = (p._layout, layout)
+        return GlobalTensor._make(p._local.view_as(p._local), layout)
+
+    @staticmethod
+    def backward(ctx, grad):
+        full, sub = ctx.layouts
+        grad = redistribute(as_global_grad(grad, sub), sub)
+        return GlobalTensor._make(grad._local, full), None
+
+
+@contextlib.contextmanager
+def _plain_torch():
+    """No torch-function mode (global mode) while plain pieces compute: their factories are
+    plain tensors."""
+    popped = []
+    try:
+        while torch._C._len_torch_function_stack():
+            popped.append(torch._C._pop_torch_function_stack())
+        yield
+    finally:
+        for mode in reversed(popped):
+            torch._C._push_on_torch_function_stack(mode)
