@@ -230,29 +230,31 @@ class Route:
 def _route(plan: Plan, flat: torch.Tensor, experts: int, why) -> Route:
     """Sort the pairs by expert and exchange the counts with the owners (step 1); in
     gt.simulate (no values) the counts of an even spread."""
-    perm = torch.sort(flat, stable=True).indices if not flat.is_meta else \
-        torch.empty_like(flat)
-    inverse = torch.empty_like(perm)
+    n = len(plan.members)
+    width = max(stop - start for start, stop in plan.bounds)
+    start, stop = plan.bounds[plan.me]
+    counts_why = wire.Why(why.label, why.op.replace("dispatch", "counts"), why.axis)
     if flat.is_meta:
-        n, total = len(plan.members), flat.numel()
+        perm = torch.empty_like(flat)
+        message = torch.empty((n, width + 1), dtype=torch.int64, device="meta")
+        _send_rows(message, [1] * n, [1] * n, plan, counts_why)
+        total = flat.numel()
         spread = [total // n + (g < total % n) for g in range(n)]
         local = torch.empty(sum(spread), dtype=torch.int64, device="meta")
-        return Route(perm, inverse, spread, spread, local)
+        return Route(perm, torch.empty_like(perm), spread, spread, local)
+    perm = torch.sort(flat, stable=True).indices
+    inverse = torch.empty_like(perm)
     inverse[perm] = torch.arange(perm.numel(), device=perm.device)
     bad = int(((flat < 0) | (flat >= experts)).sum())
     counts = torch.bincount(flat.clamp(0, experts - 1), minlength=experts).cpu()
-    width = max(stop - start for start, stop in plan.bounds)
-    message = torch.zeros((len(plan.members), width + 1), dtype=torch.int64)
-    for g, (start, stop) in enumerate(plan.bounds):
-        message[g, :stop - start] = counts[start:stop]
+    message = torch.zeros((n, width + 1), dtype=torch.int64)
+    for g, (a, b) in enumerate(plan.bounds):
+        message[g, :b - a] = counts[a:b]
     message[:, width] = bad
-    counts_why = wire.Why(why.label, why.op.replace("dispatch", "counts"), why.axis)
-    table = wire.all_to_all_rows(message, [1] * len(plan.members), [1] * len(plan.members),
-                                 plan.group, counts_why, plan.members)
+    table = _send_rows(message, [1] * n, [1] * n, plan, counts_why)
     _check_indices(table[:, width], plan, experts)
-    start, stop = plan.bounds[plan.me]
     received = table[:, :stop - start]
-    local = torch.arange(stop - start).repeat(len(plan.members))
+    local = torch.arange(stop - start).repeat(n)
     local_ids = torch.repeat_interleave(local, received.reshape(-1)).to(flat.device)
     send = [int(counts[a:b].sum()) for a, b in plan.bounds]
     return Route(perm, inverse, send, received.sum(dim=1).tolist(), local_ids)

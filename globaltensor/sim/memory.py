@@ -347,7 +347,10 @@ class _Mode(TorchDispatchMode):
         self.tracker, self.kind = tracker, kind
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
+        try:
+            out = func(*args, **(kwargs or {}))
+        except RuntimeError:
+            out = _stricter_meta(func, args, kwargs or {})
         tracker, kind = self.tracker, self.kind
         if tracker.quiet:
             return out
@@ -359,6 +362,22 @@ class _Mode(TorchDispatchMode):
         if tracker.on_op is not None:
             tracker.on_op(func, args, kwargs, out)
         return out
+
+
+def _stricter_meta(func, args, kwargs):
+    """A meta kernel stricter than the CPU one (``_grouped_mm``'s demands bf16; its CPU kernel
+    runs float32 too, which is how HF's experts run on CPU): the meta kernel on bf16 twins of
+    the float inputs, its outputs in the dtype the CPU kernel gives (``out_dtype`` or the
+    inputs'). Any other failure is raised again."""
+    tensors = [t for t in pytree.tree_leaves((args, kwargs)) if isinstance(t, torch.Tensor)]
+    if (func is not torch.ops.aten._grouped_mm.default or not tensors
+            or not all(t.is_meta for t in tensors)):
+        raise  # noqa: PLE0704 - the caller's RuntimeError, as it was
+    dtype = kwargs.get("out_dtype") or args[0].dtype
+    twin = lambda t: t.to(torch.bfloat16) if t.is_floating_point() else t  # noqa: E731
+    out = func(*pytree.tree_map_only(torch.Tensor, twin, args),
+               **pytree.tree_map_only(torch.Tensor, twin, kwargs))
+    return out.to(dtype)
 
 
 def _mb(n) -> str:

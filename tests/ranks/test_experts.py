@@ -1,0 +1,183 @@
+"""Expert parallelism (issue 56; docs/experts.md): unmodified HF mixture-of-experts models
+(Qwen3-MoE, Mixtral, a DeepSeek-V3-style config with a shared expert and group-limited top-k
+routing; tiny configs, random init) whose stacked experts are split on the axis that splits the
+tokens dispatch the routed rows by all-to-all. Against one process: the loss, the router's aux
+loss, every gradient and three AdamW steps, on a line (ep=4) and on a 2x2 (ep, tp) grid (each
+expert's matrices split over "tp"); bf16 autocast; the bytes each rank sends are exactly its
+routed rows' there and back, plus the counts."""
+import copy
+
+import pytest
+import torch
+
+import globaltensor as gt
+from globaltensor.testing import run_ranks
+
+transformers = pytest.importorskip(
+    "transformers", reason="HF transformers is a test dependency (pip install -e '.[test]')")
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+TIMEOUT = 300
+VOCAB, HIDDEN = 64, 32
+IDS = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
+LINE = gt.placement("cpu", [0, 1, 2, 3], axes=("ep",))
+GRID = gt.placement("cpu", [[0, 1], [2, 3]], axes=("ep", "tp"))
+SMALL = dict(vocab_size=VOCAB, hidden_size=HIDDEN, num_hidden_layers=2, num_attention_heads=4,
+             max_position_embeddings=64)
+
+
+def qwen3_moe(**extra):
+    return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=2,
+        head_dim=8, num_experts=8, num_experts_per_tok=2, output_router_logits=True, **extra))
+
+
+def mixtral(**extra):
+    return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+        **SMALL, intermediate_size=16, num_key_value_heads=2, head_dim=8, num_local_experts=8,
+        num_experts_per_tok=2, output_router_logits=True, **extra))
+
+
+def deepseek_v3(**extra):
+    """DeepSeek-V3's shape: layer 0 dense, layer 1 eight routed experts (top-2 of 2 groups, 1
+    group kept) beside a shared expert; latent attention."""
+    return transformers.DeepseekV3ForCausalLM(transformers.DeepseekV3Config(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=4,
+        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=16, q_lora_rank=16,
+        qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **extra))
+
+
+MODELS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3}
+
+
+def made(name):
+    torch.manual_seed(0)
+    model = MODELS[name]()
+    assert model.config._experts_implementation == "grouped_mm"
+    return model
+
+
+def expert_parallel(name, t):
+    """The stacked experts split on "ep"; everything else whole."""
+    return S(0) if t.dim() == 3 else B
+
+
+def ep_and_tp(name, t):
+    """The stacked experts on "ep", each expert's Megatron pair on "tp": gate_up_proj
+    (E, 2I, H) on its outputs, down_proj (E, H, I) on its inputs."""
+    if t.dim() != 3:
+        return (B, B)
+    return (S(0), S(1) if "gate_up_proj" in name else S(2))
+
+
+def steps(model, ids, n: int = 3, autocast: bool = False):
+    """``n`` AdamW steps of HF's loss (the aux loss in it); per step the loss and the aux loss,
+    and the first step's gradients."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses, grads = [], None
+    for _ in range(n):
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = model(ids, labels=ids)
+        out.loss.backward()
+        if grads is None:
+            grads = {k: full(p.grad) for k, p in model.named_parameters()}
+        opt.step()
+        opt.zero_grad()
+        aux = getattr(out, "aux_loss", None)
+        losses.append((full(out.loss).item(), None if aux is None else full(aux).item()))
+    return losses, grads
+
+
+def full(t):
+    return t.full_tensor() if isinstance(t, gt.GlobalTensor) else t
+
+
+def check(name, placement, sbp_fn, ids_sbp, autocast=False, tol=(1e-4, 1e-5)):
+    reference = made(name)
+    base = copy.deepcopy(reference)
+    want, want_grads = steps(reference, IDS, autocast=autocast)
+    want_params = dict(reference.named_parameters())
+
+    def body(rank):
+        model = copy.deepcopy(base)
+        model.to_global(placement, sbp_fn)
+        ids = gt.tensor(IDS, placement=placement, sbp=ids_sbp)
+        with gt.comm_trace() as trace:
+            losses, grads = steps(model, ids, autocast=autocast)
+        params = {k: full(p.detach()) for k, p in model.named_parameters()}
+        kinds = trace.counts()
+        return losses, grads, params, kinds
+
+    rtol, atol = tol
+    for losses, grads, params, kinds in run_ranks(body, 4, timeout=TIMEOUT):
+        for (loss, aux), (want_loss, want_aux) in zip(losses, want):
+            assert loss == pytest.approx(want_loss, rel=rtol, abs=atol)
+            assert (aux is None) == (want_aux is None)
+            if aux is not None:
+                assert aux == pytest.approx(want_aux, rel=rtol, abs=atol)
+        for k, g in grads.items():
+            torch.testing.assert_close(g, want_grads[k], rtol=rtol * 10, atol=atol * 10,
+                                       msg=lambda m, k=k: f"{k}: {m}")
+        for k, p in params.items():
+            torch.testing.assert_close(p, want_params[k].detach(), rtol=rtol * 10,
+                                       atol=atol * 10, msg=lambda m, k=k: f"{k}: {m}")
+        assert kinds.get("all_to_all", 0) > 0  # the dispatch ran
+    return want
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_three_adamw_steps_with_experts_split_over_4_ranks_equal_one_process(name):
+    check(name, LINE, expert_parallel, S(0))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow),
+                                  pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_three_adamw_steps_on_an_ep_x_tp_grid_equal_one_process(name):
+    check(name, GRID, ep_and_tp, (S(0), B))
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+def test_bf16_autocast_with_experts_split_equals_one_process(name):
+    check(name, LINE, expert_parallel, S(0), autocast=True, tol=(2e-2, 2e-2))
+
+
+def _routed(name):
+    """Per MoE layer, the top-k expert indices of each token of one process's forward."""
+    model = made(name)
+    found = []
+    for module in model.modules():
+        if hasattr(module, "_is_expert_parallel"):
+            module.register_forward_pre_hook(lambda m, args: found.append(args[1].clone()))
+    model(IDS, labels=IDS)
+    return found
+
+
+def test_each_rank_sends_its_routed_rows_there_and_back_and_the_counts():
+    """comm_trace's rows of one forward, per MoE layer: the counts (to each other member a row
+    of the widest member's expert count plus the out-of-range count, int64), the rows of this
+    rank's pairs whose expert is another rank's (dispatch), and the result rows of the other
+    ranks' pairs that came here (combine): hidden float32 values each, nothing else."""
+    routed = _routed("qwen3_moe")
+    base = made("qwen3_moe")
+
+    def body(rank):
+        model = copy.deepcopy(base)
+        model.to_global(LINE, expert_parallel)
+        ids = gt.tensor(IDS, placement=LINE, sbp=S(0))
+        with gt.comm_trace() as trace:
+            model(ids, labels=ids)
+        return [(r.op, r.bytes_per_rank) for r in trace.records if r.kind == "expert exchange"]
+
+    tokens, row = IDS.numel() // 4, HIDDEN * 4
+    for rank, rows in enumerate(run_ranks(body, 4, timeout=TIMEOUT)):
+        want = []
+        for choices in routed:
+            owner = choices // 2  # experts 2r and 2r+1 are rank r's
+            source = torch.arange(IDS.numel()).unsqueeze(1).expand_as(choices) // tokens
+            there = int(((source == rank) & (owner != rank)).sum())
+            back = int(((source != rank) & (owner == rank)).sum())
+            want += [("experts counts (Qwen3MoeExperts)", 3 * 3 * 8),
+                     ("experts dispatch (Qwen3MoeExperts)", there * row),
+                     ("experts combine (Qwen3MoeExperts)", back * row)]
+        assert rows == want, rank
