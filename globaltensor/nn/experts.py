@@ -43,7 +43,7 @@ from ..layout import Layout
 from ..placement import Placement
 from ..runtime import wire
 from ..runtime.groups import group_along
-from ..sbp import Broadcast, Split, broadcast, replicated
+from ..sbp import Broadcast, Split, broadcast, partial_sum, replicated
 from ..tensor import FromLocal, GlobalTensor, as_global_grad, redistribute
 from ..world import world
 from ..world.simulated import simulated
@@ -195,6 +195,8 @@ def forward(module, plain_forward, plan: Plan, hidden, top_k_index, top_k_weight
     dtype = torch.promote_types(torch.promote_types(x.dtype, weights.dtype),
                                 module.down_proj.dtype)
     compute = _on_pieces if plan.shared is None else _on_shared
+    if plan.bounds[plan.me][0] == plan.bounds[plan.me][1]:  # an owner of no expert
+        compute = _no_experts
     out, sub_sbp = compute(module, plain_forward, plan, got.to(dtype), route.local_ids,
                            weights.dtype)
     back = wire.Why(why.label, f"experts combine ({name})", why.axis)
@@ -342,9 +344,25 @@ def _on_shared(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
     owner = _Owner(module, {**pieces, "num_experts": stop - start, "_is_expert_parallel": False})
     with GlobalMode(sub):
         out = _one_choice(module, plain_forward, owner, rows, ids, ones)
-    sbp = tuple(broadcast if v == Split(0) else v for v in out.sbp)
+    # one layout on every "ep" coordinate (their choices saw other row counts): partial sums,
+    # which any layout becomes without a message
+    sbp = _partial(plan)
     out = out if out.sbp == sbp else out.to_global(sbp=sbp)
     return out.to_local(), sbp
+
+
+def _partial(plan: Plan) -> tuple:
+    return tuple(partial_sum for _ in range(plan.placement.ndim - 1))
+
+
+def _no_experts(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
+    """An owner of no expert (fewer experts than ranks) receives no row and computes none;
+    its empty result still hangs from the rows and its (empty) pieces, as every owner's does,
+    so its backward runs the mirrors the other ranks run."""
+    sbp = replicated(plan.placement.ndim - 1) if plan.shared is None else _partial(plan)
+    linked = sum((p.to_local().sum() * 0 for p in module.parameters(recurse=False)
+                  if p.requires_grad), rows.new_zeros(()))
+    return rows * 0 + linked, sbp
 
 
 def _restricted(p: GlobalTensor, plan: Plan, sub: Placement) -> Layout:

@@ -17,7 +17,7 @@ transformers = pytest.importorskip(
     "transformers", reason="HF transformers is a test dependency (pip install -e '.[test]')")
 
 S, B = gt.sbp.split, gt.sbp.broadcast
-TIMEOUT = 300
+TIMEOUT = 120
 VOCAB, HIDDEN = 64, 32
 IDS = torch.randint(0, VOCAB, (4, 8), generator=torch.Generator().manual_seed(1))
 LINE = gt.placement("cpu", [0, 1, 2, 3], axes=("ep",))
@@ -181,3 +181,85 @@ def test_each_rank_sends_its_routed_rows_there_and_back_and_the_counts():
                      ("experts dispatch (Qwen3MoeExperts)", there * row),
                      ("experts combine (Qwen3MoeExperts)", back * row)]
         assert rows == want, rank
+
+
+def _experts(num_experts: int):
+    """HF's Qwen3-MoE experts module alone (as transformers builds it), initialised."""
+    config = transformers.Qwen3MoeConfig(hidden_size=HIDDEN, moe_intermediate_size=16,
+                                         num_experts=num_experts, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    module = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+    return module
+
+
+def _call(module, index, placement=LINE):
+    """The module on 12 tokens split over the placement (uneven: 3 per rank), the given
+    top-2 choices; the output, the hidden states' and the weights' gradients."""
+    g = torch.Generator().manual_seed(1)
+    hidden = torch.randn(12, HIDDEN, generator=g)
+    weights = torch.rand(12, 2, generator=g)
+    if isinstance(module.down_proj, gt.GlobalTensor):
+        hidden, index, weights = (gt.tensor(t, placement=placement, sbp=S(0))
+                                  for t in (hidden, index, weights))
+    hidden.requires_grad_(True)
+    weights.requires_grad_(True)
+    out = module(hidden, index, weights)
+    out.pow(2).sum().backward()
+    grads = [full(hidden.grad), full(weights.grad)] + [full(p.grad) for p in module.parameters()]
+    return full(out.detach()), grads
+
+
+@pytest.mark.parametrize("method", ["all_to_all", "all_reduce"])
+@pytest.mark.parametrize("experts,choices", [
+    (6, "spread"),      # 6 experts over 4 ranks: 2, 2, 1, 1 (the uneven rule)
+    (8, "two"),         # every token picks experts 0 and 1: ranks 1-3 receive nothing
+    (3, "spread"),      # fewer experts than ranks: rank 3 owns none
+], ids=["uneven", "idle-owners", "fewer-than-ranks"])
+def test_uneven_experts_and_idle_owners_equal_one_process(experts, choices, method):
+    g = torch.Generator().manual_seed(2)
+    if choices == "two":
+        index = torch.tensor([[0, 1]] * 12)
+    else:
+        index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(12)])
+    module = _experts(experts)
+    want, want_grads = _call(copy.deepcopy(module), index)
+
+    def body(rank):
+        before = gt.set_experts_method(method)
+        try:
+            mine = copy.deepcopy(module).to_global(LINE, lambda n, t: S(0))
+            with gt.comm_trace() as trace:
+                out, grads = _call(mine, index)
+            return out, grads, trace.counts()
+        finally:
+            gt.set_experts_method(before)
+
+    for out, grads, counts in run_ranks(body, 4, timeout=TIMEOUT):
+        torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
+        for got, expected in zip(grads, want_grads):
+            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        # forward: counts, dispatch, combine; backward: combine's and dispatch's mirrors
+        assert (counts.get("all_to_all", 0) == 5) == (method == "all_to_all"), counts
+
+
+@pytest.mark.parametrize("bad", [8, -1])
+def test_an_expert_index_out_of_range_is_a_clear_error_on_every_rank(bad):
+    """One rank's router gives an index outside [0, num_experts): every rank of the axis
+    raises the same GlobalTensorError (the count travels with the counts), none hangs."""
+    index = torch.tensor([[0, 1]] * 12)
+    index[7, 1] = bad  # token 7: rank 2's
+    module = _experts(8)
+
+    def body(rank):
+        mine = copy.deepcopy(module).to_global(LINE, lambda n, t: S(0))
+        with pytest.raises(gt.GlobalTensorError) as error:
+            _call(mine, index)
+        return str(error.value)
+
+    for message in run_ranks(body, 4, timeout=TIMEOUT):
+        assert "expected every top_k_index entry in [0, 8)" in message
+        assert "found 1 out of range, on ranks [2]" in message
