@@ -229,16 +229,17 @@ def test_uneven_experts_and_idle_owners_equal_one_process(experts, choices, meth
     want, want_grads = _call(copy.deepcopy(module), index)
 
     def body(rank):
-        before = gt.set_experts_method(method)
-        try:
-            mine = copy.deepcopy(module).to_global(LINE, lambda n, t: S(0))
-            with gt.comm_trace() as trace:
-                out, grads = _call(mine, index)
-            return out, grads, trace.counts()
-        finally:
-            gt.set_experts_method(before)
+        mine = copy.deepcopy(module).to_global(LINE, lambda n, t: S(0))
+        with gt.comm_trace() as trace:
+            out, grads = _call(mine, index)
+        return out, grads, trace.counts()
 
-    for out, grads, counts in run_ranks(body, 4, timeout=TIMEOUT):
+    before = gt.set_experts_method(method)  # the process's setting: every thread-rank's
+    try:
+        results = run_ranks(body, 4, timeout=TIMEOUT)
+    finally:
+        gt.set_experts_method(before)
+    for out, grads, counts in results:
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
         for got, expected in zip(grads, want_grads):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
