@@ -46,7 +46,6 @@ from ..runtime.groups import group_along
 from ..sbp import Broadcast, Split, broadcast, partial_sum, replicated
 from ..tensor import FromLocal, GlobalTensor, as_global_grad, redistribute
 from ..world import world
-from ..world.simulated import simulated
 
 __all__ = ["install", "set_experts_method", "METHODS"]
 
@@ -109,8 +108,10 @@ def _dispatching(cls: type) -> type:
 class Plan:
     """How one call dispatches: the placement, the "ep" axis, this rank's group along it (its
     ranks ascending: the group's own order), each member's experts ``[start, stop)``, the
-    tokens' sbp, and the placement of the ranks sharing this rank's "ep" coordinate (None when
-    the experts are whole on every other axis: the owners compute on plain pieces)."""
+    tokens' sbp, the result's (partial sums on the other axes where the owners' experts are
+    split there), and the placement of the ranks sharing this rank's "ep" coordinate (None
+    when the experts are whole on every other axis: the owners compute on plain pieces). A
+    rank outside the placement has no group, no members."""
 
     placement: Placement
     axis: int
@@ -118,6 +119,7 @@ class Plan:
     members: tuple
     bounds: tuple
     token_sbp: tuple
+    out_sbp: tuple
     shared: Placement | None
 
     @property
@@ -131,7 +133,7 @@ def plan_for(module, hidden, top_k_index) -> Plan | None:
     if _METHOD[0] != "all_to_all" or not isinstance(hidden, GlobalTensor) or hidden.dim() != 2:
         return None
     placement = hidden.placement
-    if (placement.ranks.size != world.get_world_size() or not isinstance(top_k_index, GlobalTensor)
+    if (not isinstance(top_k_index, GlobalTensor)
             or any(True for _ in module.children() if any(True for _ in _.parameters()))):
         return None
     stacked = _stacked(module)
@@ -140,16 +142,19 @@ def plan_for(module, hidden, top_k_index) -> Plan | None:
     axis = _expert_axis(stacked, placement)
     if axis is None or placement.hierarchy[axis] == 1:
         return None
-    token_sbp = tuple(Split(0) if a == axis else broadcast for a in range(placement.ndim))
+    whole = all(isinstance(v, Broadcast) for t in stacked
+                for a, v in enumerate(t.sbp) if a != axis)
+    token_sbp, out_sbp = ((tuple(Split(0) if a == axis else other for a in range(placement.ndim)))
+                          for other in (broadcast, broadcast if whole else partial_sum))
     coord = placement.coord_of(world.get_rank())
+    if coord is None:
+        return Plan(placement, axis, None, (), (), token_sbp, out_sbp, None)
     group, ranks = group_along(placement, axis, coord)
     members = tuple(sorted(ranks))
     layout = stacked[0]._layout
     bounds = tuple(layout.box(placement.coord_of(r))[0] for r in members)
-    whole = all(isinstance(v, Broadcast) for t in stacked
-                for a, v in enumerate(t.sbp) if a != axis)
     shared = None if whole else _shared(placement, axis, coord)
-    return Plan(placement, axis, group, members, bounds, token_sbp, shared)
+    return Plan(placement, axis, group, members, bounds, token_sbp, out_sbp, shared)
 
 
 def _stacked(module) -> list:
@@ -185,6 +190,9 @@ def forward(module, plain_forward, plan: Plan, hidden, top_k_index, top_k_weight
     hidden, top_k_index, top_k_weights = (_laid_out(t, plan.token_sbp)
                                           for t in (hidden, top_k_index, top_k_weights))
     x, ids, weights = hidden.to_local(), top_k_index.to_local(), top_k_weights.to_local()
+    layout = Layout(plan.placement, plan.out_sbp, tuple(hidden.shape))
+    if not plan.members:  # a rank outside the placement: an empty piece, nothing sent
+        return FromLocal.apply(x * 0, layout, None)
     k = ids.shape[-1] if ids.dim() == 2 else 1
     name = type(module).__name__
     why = wire.Why("expert dispatch", f"experts dispatch ({name})",
@@ -197,15 +205,12 @@ def forward(module, plain_forward, plan: Plan, hidden, top_k_index, top_k_weight
     compute = _on_pieces if plan.shared is None else _on_shared
     if plan.bounds[plan.me][0] == plan.bounds[plan.me][1]:  # an owner of no expert
         compute = _no_experts
-    out, sub_sbp = compute(module, plain_forward, plan, got.to(dtype), route.local_ids,
-                           weights.dtype)
+    out = compute(module, plain_forward, plan, got.to(dtype), route.local_ids, weights.dtype)
     back = wire.Why(why.label, f"experts combine ({name})", why.axis)
     returned = _AllToAll.apply(out, route.recv, route.send, plan, back)
     mine = returned[route.inverse] * weights.reshape(-1, 1)
     y = mine.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
-    sbp = tuple(Split(0) if a == plan.axis else sub_sbp[a - (a > plan.axis)]
-                for a in range(plan.placement.ndim))
-    return FromLocal.apply(y, Layout(plan.placement, sbp, tuple(hidden.shape)), None)
+    return FromLocal.apply(y, layout, None)
 
 
 def _laid_out(t, sbp) -> GlobalTensor:
@@ -323,8 +328,7 @@ def _on_pieces(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
                             "num_experts": stop - start, "_is_expert_parallel": False})
     ones = torch.ones((rows.shape[0], 1), dtype=wdtype, device=rows.device)
     with _plain_torch():
-        out = _one_choice(module, plain_forward, owner, rows, local_ids, ones)
-    return out, replicated(plan.placement.ndim - 1)
+        return _one_choice(module, plain_forward, owner, rows, local_ids, ones)
 
 
 def _on_shared(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
@@ -346,23 +350,17 @@ def _on_shared(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
         out = _one_choice(module, plain_forward, owner, rows, ids, ones)
     # one layout on every "ep" coordinate (their choices saw other row counts): partial sums,
     # which any layout becomes without a message
-    sbp = _partial(plan)
-    out = out if out.sbp == sbp else out.to_global(sbp=sbp)
-    return out.to_local(), sbp
-
-
-def _partial(plan: Plan) -> tuple:
-    return tuple(partial_sum for _ in range(plan.placement.ndim - 1))
+    sbp = tuple(v for a, v in enumerate(plan.out_sbp) if a != plan.axis)
+    return (out if out.sbp == sbp else out.to_global(sbp=sbp)).to_local()
 
 
 def _no_experts(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
     """An owner of no expert (fewer experts than ranks) receives no row and computes none;
     its empty result still hangs from the rows and its (empty) pieces, as every owner's does,
     so its backward runs the mirrors the other ranks run."""
-    sbp = replicated(plan.placement.ndim - 1) if plan.shared is None else _partial(plan)
     linked = sum((p.to_local().sum() * 0 for p in module.parameters(recurse=False)
                   if p.requires_grad), rows.new_zeros(()))
-    return rows * 0 + linked, sbp
+    return rows * 0 + linked
 
 
 def _restricted(p: GlobalTensor, plan: Plan, sub: Placement) -> Layout:

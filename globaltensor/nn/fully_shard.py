@@ -163,13 +163,16 @@ def _checked_axis(placement: Placement, axis) -> int:
         raise GlobalTensorError(f"fully_shard: axis={axis!r}: {e}") from None
 
 
-def _own_parameters(module):
-    """(module, name, qualified name, parameter) of ``module``'s tree, but not below a unit."""
+def _own_parameters(module, placement: Placement, axis: int):
+    """(module, name, qualified name, parameter) of ``module``'s tree, but not below a unit,
+    and not those split on ``axis`` already (their layout is the user's: experts split on the
+    axis that fully_shard shards the rest over, as torchtitan lays out expert parallelism; each
+    rank keeps its piece, no gather)."""
     out = []
 
     def visit(sub, prefix):
         for name, value in sub._parameters.items():
-            if value is not None:
+            if value is not None and not _split_on(value, placement, axis):
                 out.append((sub, name, join_name(prefix, name), value))
         for child_name, child in sub._modules.items():
             if child is not None and UNIT not in child.__dict__:
@@ -178,10 +181,15 @@ def _own_parameters(module):
     return out
 
 
+def _split_on(value, placement: Placement, axis: int) -> bool:
+    return (isinstance(value, GlobalTensor) and value.placement == placement
+            and isinstance(value.sbp[axis], Split))
+
+
 def _shard_parameters(module, placement: Placement, axis: int, shard_dim) -> list[ShardedParam]:
     by_id: dict[int, ShardedParam] = {}
     order = []
-    for sub, name, qualified, value in _own_parameters(module):
+    for sub, name, qualified, value in _own_parameters(module, placement, axis):
         if id(value) in by_id:  # a shared parameter: one gather, every place it appears
             by_id[id(value)].places.append((sub, name))
             continue

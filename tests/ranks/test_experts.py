@@ -264,3 +264,108 @@ def test_an_expert_index_out_of_range_is_a_clear_error_on_every_rank(bad):
     for message in run_ranks(body, 4, timeout=TIMEOUT):
         assert "expected every top_k_index entry in [0, 8)" in message
         assert "found 1 out of range, on ranks [2]" in message
+
+
+def test_experts_on_ep_and_fully_shard_of_the_rest_over_the_same_ranks():
+    """torchtitan's EP x data: the experts split on "ep", every other weight fully_shard over
+    the same four ranks (fully_shard leaves a parameter split on its axis as it is): three AdamW
+    steps equal one process, and every MoE layer dispatched (5 all-to-alls a layer a step)."""
+    reference = made("qwen3_moe")
+    base = copy.deepcopy(reference)
+    want, _ = steps(reference, IDS)
+    want_params = dict(reference.named_parameters())
+
+    def body(rank):
+        model = copy.deepcopy(base)
+        model.to_global(LINE, expert_parallel)
+        for layer in model.model.layers:
+            gt.nn.fully_shard(layer, LINE)
+        gt.nn.fully_shard(model, LINE)
+        ids = gt.tensor(IDS, placement=LINE, sbp=S(0))
+        with gt.comm_trace() as trace:
+            losses, _ = steps(model, ids)
+        return losses, {k: full(p.detach()) for k, p in model.named_parameters()}, trace.counts()
+
+    for losses, params, counts in run_ranks(body, 4, timeout=TIMEOUT):
+        assert losses == [pytest.approx(w, rel=1e-5) for w in want]
+        for k, p in params.items():
+            torch.testing.assert_close(p, want_params[k].detach(), rtol=1e-3, atol=1e-4)
+        assert counts["all_to_all"] == 3 * 2 * 5
+        assert counts["reduce_scatter"] > 0  # the rest is sharded
+
+
+def test_a_pipeline_stage_of_moe_blocks_dispatches_on_its_own_ranks():
+    """Two stages on [0, 1] and [2, 3], each with HF's Qwen3-MoE sparse block (router and 8
+    experts split over the stage's two ranks, the micro-batch's tokens split alike), 1F1B over
+    2 micro-batches: three AdamW steps, the losses of one process."""
+    import torch.nn as nn
+    import torch.nn.functional as F
+    block = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock
+    config = made("qwen3_moe").config
+    torch.manual_seed(0)
+    stages = [nn.Sequential(nn.Linear(8, HIDDEN), block(config)),
+              nn.Sequential(block(config), nn.Linear(HIDDEN, 8))]
+    for stage in stages:
+        with torch.no_grad():
+            for p in stage.parameters():
+                p.normal_(0, 0.3)
+    x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
+    ref = copy.deepcopy(stages)
+    opt, want = torch.optim.AdamW([p for s in ref for p in s.parameters()], lr=0.01), []
+    for _ in range(3):
+        opt.zero_grad()
+        loss = sum(F.mse_loss(ref[1](ref[0](x[i:i + 2])), y[i:i + 2]) for i in (0, 2)) / 2
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+
+    def body(rank):
+        first, second = copy.deepcopy(stages)
+        left, right = gt.placement("cpu", [0, 1]), gt.placement("cpu", [2, 3])
+        first.to_global(left, expert_parallel)
+        second.to_global(right, expert_parallel)
+        pipe = gt.nn.Pipeline([first, second], microbatches=2, schedule="1f1b")
+        opt = torch.optim.AdamW(list(pipe.parameters()), lr=0.01)
+        gx = gt.tensor(x, placement=left, sbp=S(0))
+        gy = gt.tensor(y, placement=right, sbp=S(0))
+        got = []
+        with gt.comm_trace() as trace:
+            for _ in range(3):
+                opt.zero_grad()
+                got.append(pipe.step(gx, target=gy, loss_fn=F.mse_loss))
+                opt.step()
+        return got, trace.counts().get("all_to_all", 0)
+
+    for got, exchanges in run_ranks(body, 4, timeout=TIMEOUT):
+        assert got == pytest.approx(want, rel=1e-5)
+        assert exchanges == 3 * 2 * 5  # its stage's block: 2 micro-batches a step
+
+
+def test_gt_simulate_counts_the_dispatch_of_an_even_router():
+    """gt.simulate of a Qwen3-MoE step with the experts split: the collectives of the real run
+    on every rank, and all_to_all bytes of a router spreading each rank's 16 pairs evenly (4
+    to each member: 12 rows of 32 float32 away), where the real run sends its routed rows."""
+    config = made("qwen3_moe").config
+
+    def job():
+        gt.init()
+        torch.manual_seed(0)
+        model = transformers.Qwen3MoeForCausalLM(config)
+        model.to_global(LINE, expert_parallel)
+        ids = gt.randint(0, VOCAB, (4, 8), placement=LINE, sbp=S(0))
+        model(ids, labels=ids).loss.backward()
+
+    def body(rank):
+        with gt.comm_trace() as trace:
+            job()
+        return trace.counts()
+
+    real = run_ranks(body, 4, timeout=TIMEOUT)
+    with gt.simulate(4) as sim:
+        job()
+    rows = 12 * HIDDEN * 4
+    counts = 3 * 3 * 8
+    per_layer = counts + 2 * rows + 2 * rows  # forward there and back, and their mirrors
+    for rank, got in enumerate(real):
+        assert sim.collectives(rank) == got, rank
+        assert sim.comm_bytes(rank)["all_to_all"] == 2 * per_layer, rank
