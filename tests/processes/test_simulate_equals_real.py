@@ -10,7 +10,8 @@ The programs are ordinary ones, written as a user writes them: a small transform
 SDPA and Megatron tensor parallelism through an sbp_fn on a 2x2 (dp, tp) grid and on an uneven
 2x3, two AdamW steps; HF Llama with TP x fully_shard on 2x2; a pipeline of two stages whose
 second is fully_shard'ed on its own sub-placement; the transformer over a split sequence with
-ring attention, plain and head-tail (its shifts run on the kernel's own thread).
+ring attention, plain and head-tail (its shifts run on the kernel's own thread); HF's experts
+split over 4 ranks, dispatching the rows of a router as even as gt.simulate assumes.
 """
 from __future__ import annotations
 
@@ -282,3 +283,39 @@ def test_ring_attention_over_a_split_sequence_simulates_as_it_runs(monkeypatch, 
     real = _compare(ring_job, (balance,), 4, monkeypatch, tracked_within=0.10,
                     allocator_within=None)
     assert real[0][0].get("send/recv", 0) >= 2 * 20  # two layers' rings, forward and backward
+
+
+def experts_job():
+    """HF's Qwen3-MoE experts module, its 8 experts split over 4 ranks, 32 tokens split alike;
+    a router that spreads each rank's 16 (token, choice) pairs evenly (4 to each owner: the
+    balance gt.simulate assumes); forward, backward, one AdamW step."""
+    import transformers
+
+    gt.init()
+    line = gt.placement("cpu", [0, 1, 2, 3], axes=("ep",))
+    config = transformers.Qwen3MoeConfig(hidden_size=32, moe_intermediate_size=16,
+                                         num_experts=8, num_experts_per_tok=2)
+    config._experts_implementation = "grouped_mm"
+    torch.manual_seed(0)
+    experts = transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeExperts(config)
+    experts.to_global(line, S(0))
+    with torch.no_grad():
+        for p in experts.parameters():
+            p.normal_(0, 0.2)
+    opt = torch.optim.AdamW(experts.parameters())
+    j = torch.arange(32) % 8
+    index = torch.stack([2 * (j % 4), 2 * ((j + 1) % 4) + 1], dim=1)
+    index = gt.tensor(index, placement=line, sbp=S(0))
+    hidden = gt.randn(32, 32, placement=line, sbp=S(0))
+    weights = gt.rand(32, 2, placement=line, sbp=S(0))
+    experts(hidden, index, weights).pow(2).mean().backward()
+    opt.step()
+    return experts, opt
+
+
+@pytest.mark.slow
+def test_expert_dispatch_of_an_even_router_simulates_as_it_runs(monkeypatch):
+    pytest.importorskip("transformers")
+    real = _compare(experts_job, (), 4, monkeypatch, tracked_within=0.10, allocator_within=None)
+    # counts, there, back, and back's mirror (the hidden states ask no gradient: no other)
+    assert real[0][0].get("all_to_all", 0) == 4
