@@ -120,11 +120,12 @@ def worker(local_rank, a):
     layers = {(e, k): layer_part(a, line, e, k) for e, k in ((8, 2), (64, 8))}
     titan = {}
     if a.titan:
-        sys.path.insert(0, a.titan)
-        from titan_ep import titan_moe_step_seconds
+        sys.path.insert(0, a.titan)  # torchtitan installed there (benchmarks/_titan_ep.py)
+        from _titan_ep import titan_moe_step_seconds
         for e, k in ((8, 2), (64, 8)):
             inter = a.hidden // 2 if e <= 8 else a.hidden // 8
-            titan[e, k] = titan_moe_step_seconds(a.hidden, inter, e, k, a.tokens // 4, a.steps)
+            titan[e, k] = titan_moe_step_seconds(a.hidden, inter, e, k, a.tokens // 4, a.steps,
+                                                 expert_dtype="fp32")
     losses, times = model_part(a, line)
     return layers, titan, losses, times
 
@@ -134,7 +135,8 @@ def main():
     p.add_argument("--tokens", type=int, default=4096)
     p.add_argument("--hidden", type=int, default=256)
     p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--titan", default="", help="a folder holding titan_ep.py (torchtitan's EP)")
+    p.add_argument("--titan", default="", help="a folder torchtitan 0.3 is installed in "
+                   "(benchmarks/_titan_ep.py says how): its EP MoE layer beside ours")
     a = p.parse_args()
     start = time.time()
     results = gt.spawn(worker, args=(a,), nproc_per_node=4, timeout=3600)

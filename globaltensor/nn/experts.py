@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -96,7 +97,9 @@ def _dispatching(cls: type) -> type:
             return cls.forward(self, hidden_states, top_k_index, top_k_weights, *args, **kwargs)
         return forward(self, cls.forward, plan, hidden_states, top_k_index, top_k_weights)
 
-    namespace = {"forward": forward_, "_gt_experts": True, "__module__": cls.__module__,
+    # under torch.compile the dispatch runs as Python (its counts are data: a graph ends
+    # before the experts and another starts after, as around fully_shard's hooks)
+    namespace = {"forward": torch.compiler.disable(forward_, recursive=True), "_gt_experts": True, "__module__": cls.__module__,
                  "__qualname__": cls.__qualname__,
                  "_gt_plain_class": cls.__dict__.get("_gt_plain_class", cls)}
     return type(cls.__name__, (cls,), namespace)
@@ -193,23 +196,25 @@ def forward(module, plain_forward, plan: Plan, hidden, top_k_index, top_k_weight
     layout = Layout(plan.placement, plan.out_sbp, tuple(hidden.shape))
     if not plan.members:  # a rank outside the placement: an empty piece, nothing sent
         return FromLocal.apply(x * 0, layout, None)
-    k = ids.shape[-1] if ids.dim() == 2 else 1
-    name = type(module).__name__
-    why = wire.Why("expert dispatch", f"experts dispatch ({name})",
-                   wire.axis_name(plan.placement, plan.axis))
-    route = _route(plan, ids.reshape(-1), module.num_experts, why)
-    rows = x[route.perm // k]
-    got = _AllToAll.apply(rows, route.send, route.recv, plan, why)
-    dtype = torch.promote_types(torch.promote_types(x.dtype, weights.dtype),
-                                module.down_proj.dtype)
-    compute = _on_pieces if plan.shared is None else _on_shared
-    if plan.bounds[plan.me][0] == plan.bounds[plan.me][1]:  # an owner of no expert
-        compute = _no_experts
-    out = compute(module, plain_forward, plan, got.to(dtype), route.local_ids, weights.dtype)
-    back = wire.Why(why.label, f"experts combine ({name})", why.axis)
-    returned = _AllToAll.apply(out, route.recv, route.send, plan, back)
-    mine = returned[route.inverse] * weights.reshape(-1, 1)
-    y = mine.view(x.shape[0], k, -1).sum(dim=1).to(x.dtype)
+    with _plain_torch():  # plain pieces: their factories stay plain
+        name = type(module).__name__
+        why = wire.Why("expert dispatch", f"experts dispatch ({name})",
+                       wire.axis_name(plan.placement, plan.axis))
+        route = _route(plan, ids.reshape(x.shape[0], -1), module.num_experts, why)
+        got = _AllToAll.apply(x[route.tokens], route.send, route.recv, plan, why)
+        pair_why = wire.Why(why.label, f"experts weights ({name})", why.axis)
+        w = _AllToAll.apply(weights.reshape(-1)[route.order], route.pairs_send, route.pairs_recv,
+                            plan, pair_why)
+        dtype = torch.promote_types(torch.promote_types(x.dtype, weights.dtype),
+                                    module.down_proj.dtype)
+        compute = _on_pieces if plan.shared is None else _on_shared
+        if plan.bounds[plan.me][0] == plan.bounds[plan.me][1]:  # an owner of no expert
+            compute = _no_experts
+        out = compute(module, plain_forward, plan, got.to(dtype), route, w)
+        back = wire.Why(why.label, f"experts combine ({name})", why.axis)
+        returned = _AllToAll.apply(out, route.recv, route.send, plan, back)
+        y = returned.new_zeros((x.shape[0], returned.shape[1]))
+        y = y.index_add(0, route.tokens, returned).to(x.dtype)
     return FromLocal.apply(y, layout, None)
 
 
@@ -224,47 +229,73 @@ def _laid_out(t, sbp) -> GlobalTensor:
 
 @dataclass
 class Route:
-    """This rank's pairs sorted by expert (``perm``) and back (``inverse``), the rows it sends
-    to each member and receives from each, and the local expert of each row received."""
+    """This rank's rows to send (``tokens``: a token once per member owning one of its choices,
+    in member order), its pairs in the order they are sent (``order``: by member, token,
+    choice), the rows and pairs it sends to and receives from each member, and of each pair
+    received its row among the rows received and its local expert."""
 
-    perm: torch.Tensor
-    inverse: torch.Tensor
+    tokens: torch.Tensor
+    order: torch.Tensor
     send: list
     recv: list
+    pairs_send: list
+    pairs_recv: list
+    row_of_pair: torch.Tensor
     local_ids: torch.Tensor
 
 
-def _route(plan: Plan, flat: torch.Tensor, experts: int, why) -> Route:
-    """Sort the pairs by expert and exchange the counts with the owners (step 1); in
-    gt.simulate (no values) the counts of an even spread."""
-    n = len(plan.members)
-    width = max(stop - start for start, stop in plan.bounds)
-    start, stop = plan.bounds[plan.me]
+def _route(plan: Plan, ids: torch.Tensor, experts: int, why) -> Route:
+    """Step 1: which rows and pairs go to which member, the counts exchanged with them (and
+    the pairs' rows and local experts sent); in gt.simulate (no values) those of a router
+    choosing uniformly (:func:`_even_route`)."""
+    n, (tokens, k) = len(plan.members), ids.shape
     counts_why = wire.Why(why.label, why.op.replace("dispatch", "counts"), why.axis)
-    if flat.is_meta:
-        perm = torch.empty_like(flat)
-        message = torch.empty((n, width + 1), dtype=torch.int64, device="meta")
-        _send_rows(message, [1] * n, [1] * n, plan, counts_why)
-        total = flat.numel()
-        spread = [total // n + (g < total % n) for g in range(n)]
-        local = torch.empty(sum(spread), dtype=torch.int64, device="meta")
-        return Route(perm, torch.empty_like(perm), spread, spread, local)
-    perm = torch.sort(flat, stable=True).indices
-    inverse = torch.empty_like(perm)
-    inverse[perm] = torch.arange(perm.numel(), device=perm.device)
-    bad = int(((flat < 0) | (flat >= experts)).sum())
-    counts = torch.bincount(flat.clamp(0, experts - 1), minlength=experts).cpu()
-    message = torch.zeros((n, width + 1), dtype=torch.int64)
-    for g, (a, b) in enumerate(plan.bounds):
-        message[g, :b - a] = counts[a:b]
-    message[:, width] = bad
+    if ids.is_meta:
+        return _even_route(plan, tokens, k, experts, counts_why)
+    owner_of = torch.repeat_interleave(torch.arange(n), torch.tensor(
+        [b - a for a, b in plan.bounds])).to(ids.device)
+    bad = int(((ids < 0) | (ids >= experts)).sum())
+    clamped = ids.clamp(0, experts - 1)
+    owner = owner_of[clamped]  # (tokens, k)
+    held = torch.zeros((n, tokens), dtype=torch.bool, device=ids.device)
+    held[owner, torch.arange(tokens, device=ids.device).unsqueeze(1).expand_as(owner)] = True
+    send = held.sum(dim=1)
+    position = (held.reshape(-1).cumsum(0) - 1).view(n, tokens)  # each sent row's place
+    start = torch.cumsum(send, 0) - send
+    order = torch.sort(owner.reshape(-1), stable=True).indices  # by member, token, choice
+    token_of = torch.arange(tokens * k, device=ids.device) // k
+    rows = (position[owner.reshape(-1), token_of] - start[owner.reshape(-1)])[order]
+    starts = torch.tensor([a for a, _ in plan.bounds], device=ids.device)
+    local = (clamped.reshape(-1) - starts[owner.reshape(-1)])[order]
+    pairs = torch.bincount(owner.reshape(-1), minlength=n)
+    message = torch.stack([send.cpu(), pairs.cpu(), torch.full((n,), bad)], dim=1)
     table = _send_rows(message, [1] * n, [1] * n, plan, counts_why)
-    _check_indices(table[:, width], plan, experts)
-    received = table[:, :stop - start]
-    local = torch.arange(stop - start).repeat(n)
-    local_ids = torch.repeat_interleave(local, received.reshape(-1)).to(flat.device)
-    send = [int(counts[a:b].sum()) for a, b in plan.bounds]
-    return Route(perm, inverse, send, received.sum(dim=1).tolist(), local_ids)
+    _check_indices(table[:, 2], plan, experts)
+    width = max(b - a for a, b in plan.bounds)
+    meta = _send_rows(rows * width + local, pairs.tolist(), table[:, 1].tolist(), plan,
+                      wire.Why(why.label, why.op.replace("dispatch", "pairs"), why.axis))
+    recv = table[:, 0].tolist()
+    first = torch.repeat_interleave(torch.cumsum(table[:, 0], 0) - table[:, 0], table[:, 1])
+    return Route(held.nonzero()[:, 1], order, send.tolist(), recv, pairs.tolist(),
+                 table[:, 1].tolist(), first.to(ids.device) + meta // width, meta % width)
+
+
+def _even_route(plan: Plan, tokens: int, k: int, experts: int, why) -> Route:
+    """gt.simulate's route (meta tensors): a router choosing each token's k experts uniformly.
+    Each member gets an even share of the pairs, and as rows the tokens expected to have a
+    choice among its m experts: ``tokens * (1 - C(E - m, k) / C(E, k))``, rounded; every
+    member receives what it sends (the same spread on every rank)."""
+    n = len(plan.members)
+    meta = torch.empty((n, 3), dtype=torch.int64, device="meta")
+    _send_rows(meta, [1] * n, [1] * n, plan, why)
+    total = tokens * k
+    pairs = [total // n + (g < total % n) for g in range(n)]
+    rows = [round(tokens * (1 - math.comb(experts - (b - a), k) / math.comb(experts, k)))
+            for a, b in plan.bounds]
+    _send_rows(torch.empty(total, dtype=torch.int64, device="meta"), pairs, pairs, plan, why)
+    empty = lambda size: torch.empty(size, dtype=torch.int64, device="meta")  # noqa: E731
+    return Route(empty(sum(rows)), empty(total), rows, rows, pairs, pairs, empty(total),
+                 empty(total))
 
 
 def _check_indices(bad: torch.Tensor, plan: Plan, experts: int) -> None:
@@ -316,22 +347,38 @@ class _Owner:
         return getattr(self.__dict__["_gt_module"], name)
 
 
-def _one_choice(module, plain_forward, owner, rows, local_ids, ones):
-    """transformers' experts implementation on the owner's rows, one choice per row."""
-    return plain_forward(owner, rows, local_ids.view(-1, 1), ones)
+def _weighed(plain_forward, owner, rows, route: Route, w, ones):
+    """transformers' experts implementation on the owner's pairs (each pair's row, one choice
+    per row), weighed by the router and summed per row received."""
+    y = plain_forward(owner, rows[route_rows(route, rows)], _ids(route, rows).view(-1, 1), ones)
+    y = y * w.unsqueeze(-1)
+    return y.new_zeros((rows.shape[0], y.shape[1])).index_add(0, route_rows(route, rows), y)
 
 
-def _on_pieces(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
+def route_rows(route: Route, like):
+    return route.row_of_pair if not isinstance(like, GlobalTensor) else _global(route.row_of_pair, like)
+
+
+def _ids(route: Route, like):
+    return route.local_ids if not isinstance(like, GlobalTensor) else _global(route.local_ids, like)
+
+
+def _global(t: torch.Tensor, like: GlobalTensor) -> GlobalTensor:
+    """An integer tensor every rank of ``like``'s placement holds alike, as a broadcast one."""
+    return GlobalTensor._make(t, Layout(like.placement, like.sbp, tuple(t.shape)))
+
+
+def _on_pieces(module, plain_forward, plan: Plan, rows, route: Route, w):
     """The owner's experts whole on the other axes: a computation on plain pieces."""
     start, stop = plan.bounds[plan.me]
     owner = _Owner(module, {**{n: p.to_local() for n, p in module.named_parameters(recurse=False)},
                             "num_experts": stop - start, "_is_expert_parallel": False})
-    ones = torch.ones((rows.shape[0], 1), dtype=wdtype, device=rows.device)
+    ones = torch.ones((w.shape[0], 1), dtype=w.dtype, device=rows.device)
     with _plain_torch():
-        return _one_choice(module, plain_forward, owner, rows, local_ids, ones)
+        return _weighed(plain_forward, owner, rows, route, w, ones)
 
 
-def _on_shared(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
+def _on_shared(module, plain_forward, plan: Plan, rows, route: Route, w):
     """The owner's experts split on the other axes: the computation on global tensors on the
     ranks that share this "ep" coordinate (their rows are the same)."""
     from ..mode.global_mode import GlobalMode
@@ -339,27 +386,26 @@ def _on_shared(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
     sub = plan.shared
     whole = replicated(sub.ndim)
     rows = FromLocal.apply(rows, Layout(sub, whole, tuple(rows.shape)), None)
-    ids = GlobalTensor._make(local_ids, Layout(sub, whole, tuple(local_ids.shape)))
-    ones = torch.ones((rows.shape[0], 1), dtype=wdtype, device=local_ids.device)
-    ones = GlobalTensor._make(ones, Layout(sub, whole, tuple(ones.shape)))
+    w = FromLocal.apply(w, Layout(sub, whole, tuple(w.shape)), None)
+    ones = _global(torch.ones((w.shape[0], 1), dtype=w.dtype, device=w._local.device), w)
     start, stop = plan.bounds[plan.me]
     pieces = {n: _Restrict.apply(p, _restricted(p, plan, sub))
               for n, p in module.named_parameters(recurse=False)}
     owner = _Owner(module, {**pieces, "num_experts": stop - start, "_is_expert_parallel": False})
     with GlobalMode(sub):
-        out = _one_choice(module, plain_forward, owner, rows, ids, ones)
+        out = _weighed(plain_forward, owner, rows, route, w, ones)
     # one layout on every "ep" coordinate (their choices saw other row counts): partial sums,
     # which any layout becomes without a message
     sbp = tuple(v for a, v in enumerate(plan.out_sbp) if a != plan.axis)
     return (out if out.sbp == sbp else out.to_global(sbp=sbp)).to_local()
 
 
-def _no_experts(module, plain_forward, plan: Plan, rows, local_ids, wdtype):
+def _no_experts(module, plain_forward, plan: Plan, rows, route: Route, w):
     """An owner of no expert (fewer experts than ranks) receives no row and computes none;
-    its empty result still hangs from the rows and its (empty) pieces, as every owner's does,
-    so its backward runs the mirrors the other ranks run."""
+    its empty result still hangs from the rows, the weights and its (empty) pieces, as every
+    owner's does, so its backward runs the mirrors the other ranks run."""
     linked = sum((p.to_local().sum() * 0 for p in module.parameters(recurse=False)
-                  if p.requires_grad), rows.new_zeros(()))
+                  if p.requires_grad), w.sum() * 0)
     return rows * 0 + linked
 
 

@@ -287,8 +287,9 @@ def test_ring_attention_over_a_split_sequence_simulates_as_it_runs(monkeypatch, 
 
 def experts_job():
     """HF's Qwen3-MoE experts module, its 8 experts split over 4 ranks, 32 tokens split alike;
-    a router that spreads each rank's 16 (token, choice) pairs evenly (4 to each owner: the
-    balance gt.simulate assumes); forward, backward, one AdamW step."""
+    a router whose counts are those gt.simulate takes for a uniform one: each rank's 16
+    (token, choice) pairs 4 to each owner, 4 of its 8 tokens to each; forward, backward, one
+    AdamW step."""
     import transformers
 
     gt.init()
@@ -317,5 +318,6 @@ def experts_job():
 def test_expert_dispatch_of_an_even_router_simulates_as_it_runs(monkeypatch):
     pytest.importorskip("transformers")
     real = _compare(experts_job, (), 4, monkeypatch, tracked_within=0.10, allocator_within=None)
-    # counts, there, back, and back's mirror (the hidden states ask no gradient: no other)
-    assert real[0][0].get("all_to_all", 0) == 4
+    # counts, pairs, rows, weights, results, and the results' mirror (the hidden states and
+    # the router's weights ask no gradient here)
+    assert real[0][0].get("all_to_all", 0) == 6

@@ -154,10 +154,11 @@ def _routed(name):
 
 
 def test_each_rank_sends_its_routed_rows_there_and_back_and_the_counts():
-    """comm_trace's rows of one forward, per MoE layer: the counts (to each other member a row
-    of the widest member's expert count plus the out-of-range count, int64), the rows of this
-    rank's pairs whose expert is another rank's (dispatch), and the result rows of the other
-    ranks' pairs that came here (combine): hidden float32 values each, nothing else."""
+    """comm_trace's rows of one forward, per MoE layer: the counts (to each other member its
+    rows, its pairs and the out-of-range count: three int64), each pair's row and local expert
+    (one int64), the hidden states of each token once per other member owning one of its
+    choices (dispatch), the pairs' router weights (float32), and the result rows of the
+    other ranks' tokens that came here (combine): nothing else."""
     routed = _routed("qwen3_moe")
     base = made("qwen3_moe")
 
@@ -174,11 +175,16 @@ def test_each_rank_sends_its_routed_rows_there_and_back_and_the_counts():
         want = []
         for choices in routed:
             owner = choices // 2  # experts 2r and 2r+1 are rank r's
-            source = torch.arange(IDS.numel()).unsqueeze(1).expand_as(choices) // tokens
-            there = int(((source == rank) & (owner != rank)).sum())
-            back = int(((source != rank) & (owner == rank)).sum())
+            source = torch.arange(IDS.numel()) // tokens
+            held = torch.zeros(IDS.numel(), 4, dtype=torch.bool)
+            held[torch.arange(IDS.numel()).unsqueeze(1), owner] = True  # token t reaches g
+            pairs = int(((source.unsqueeze(1) == rank) & (owner != rank)).sum())
+            there = int(held[source == rank].sum() - held[source == rank, rank].sum())
+            back = int(held[source != rank, rank].sum())
             want += [("experts counts (Qwen3MoeExperts)", 3 * 3 * 8),
+                     ("experts pairs (Qwen3MoeExperts)", pairs * 8),
                      ("experts dispatch (Qwen3MoeExperts)", there * row),
+                     ("experts weights (Qwen3MoeExperts)", pairs * 4),
                      ("experts combine (Qwen3MoeExperts)", back * row)]
         assert rows == want, rank
 
@@ -243,8 +249,9 @@ def test_uneven_experts_and_idle_owners_equal_one_process(experts, choices, meth
         torch.testing.assert_close(out, want, rtol=1e-5, atol=1e-6)
         for got, expected in zip(grads, want_grads):
             torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
-        # forward: counts, dispatch, combine; backward: combine's and dispatch's mirrors
-        assert (counts.get("all_to_all", 0) == 5) == (method == "all_to_all"), counts
+        # forward: counts, pairs, rows, weights, results; backward: the mirrors of the three
+        # differentiable ones
+        assert (counts.get("all_to_all", 0) == 8) == (method == "all_to_all"), counts
 
 
 @pytest.mark.parametrize("bad", [8, -1])
@@ -269,7 +276,7 @@ def test_an_expert_index_out_of_range_is_a_clear_error_on_every_rank(bad):
 def test_experts_on_ep_and_fully_shard_of_the_rest_over_the_same_ranks():
     """torchtitan's EP x data: the experts split on "ep", every other weight fully_shard over
     the same four ranks (fully_shard leaves a parameter split on its axis as it is): three AdamW
-    steps equal one process, and every MoE layer dispatched (5 all-to-alls a layer a step)."""
+    steps equal one process, and every MoE layer dispatched (8 all-to-alls a layer a step)."""
     reference = made("qwen3_moe")
     base = copy.deepcopy(reference)
     want, _ = steps(reference, IDS)
@@ -290,7 +297,7 @@ def test_experts_on_ep_and_fully_shard_of_the_rest_over_the_same_ranks():
         assert losses == [pytest.approx(w, rel=1e-5) for w in want]
         for k, p in params.items():
             torch.testing.assert_close(p, want_params[k].detach(), rtol=1e-3, atol=1e-4)
-        assert counts["all_to_all"] == 3 * 2 * 5
+        assert counts["all_to_all"] == 3 * 2 * 8
         assert counts["reduce_scatter"] > 0  # the rest is sharded
 
 
@@ -338,13 +345,13 @@ def test_a_pipeline_stage_of_moe_blocks_dispatches_on_its_own_ranks():
 
     for got, exchanges in run_ranks(body, 4, timeout=TIMEOUT):
         assert got == pytest.approx(want, rel=1e-5)
-        assert exchanges == 3 * 2 * 5  # its stage's block: 2 micro-batches a step
+        assert exchanges == 3 * 2 * 8  # its stage's block: 2 micro-batches a step
 
 
 def test_gt_simulate_counts_the_dispatch_of_an_even_router():
     """gt.simulate of a Qwen3-MoE step with the experts split: the collectives of the real run
-    on every rank, and all_to_all bytes of a router spreading each rank's 16 pairs evenly (4
-    to each member: 12 rows of 32 float32 away), where the real run sends its routed rows."""
+    on every rank, and all_to_all bytes of a router choosing uniformly: each member gets 4 of
+    a rank's 16 pairs, and round(8 (1 - C(6, 2) / C(8, 2))) = 4 of its 8 tokens as rows."""
     config = made("qwen3_moe").config
 
     def job():
@@ -363,9 +370,11 @@ def test_gt_simulate_counts_the_dispatch_of_an_even_router():
     real = run_ranks(body, 4, timeout=TIMEOUT)
     with gt.simulate(4) as sim:
         job()
-    rows = 12 * HIDDEN * 4
+    rows, pairs = 12 * HIDDEN * 4, 12  # to the 3 other members
     counts = 3 * 3 * 8
-    per_layer = counts + 2 * rows + 2 * rows  # forward there and back, and their mirrors
+    # forward: counts, pairs (int64), rows, weights (float32), results; backward: the
+    # mirrors of the rows, the weights and the results
+    per_layer = counts + pairs * 8 + 2 * (rows + pairs * 4 + rows)
     for rank, got in enumerate(real):
         assert sim.collectives(rank) == got, rank
         assert sim.comm_bytes(rank)["all_to_all"] == 2 * per_layer, rank
