@@ -8,19 +8,21 @@ flattened. ``module.to_global`` gives such a module a class (:func:`install`) wh
 the stacked experts are split on a placement axis (``S(0)`` on "ep") and the tokens are split on
 the same axis, runs the routed computation as expert parallelism does:
 
-1. each rank counts its (token, choice) pairs per expert and the counts go to the experts'
-   owners (a small all-to-all; an expert index out of range travels with them, so every rank
-   of the axis raises the same error);
-2. the pairs' token rows, sorted by expert, go to the owners (an all-to-all-v of the counts);
+1. each rank tells each member of the axis the rows, the (token, choice) pairs and the
+   expert indices out of range it will send (a small all-to-all: every rank of the axis raises
+   the same error for a bad index);
+2. each pair's row and local expert go to its expert's owner, and each token's hidden state
+   goes once to each owner of one of its choices (DeepEP's dispatch to ranks, not experts),
+   with the pairs' router weights (all-to-all-v's of the counts);
 3. each owner runs transformers' own experts implementation (``config._experts_implementation``:
-   grouped_mm, eager, ...) on its experts and the rows it received, one choice per row;
-4. the result rows come back the same way, and each rank weighs them by the router's weights
-   and sums each token's choices (HF's own ``view(tokens, k, hidden).sum(1)``).
+   grouped_mm, eager, ...) on its experts' pieces and the pairs' rows, one choice per row, and
+   weighs and sums them per row received;
+4. the summed rows come back the same way and each rank adds them into its tokens.
 
-Backward is the mirror: the two all-to-alls are an autograd function whose backward is the other
-direction. Both go through the wire (``Why("expert dispatch")``): gt.comm_trace names them, and
-gt.simulate, where the router's choices are not known, counts them for a router that spreads
-each rank's pairs evenly over the axis's ranks (the balance a load-balancing loss aims at).
+Backward is the mirror: the rows', weights' and results' all-to-alls are an autograd function
+whose backward is the other direction. All go through the wire (``Why("expert dispatch")``):
+gt.comm_trace names them, and gt.simulate, where the router's choices are not known, counts
+them for a router that chooses uniformly (the balance a load-balancing loss aims at).
 
 On the other axes the tokens are whole (``B``). Where the experts are whole there too, each rank
 computes on plain pieces. Where their features are split (Megatron inside each expert: "tp"),
@@ -189,7 +191,7 @@ def _shared(placement: Placement, axis: int, coord) -> Placement:
 # --------------------------------------------------------------------------- the call
 
 def forward(module, plain_forward, plan: Plan, hidden, top_k_index, top_k_weights):
-    """The routed experts of this call by token dispatch (the module's docstring, steps 1-4)."""
+    """The routed experts of this call by token dispatch (the module's docstring, 1-4)."""
     hidden, top_k_index, top_k_weights = (_laid_out(t, plan.token_sbp)
                                           for t in (hidden, top_k_index, top_k_weights))
     x, ids, weights = hidden.to_local(), top_k_index.to_local(), top_k_weights.to_local()
@@ -249,9 +251,10 @@ def _route(plan: Plan, ids: torch.Tensor, experts: int, why) -> Route:
     the pairs' rows and local experts sent); in gt.simulate (no values) those of a router
     choosing uniformly (:func:`_even_route`)."""
     n, (tokens, k) = len(plan.members), ids.shape
-    counts_why = wire.Why(why.label, why.op.replace("dispatch", "counts"), why.axis)
+    counts_why, pairs_why = (wire.Why(why.label, why.op.replace("dispatch", what), why.axis)
+                             for what in ("counts", "pairs"))
     if ids.is_meta:
-        return _even_route(plan, tokens, k, experts, counts_why)
+        return _even_route(plan, tokens, k, experts, (counts_why, pairs_why))
     owner_of = torch.repeat_interleave(torch.arange(n), torch.tensor(
         [b - a for a, b in plan.bounds])).to(ids.device)
     bad = int(((ids < 0) | (ids >= experts)).sum())
@@ -273,26 +276,26 @@ def _route(plan: Plan, ids: torch.Tensor, experts: int, why) -> Route:
     _check_indices(table[:, 2], plan, experts)
     width = max(b - a for a, b in plan.bounds)
     meta = _send_rows(rows * width + local, pairs.tolist(), table[:, 1].tolist(), plan,
-                      wire.Why(why.label, why.op.replace("dispatch", "pairs"), why.axis))
+                      pairs_why)
     recv = table[:, 0].tolist()
     first = torch.repeat_interleave(torch.cumsum(table[:, 0], 0) - table[:, 0], table[:, 1])
     return Route(held.nonzero()[:, 1], order, send.tolist(), recv, pairs.tolist(),
                  table[:, 1].tolist(), first.to(ids.device) + meta // width, meta % width)
 
 
-def _even_route(plan: Plan, tokens: int, k: int, experts: int, why) -> Route:
+def _even_route(plan: Plan, tokens: int, k: int, experts: int, whys) -> Route:
     """gt.simulate's route (meta tensors): a router choosing each token's k experts uniformly.
     Each member gets an even share of the pairs, and as rows the tokens expected to have a
     choice among its m experts: ``tokens * (1 - C(E - m, k) / C(E, k))``, rounded; every
     member receives what it sends (the same spread on every rank)."""
     n = len(plan.members)
     meta = torch.empty((n, 3), dtype=torch.int64, device="meta")
-    _send_rows(meta, [1] * n, [1] * n, plan, why)
+    _send_rows(meta, [1] * n, [1] * n, plan, whys[0])
     total = tokens * k
     pairs = [total // n + (g < total % n) for g in range(n)]
     rows = [round(tokens * (1 - math.comb(experts - (b - a), k) / math.comb(experts, k)))
             for a, b in plan.bounds]
-    _send_rows(torch.empty(total, dtype=torch.int64, device="meta"), pairs, pairs, plan, why)
+    _send_rows(torch.empty(total, dtype=torch.int64, device="meta"), pairs, pairs, plan, whys[1])
     empty = lambda size: torch.empty(size, dtype=torch.int64, device="meta")  # noqa: E731
     return Route(empty(sum(rows)), empty(total), rows, rows, pairs, pairs, empty(total),
                  empty(total))
@@ -347,20 +350,12 @@ class _Owner:
         return getattr(self.__dict__["_gt_module"], name)
 
 
-def _weighed(plain_forward, owner, rows, route: Route, w, ones):
+def _weighed(plain_forward, owner, rows, row_of_pair, local_ids, w, ones):
     """transformers' experts implementation on the owner's pairs (each pair's row, one choice
     per row), weighed by the router and summed per row received."""
-    y = plain_forward(owner, rows[route_rows(route, rows)], _ids(route, rows).view(-1, 1), ones)
+    y = plain_forward(owner, rows[row_of_pair], local_ids.view(-1, 1), ones)
     y = y * w.unsqueeze(-1)
-    return y.new_zeros((rows.shape[0], y.shape[1])).index_add(0, route_rows(route, rows), y)
-
-
-def route_rows(route: Route, like):
-    return route.row_of_pair if not isinstance(like, GlobalTensor) else _global(route.row_of_pair, like)
-
-
-def _ids(route: Route, like):
-    return route.local_ids if not isinstance(like, GlobalTensor) else _global(route.local_ids, like)
+    return y.new_zeros((rows.shape[0], y.shape[1])).index_add(0, row_of_pair, y)
 
 
 def _global(t: torch.Tensor, like: GlobalTensor) -> GlobalTensor:
@@ -375,7 +370,7 @@ def _on_pieces(module, plain_forward, plan: Plan, rows, route: Route, w):
                             "num_experts": stop - start, "_is_expert_parallel": False})
     ones = torch.ones((w.shape[0], 1), dtype=w.dtype, device=rows.device)
     with _plain_torch():
-        return _weighed(plain_forward, owner, rows, route, w, ones)
+        return _weighed(plain_forward, owner, rows, route.row_of_pair, route.local_ids, w, ones)
 
 
 def _on_shared(module, plain_forward, plan: Plan, rows, route: Route, w):
@@ -393,7 +388,8 @@ def _on_shared(module, plain_forward, plan: Plan, rows, route: Route, w):
               for n, p in module.named_parameters(recurse=False)}
     owner = _Owner(module, {**pieces, "num_experts": stop - start, "_is_expert_parallel": False})
     with GlobalMode(sub):
-        out = _weighed(plain_forward, owner, rows, route, w, ones)
+        out = _weighed(plain_forward, owner, rows, _global(route.row_of_pair, w),
+                       _global(route.local_ids, w), w, ones)
     # one layout on every "ep" coordinate (their choices saw other row counts): partial sums,
     # which any layout becomes without a message
     sbp = tuple(v for a, v in enumerate(plan.out_sbp) if a != plan.axis)
