@@ -36,6 +36,23 @@ BEHAVE = str(SCRIPTS / "behave.py")
 # ----------------------------------------------------------------------------- values and pieces
 
 
+def two_stage_losses(stages, x, y, steps: int = 3) -> list[float]:
+    """One process's losses of ``steps`` AdamW steps (lr 0.01) of two stages over 2 equal
+    micro-batches of ``x`` and ``y`` (MSE, their mean): what gt.nn.Pipeline's 1F1B must give."""
+    import torch.nn.functional as F
+    ref = copy.deepcopy(stages)
+    opt, want = torch.optim.AdamW([p for s in ref for p in s.parameters()], lr=0.01), []
+    half = x.shape[0] // 2
+    for _ in range(steps):
+        opt.zero_grad()
+        loss = sum(F.mse_loss(ref[1](ref[0](x[i:i + half])), y[i:i + half])
+                   for i in (0, half)) / 2
+        loss.backward()
+        opt.step()
+        want.append(loss.item())
+    return want
+
+
 def gen(*shape, seed=0, dtype=torch.float64):
     """Normal random values of ``shape``, the same for the same seed."""
     g = torch.Generator().manual_seed(seed)

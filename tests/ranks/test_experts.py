@@ -12,6 +12,7 @@ import torch
 
 import globaltensor as gt
 from globaltensor.testing import run_ranks
+from helpers import two_stage_losses
 
 transformers = pytest.importorskip(
     "transformers", reason="HF transformers is a test dependency (pip install -e '.[test]')")
@@ -317,14 +318,7 @@ def test_a_pipeline_stage_of_moe_blocks_dispatches_on_its_own_ranks():
             for p in stage.parameters():
                 p.normal_(0, 0.3)
     x, y = torch.randn(4, 6, 8), torch.randn(4, 6, 8)
-    ref = copy.deepcopy(stages)
-    opt, want = torch.optim.AdamW([p for s in ref for p in s.parameters()], lr=0.01), []
-    for _ in range(3):
-        opt.zero_grad()
-        loss = sum(F.mse_loss(ref[1](ref[0](x[i:i + 2])), y[i:i + 2]) for i in (0, 2)) / 2
-        loss.backward()
-        opt.step()
-        want.append(loss.item())
+    want = two_stage_losses(stages, x, y)
 
     def body(rank):
         first, second = copy.deepcopy(stages)
