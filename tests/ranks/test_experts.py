@@ -1,6 +1,7 @@
 """Expert parallelism (issue 56; docs/experts.md): unmodified HF mixture-of-experts models
 (Qwen3-MoE, Mixtral, a DeepSeek-V3-style config with a shared expert and group-limited top-k
-routing; tiny configs, random init) whose stacked experts are split on the axis that splits the
+routing, Qwen2-MoE with a gated shared expert, top-4 and the aux loss; tiny configs, random
+init) whose stacked experts are split on the axis that splits the
 tokens dispatch the routed rows by all-to-all. Against one process: the loss, the router's aux
 loss, every gradient and three AdamW steps, on a line (ep=4) and on a 2x2 (ep, tp) grid (each
 expert's matrices split over "tp"); bf16 autocast; the bytes each rank sends are exactly its
@@ -49,7 +50,16 @@ def deepseek_v3(**extra):
         qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=8, **extra))
 
 
-MODELS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3}
+def qwen2_moe(**extra):
+    """Qwen2-MoE: 8 routed experts top-4 beside a gated shared expert, the aux loss on."""
+    return transformers.Qwen2MoeForCausalLM(transformers.Qwen2MoeConfig(
+        **SMALL, intermediate_size=64, moe_intermediate_size=16, num_key_value_heads=2,
+        shared_expert_intermediate_size=32, num_experts=8, num_experts_per_tok=4,
+        output_router_logits=True, **extra))
+
+
+MODELS = {"qwen3_moe": qwen3_moe, "mixtral": mixtral, "deepseek_v3": deepseek_v3,
+          "qwen2_moe": qwen2_moe}
 
 
 def made(name):
@@ -132,13 +142,14 @@ def test_three_adamw_steps_with_experts_split_over_4_ranks_equal_one_process(nam
     check(name, LINE, expert_parallel, S(0))
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("mixtral", marks=pytest.mark.slow),
-                                  pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["qwen3_moe", *(pytest.param(n, marks=pytest.mark.slow)
+                                                for n in ("mixtral", "deepseek_v3", "qwen2_moe"))])
 def test_three_adamw_steps_on_an_ep_x_tp_grid_equal_one_process(name):
     check(name, GRID, ep_and_tp, (S(0), B))
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", pytest.param("deepseek_v3", marks=pytest.mark.slow)])
+@pytest.mark.parametrize("name", ["qwen3_moe", *(pytest.param(n, marks=pytest.mark.slow)
+                                                for n in ("mixtral", "deepseek_v3", "qwen2_moe"))])
 def test_bf16_autocast_with_experts_split_equals_one_process(name):
     check(name, LINE, expert_parallel, S(0), autocast=True, tol=(2e-2, 2e-2))
 
