@@ -137,7 +137,8 @@ def check(name, placement, sbp_fn, ids_sbp, autocast=False, tol=(1e-4, 1e-5)):
     return want
 
 
-@pytest.mark.parametrize("name", list(MODELS))
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3", *(
+    pytest.param(n, marks=pytest.mark.slow) for n in ("mixtral", "qwen2_moe"))])
 def test_three_adamw_steps_with_experts_split_over_4_ranks_equal_one_process(name):
     check(name, LINE, expert_parallel, S(0))
 
@@ -383,3 +384,32 @@ def test_gt_simulate_counts_the_dispatch_of_an_even_router():
     for rank, got in enumerate(real):
         assert sim.collectives(rank) == got, rank
         assert sim.comm_bytes(rank)["all_to_all"] == 2 * per_layer, rank
+
+
+@pytest.mark.slow  # 9 s: a 1-rank and a 4-rank build and init
+def test_a_qwen3_moe_built_on_meta_with_its_experts_split_initialises_as_on_one_rank():
+    """The big-model flow with expert parallelism: build under torch.device("meta"), lay the
+    experts out on "ep", to_empty, init_weights(): the state is bitwise the one a 1-rank run
+    gives (layout-independent initialisation), and the loss, computed by dispatch, equals it."""
+    config = made("qwen3_moe").config
+
+    def body(rank, world):
+        with torch.device("meta"):
+            model = transformers.Qwen3MoeForCausalLM(config)
+        placement = gt.placement("cpu", list(range(world)), axes=("ep",))
+        model.to_global(placement, expert_parallel)
+        model.to_empty(device="cpu")
+        gt.manual_seed(0)
+        model.init_weights()
+        state = {k: full(v) for k, v in model.state_dict().items()}
+        ids = gt.tensor(IDS, placement=placement, sbp=S(0))
+        with gt.comm_trace() as trace:
+            loss = full(model(ids, labels=ids).loss).item()
+        return state, loss, trace.counts().get("all_to_all", 0)
+
+    one = run_ranks(body, 1, 1, timeout=TIMEOUT)[0]
+    for state, loss, exchanges in run_ranks(body, 4, 4, timeout=TIMEOUT):
+        assert state.keys() == one[0].keys()
+        assert all(torch.equal(state[k], one[0][k]) for k in state)
+        assert loss == pytest.approx(one[1], rel=1e-5)
+        assert exchanges == 2 * 5  # each layer's forward dispatch

@@ -68,7 +68,11 @@ def _sample(grid):
             yield call, layouts, itemsizes, (0,) if inplace else (), grads, free
 
 
-@pytest.mark.parametrize("grid", list(GRIDS))
+# the 3-D grid's exhaustive loops take seconds each: -m slow (the tolerance test below walks it)
+SLOW_3D = pytest.param("[2,2,2]", marks=pytest.mark.slow)
+
+
+@pytest.mark.parametrize("grid", [g for g in GRIDS if g != "[2,2,2]"] + [SLOW_3D])
 def test_choice_is_the_one_the_exhaustive_loop_picks(grid):
     # with no tolerance, the branch and bound must land on the exhaustive loop's very choice
     checked = 0
@@ -106,7 +110,7 @@ def test_choice_within_the_tolerance_costs_at_most_that_much_more():
     assert checked > 250 and same > 0.9 * checked and dearer > 0
 
 
-@pytest.mark.parametrize("grid", ["[2,2]", "[2,3]", "[2,2,2]"])
+@pytest.mark.parametrize("grid", ["[2,2]", "[2,3]", SLOW_3D])
 def test_the_candidate_table_holds_each_candidates_facts_and_a_bound_below_its_cost(grid):
     # candidates.Table works out every candidate's facts as arrays over the whole product; each
     # must equal what the candidate itself says (its results' partial sums, the inputs it

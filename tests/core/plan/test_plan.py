@@ -173,7 +173,8 @@ def test_no_plan_holds_the_full_tensor_unless_the_target_does(shape):
 
 @pytest.mark.parametrize("src_ranks, dst_ranks", [
     ([0, 1], None), ([0, 1, 2], None), ([[0, 1], [2, 3]], None), ([[0], [1]], None), ([0], None),
-    ([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], None), ([0], [0, 1, 2]), ([[0, 1], [2, 3]], [1, 2]),
+    pytest.param([[[0, 1], [2, 3]], [[4, 5], [6, 7]]], None, marks=pytest.mark.slow),  # 5 s
+    ([0], [0, 1, 2]), ([[0, 1], [2, 3]], [1, 2]),
     ([0, 1, 2, 3], [[0, 1], [2, 3]]), ([0, 1], [2, 3])])
 def test_a_route_without_a_full_copy_exists_whenever_the_target_is_not_full(src_ranks, dst_ranks):
     # the planner's search never queues a full intermediate when dst is not full: the lower
