@@ -216,11 +216,11 @@ def _experts(num_experts: int):
 
 
 def _call(module, index, placement=LINE):
-    """The module on 12 tokens split over the placement (uneven: 3 per rank), the given
+    """The module on 13 tokens split over the placement (uneven: 4, 3, 3, 3), the given
     top-2 choices; the output, the hidden states' and the weights' gradients."""
     g = torch.Generator().manual_seed(1)
-    hidden = torch.randn(12, HIDDEN, generator=g)
-    weights = torch.rand(12, 2, generator=g)
+    hidden = torch.randn(13, HIDDEN, generator=g)
+    weights = torch.rand(13, 2, generator=g)
     if isinstance(module.down_proj, gt.GlobalTensor):
         hidden, index, weights = (gt.tensor(t, placement=placement, sbp=S(0))
                                   for t in (hidden, index, weights))
@@ -241,9 +241,9 @@ def _call(module, index, placement=LINE):
 def test_uneven_experts_and_idle_owners_equal_one_process(experts, choices, method):
     g = torch.Generator().manual_seed(2)
     if choices == "two":
-        index = torch.tensor([[0, 1]] * 12)
+        index = torch.tensor([[0, 1]] * 13)
     else:
-        index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(12)])
+        index = torch.stack([torch.randperm(experts, generator=g)[:2] for _ in range(13)])
     module = _experts(experts)
     want, want_grads = _call(copy.deepcopy(module), index)
 
@@ -271,8 +271,8 @@ def test_uneven_experts_and_idle_owners_equal_one_process(experts, choices, meth
 def test_an_expert_index_out_of_range_is_a_clear_error_on_every_rank(bad):
     """One rank's router gives an index outside [0, num_experts): every rank of the axis
     raises the same GlobalTensorError (the count travels with the counts), none hangs."""
-    index = torch.tensor([[0, 1]] * 12)
-    index[7, 1] = bad  # token 7: rank 2's
+    index = torch.tensor([[0, 1]] * 13)
+    index[7, 1] = bad  # token 7: rank 2's (tokens 7-9)
     module = _experts(8)
 
     def body(rank):

@@ -265,7 +265,8 @@ def test_gt_simulate_counts_a_sequence_split_step_as_it_runs(balance, method):
 
 
 @pytest.mark.parametrize("balance", BALANCES)
-@pytest.mark.parametrize("family,method", [("llama", "auto"), ("gpt2", "auto"), ("llama", "ring")])
+@pytest.mark.parametrize("family,method", [("llama", "auto"), pytest.param(
+    "gpt2", "auto", marks=pytest.mark.slow), ("llama", "ring")])  # GPT-2: the suite's time
 def test_three_adamw_steps_over_1024_split_positions_equal_one_process(family, method, balance):
     """HF Llama and GPT-2 (sdpa, tiny widths), one sequence of 1,024 tokens split over 4 ranks,
     three AdamW steps: the losses and the parameters after them equal one process. (GPT-2 at
