@@ -413,3 +413,39 @@ def test_a_qwen3_moe_built_on_meta_with_its_experts_split_initialises_as_on_one_
         assert all(torch.equal(state[k], one[0][k]) for k in state)
         assert loss == pytest.approx(one[1], rel=1e-5)
         assert exchanges == 2 * 5  # each layer's forward dispatch
+
+
+def test_a_checkpoint_of_expert_parallel_training_resumes_on_an_ep_x_tp_grid(tmp_path):
+    """Two AdamW steps with the experts on ep=4, gt.checkpoint.save (model and optimizer);
+    loaded into the 2x2 (ep, tp) layout, one more step: the loss and the parameters of three
+    uninterrupted steps in one process."""
+    reference = made("qwen3_moe")
+    base = copy.deepcopy(reference)
+    want, _ = steps(reference, IDS)
+    want_params = dict(reference.named_parameters())
+
+    def first(rank):
+        model = copy.deepcopy(base).to_global(LINE, expert_parallel)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        ids = gt.tensor(IDS, placement=LINE, sbp=S(0))
+        for _ in range(2):
+            model(ids, labels=ids).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        gt.checkpoint.save(tmp_path / "ckpt", model=model, optimizer=opt)
+
+    def resumed(rank):
+        model = copy.deepcopy(base).to_global(GRID, ep_and_tp)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        gt.checkpoint.load(tmp_path / "ckpt", model=model, optimizer=opt)
+        ids = gt.tensor(IDS, placement=GRID, sbp=(S(0), B))
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        return full(loss).item(), {k: full(p.detach()) for k, p in model.named_parameters()}
+
+    run_ranks(first, 4, timeout=TIMEOUT)
+    for loss, params in run_ranks(resumed, 4, timeout=TIMEOUT):
+        assert loss == pytest.approx(want[2][0], rel=1e-5)
+        for k, p in params.items():
+            torch.testing.assert_close(p, want_params[k].detach(), rtol=1e-3, atol=1e-4)
