@@ -117,6 +117,7 @@ class Unit:
         self.pending: torch.Tensor | None = None  # gradients held back (no sync), unreduced
         self.gathered_versions = None
         self.current: list | None = None  # the gathered parameters of the last forward
+        self.swapped_for_backward = False  # the module tree holds them while backward runs
         self.replicate_axes: tuple[int, ...] = ()  # HSDP: summed after the reduce-scatter
         # laid out from meta tensors: the forward checks they hold data (nn/module.py)
         self.maybe_meta = any(p.sharded._local.is_meta for p in params)
@@ -218,7 +219,7 @@ class Unit:
 
     def post_forward(self, module, args, output):
         if in_backward():
-            self._swap_in(None)
+            self._swap_in(self.current if self.swapped_for_backward else None)
             return None
         RUNNING.set(tuple(u for u in RUNNING.get() if u is not self))
         self._swap_in(None)
@@ -253,6 +254,13 @@ class Unit:
     # ---- backward ------------------------------------------------------------------------
     def pre_backward(self) -> None:
         self.wait_unshard()
+        if self.current is not None and not self.swapped_for_backward:
+            # a recomputation inside the unit (activation checkpointing of any spelling: the
+            # unit's module, a part of its forward) reads the module's parameters: the
+            # gathered ones until the unit's gradients are reduced or the backward ends
+            self._swap_in(self.current)
+            self.swapped_for_backward = True
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
         if self.backward_prefetch is not None:
             others = self.backward_prefetch
         else:
@@ -261,9 +269,15 @@ class Unit:
         for other in others:
             other.start_unshard()
 
+    def _end_backward(self) -> None:
+        if self.swapped_for_backward:
+            self._swap_in(None)
+            self.swapped_for_backward = False
+
     def post_backward(self, grads) -> tuple:
         """The gathered parameters' gradients -> the pieces' (one reduce-scatter); the storage
         is given back first, so the flat gradient buffer takes its place."""
+        self._end_backward()
         with torch.no_grad():
             grads = [None if g is None else as_global_grad(g, p.gathered)
                      for p, g in zip(self.split_params, grads)]

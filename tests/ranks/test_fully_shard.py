@@ -122,7 +122,13 @@ def test_activation_checkpointing_inside_a_unit():
     expected = one_process(remat)
 
     def body(rank):
-        losses, m = train(remat, LINE2)
+        with gt.comm_trace() as plain:
+            train(REF, LINE2)
+        with gt.comm_trace() as t:
+            losses, m = train(remat, LINE2)
+        # the recomputation computes with the unit's gathered parameters: it sends what the
+        # same steps without checkpointing send, no operator gathers a piece of its own
+        assert t.counts() == plain.counts() and t.bytes_per_rank == plain.bytes_per_rank
         return losses, full_state(m)
     for got in run_ranks(body, 2, timeout=TIMEOUT):
         assert_matches(expected, got)
