@@ -33,6 +33,8 @@ if _TYPE_CHECKING or not _startup.launcher_only():
     from .nn.experts import set_experts_method
     from .sim.memory import memory
     from .sim import simulate
+    from . import auto
+    from .auto import auto_layout
     from .convert import from_local, install_tensor_methods
     from .mode import pydata
     from .grads import install_grad_methods
@@ -52,6 +54,7 @@ if _TYPE_CHECKING or not _startup.launcher_only():
 
 __all__ = [
     "GlobalTensor",
+    "auto", "auto_layout",
     "attention_balance", "set_attention_method", "set_experts_method",
     "GlobalTensorError",
     "costs",

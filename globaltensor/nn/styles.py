@@ -27,6 +27,7 @@ def colwise(axis="tp") -> SbpFn:
     ``S(0)`` on ``axis``; the output of the layer is ``S(-1)`` there."""
     def sbp_fn(name: str, tensor: torch.Tensor):
         return {axis: Split(0)} if _leaf(name) in ("weight", "bias") else None
+    sbp_fn.spelling = f"gt.nn.colwise({axis!r})"
     return sbp_fn
 
 
@@ -35,6 +36,7 @@ def rowwise(axis="tp") -> SbpFn:
     ``S(-1)`` input (a colwise layer's output), the layer's output is a partial sum there."""
     def sbp_fn(name: str, tensor: torch.Tensor):
         return {axis: Split(1)} if _leaf(name) == "weight" and tensor.dim() >= 2 else None
+    sbp_fn.spelling = f"gt.nn.rowwise({axis!r})"
     return sbp_fn
 
 

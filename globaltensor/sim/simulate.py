@@ -93,6 +93,7 @@ class Simulation:
         self.memory = MemoryTracker(ranks=world_size, bytes_of=bytes_of(world_size))
         self.recorder = Recorder(world_size)
         self._flops = 0
+        self._ops = 0
 
     # ---- the block -------------------------------------------------------------------------
     def __enter__(self) -> "Simulation":
@@ -127,6 +128,7 @@ class Simulation:
     def _count_flops(self, func, args, kwargs, out) -> None:
         from torch.utils.flop_counter import flop_registry
 
+        self._ops += 1
         formula = flop_registry.get(func._overloadpacket)
         if formula is None:
             return
@@ -171,6 +173,11 @@ class Simulation:
         """The floating-point operations this simulation's rank computes (torch's flop
         formulas on its pieces, for the ops that have one: matmuls, convolutions, attention)."""
         return self._flops
+
+    def operators(self) -> int:
+        """How many operators this simulation's rank dispatched (each one a rank's eager
+        overhead in the real run)."""
+        return self._ops
 
     def step_time(self, alpha: float | None = None, bandwidth: float | None = None,
                   flops: float = 1e14, axes: dict | None = None) -> "StepTime":
