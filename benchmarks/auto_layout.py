@@ -117,26 +117,30 @@ VOCAB, SEQS, TOKENS = 8192, 8, 128
 
 
 def _calibrate(rank):
-    """This machine's figures, in 4 real ranks at once: links, flop rate, operator overhead."""
+    """This machine's figures, in 4 real ranks at once (each measurement starts together on
+    every rank, so each sees its share of the cores): the links, a matmul's flop rate, the
+    seconds per byte an element-wise operator writes, a global operator's overhead."""
     import globaltensor as gt
 
     gt.init()
     costs = gt.measure_costs()
+
+    def timed(fn, n):
+        fn()
+        gt.comm.barrier()
+        t0 = time.perf_counter()
+        for _ in range(n):
+            fn()
+        return (time.perf_counter() - t0) / n
+
     a, b = torch.randn(256, 512), torch.randn(512, 2048)
-    for _ in range(3):
-        a @ b
-    n, t0 = 20, time.perf_counter()
-    for _ in range(n):
-        a @ b
-    rate = n * 2 * 256 * 512 * 2048 / (time.perf_counter() - t0)
-    x = gt.randn(4, 8, placement=gt.placement("cpu", list(range(4))), sbp=gt.sbp.broadcast)
-    for _ in range(20):
-        x = x + 1
-    t0 = time.perf_counter()
-    for _ in range(400):
-        x = x * 1.0
-    overhead = (time.perf_counter() - t0) / 400
-    return {"alpha": costs.alpha, "beta": costs.beta, "rate": rate, "overhead": overhead}
+    rate = 2 * 256 * 512 * 2048 / timed(lambda: a @ b, 20)
+    x = torch.randn(1 << 22)
+    memory = timed(lambda: x * 1.0001, 20) / x.nbytes
+    g = gt.randn(4, 8, placement=gt.placement("cpu", list(range(4))), sbp=gt.sbp.broadcast)
+    overhead = timed(lambda: g * 1.0, 400)
+    return {"alpha": costs.alpha, "beta": costs.beta, "rate": rate, "overhead": overhead,
+            "memory": memory}
 
 
 def _run_layout(rank, fields, plan, steps):
@@ -156,7 +160,7 @@ def _run_layout(rank, fields, plan, steps):
     batch = gt.auto.Batch((SEQS, TOKENS))
     ids = gt.randint(0, VOCAB, (SEQS, TOKENS), placement=grid, sbp=sbp)
     times = []
-    with allocator_profile() as prof:
+    with allocator_profile() as prof:  # noqa: SIM117
         for i in range(2 + steps):
             gt.comm.barrier()
             t0 = time.perf_counter()
@@ -166,15 +170,18 @@ def _run_layout(rank, fields, plan, steps):
     return {"time": statistics.median(times[2:]), "peak": allocation_peak(prof)}
 
 
-def quality(budget_ratio: float, steps: int):
+def quality(budget_ratio: float, steps: int, rows: list | None = None):
     import globaltensor as gt
 
     fig = gt.spawn(_calibrate, nproc_per_node=4, timeout=600)
     rate = statistics.median(f["rate"] for f in fig)
     over = statistics.median(f["overhead"] for f in fig)
-    links = gt.auto.Links(alpha=fig[0]["alpha"], bandwidth=1 / fig[0]["beta"], overhead=over)
+    memory = statistics.median(f["memory"] for f in fig)
+    links = gt.auto.Links(alpha=fig[0]["alpha"], bandwidth=1 / fig[0]["beta"], overhead=over,
+                          memory=memory)
     print(f"machine: alpha {links.alpha * 1e6:.0f} us, {links.bandwidth / 1e9:.2f} GB/s, "
-          f"{rate / 1e9:.1f} GFLOP/s per rank, {over * 1e6:.0f} us per global operator (4 ranks)")
+          f"{rate / 1e9:.1f} GFLOP/s per rank, {1 / memory / 1e9:.2f} GB/s written per rank, "
+          f"{over * 1e6:.0f} us per global operator (4 ranks at once)")
     probe = gt.auto_layout(gpt, 4, memory_per_rank=2**40, batch=(SEQS, TOKENS), costs=links,
                            flops=rate, progress=False, candidates={"pp": [1], "fsdp": [1],
                                                                    "tp": [1], "checkpoint": [False]})
@@ -185,7 +192,9 @@ def quality(budget_ratio: float, steps: int):
     print(f"search: {time.perf_counter() - start:.1f} s; budget {budget / 2**20:.0f} MiB "
           f"({budget_ratio} x plain data parallelism's predicted peak)\n{table}\n")
     measured = []
-    for i, row in enumerate(table):
+    for i, row in enumerate(table.rows):
+        if rows is not None and i not in rows:
+            continue
         fields = {k: getattr(row.layout, k) for k in ("pp", "dp", "fsdp", "tp",
                   "reshard_after_forward", "checkpoint", "microbatches")}
         out = gt.spawn(_run_layout, args=(fields, row.layout.plan, steps), nproc_per_node=4,
@@ -193,10 +202,12 @@ def quality(budget_ratio: float, steps: int):
         t, peak = max(o["time"] for o in out), max(o["peak"] for o in out)
         measured.append((row, t, peak))
         pred = f"{row.step.total:.3f} s {row.peak / 2**20:7.1f} MiB" if row.step else "(not simulated)"
-        print(f"{i:>3} {str(row.layout):<44} predicted {pred}   measured {t:.3f} s "
+        print(f"{i:>3} {str(row.layout):<52} predicted {pred}   measured {t:.3f} s "
               f"{peak / 2**20:7.1f} MiB  {'fits' if peak <= budget else 'over'}")
         sys.stdout.flush()
     fitting = [(r, t) for r, t, p in measured if p <= budget]
+    if not fitting or measured[0][0] is not table[0]:
+        return
     best = min(fitting, key=lambda x: x[1])
     chosen = measured[0]
     print(f"\nauto choice: {chosen[0].layout}: measured {chosen[1]:.3f} s, peak "
@@ -212,6 +223,7 @@ def main():
     ap.add_argument("--quality", action="store_true")
     ap.add_argument("--budget", type=float, default=0.62)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--rows", default=None, help="run only these rows of the table (0,3,5)")
     ap.add_argument("--scale-one", type=int, default=None, help=argparse.SUPPRESS)
     a = ap.parse_args()
     if a.scale_one is not None:
@@ -219,7 +231,7 @@ def main():
     elif a.scale:
         scale([int(w) for w in a.worlds.split(",")])
     elif a.quality:
-        quality(a.budget, a.steps)
+        quality(a.budget, a.steps, None if a.rows is None else [int(r) for r in a.rows.split(',')])
     else:
         ap.print_help()
 

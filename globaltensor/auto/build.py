@@ -202,7 +202,7 @@ def _cross_entropy(output, ids):
     return torch.nn.functional.cross_entropy(output.flatten(0, -2).float(), ids.flatten())
 
 
-def code(layout: Layout, blocks: Blocks, model_name: str = "model") -> str:
+def code(layout: Layout, blocks: Blocks, model_name: str = "model", device: str = "cuda") -> str:
     """The calls :func:`apply` makes, for the user to paste."""
     axes = layout.axes()
     shape = ", ".join(str(d) for _, d in axes)
@@ -215,7 +215,7 @@ def code(layout: Layout, blocks: Blocks, model_name: str = "model") -> str:
     tp = ", plan" if layout.tp > 1 else ""
     if layout.pp == 1:
         ranks = f"torch.arange({layout.world}).reshape({shape})"
-        lines.append(f'grid = gt.placement("cuda", {ranks}.tolist(), axes=({names}))')
+        lines.append(f'grid = gt.placement("{device}", {ranks}.tolist(), axes=({names}))')
         lines.append(f"{model_name}.to_global(grid{tp})")
         blocks_expr = f"{model_name}.{blocks.prefix}" if blocks.prefix else model_name
         lines += _units(layout, f"for block in {blocks_expr}:", model_name, "")
@@ -226,7 +226,7 @@ def code(layout: Layout, blocks: Blocks, model_name: str = "model") -> str:
                  f"  # spans: {spans}")
     lines.append("for s, (stage, (lo, hi)) in enumerate(zip(stages, spans)):")
     ranks = f"torch.arange(s * {per}, (s + 1) * {per}).reshape({shape})"
-    lines.append(f'    grid = gt.placement("cuda", {ranks}.tolist(), axes=({names}))')
+    lines.append(f'    grid = gt.placement("{device}", {ranks}.tolist(), axes=({names}))')
     lines.append(f"    stage.to_global(grid{tp})")
     lines += _units(layout, "for block in stage[lo:hi]:", "stage", "    ")
     lines.append(f"pipe = gt.nn.Pipeline(stages, microbatches={layout.microbatches}, "

@@ -26,6 +26,7 @@ class Figures:
     sent: dict
     flops: float
     ops: float
+    written: float = 0.0
 
     def worst(self) -> int:
         return int(np.argmax(self.peak))
@@ -35,14 +36,14 @@ def snapshot(sim) -> tuple:
     """The simulation's running sums now, to subtract from the block's end (the mark)."""
     rec = sim.recorder
     return ({k: v.copy() for k, v in rec.counts.items()}, {k: v.copy() for k, v in rec.sent.items()},
-            sim.flops(), sim.operators())
+            sim.flops(), sim.operators(), sim.bytes_written())
 
 
 def measured(sim, mark, stage_ranks=None, other=None) -> Figures:
     """The figures of ``sim`` since ``mark``; with ``other`` (a second simulation of the same
     job played from another stage's rank) the ranks in ``stage_ranks`` take their memory from
     it (a pipeline's peak is exact for the simulated rank's stage)."""
-    counts0, sent0, flops0, ops0 = mark
+    counts0, sent0, flops0, ops0, written0 = mark
     rec = sim.recorder
     zero = np.zeros(sim.world_size, dtype=np.int64)
     counts = {k: v - counts0.get(k, zero) for k, v in rec.counts.items()}
@@ -55,7 +56,7 @@ def measured(sim, mark, stage_ranks=None, other=None) -> Figures:
             for k in KINDS:
                 at_peak[k][ranks] = source.memory.at_peak[k][ranks]
     return Figures(peak, at_peak, counts, sent, float(sim.flops() - flops0),
-                   float(sim.operators() - ops0))
+                   float(sim.operators() - ops0), float(sim.bytes_written() - written0))
 
 
 def extrapolated(one: Figures, two: Figures, blocks: int) -> Figures:
@@ -74,7 +75,8 @@ def extrapolated(one: Figures, two: Figures, blocks: int) -> Figures:
         {k: line(one.counts.get(k, zero), two.counts.get(k, zero)) for k in keys},
         {k: line(one.sent.get(k, zero), two.sent.get(k, zero)) for k in keys},
         max(one.flops + n * (two.flops - one.flops), 0.0),
-        max(one.ops + n * (two.ops - one.ops), 0.0))
+        max(one.ops + n * (two.ops - one.ops), 0.0),
+        max(one.written + n * (two.written - one.written), 0.0))
 
 
 @dataclass(frozen=True)
@@ -108,7 +110,8 @@ def priced(f: Figures, layout, links, rate: float) -> tuple[StepEstimate, dict]:
     for key, v in f.sent.items():
         if key[1] != "metadata" and v[slowest]:
             sent[key[1]] = sent.get(key[1], 0) + int(v[slowest])
-    stage_work = (f.flops / rate + f.ops * links.overhead) / layout.pp  # sims play every stage
+    # a pipeline's simulation plays every stage: its rank's share is 1 / pp of the work
+    stage_work = (f.flops / rate + f.ops * links.overhead + f.written * links.memory) / layout.pp
     bubble = (layout.microbatches + layout.pp - 1) / layout.microbatches if layout.pp > 1 else 1.0
     compute = stage_work * bubble
     return StepEstimate(math.fsum([compute, *comm.values()]), compute, comm, bubble,

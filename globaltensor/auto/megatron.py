@@ -104,7 +104,7 @@ def find_plan(model: torch.nn.Module, run) -> dict[str, str]:
     hooks = [m.register_forward_pre_hook(pre, with_kwargs=True) for m in linears]
     hooks += [m.register_forward_hook(post, with_kwargs=True) for m in linears]
     try:
-        with mode:
+        with torch.device("meta"), mode:  # (a kernel's own factories, sdpa's mask, on meta)
             run(model)
     finally:
         for h in hooks:

@@ -197,8 +197,15 @@ def _simulated(job: _Job, layout: Layout, per_stage: int) -> Figures:
     sims = [_one(job, layout, per_stage, rank=s * per) for s in stages]
     if len(sims) == 1:
         return measured(*sims[0])
-    last = range((layout.pp - 1) * per, layout.world)
-    return measured(*sims[0], stage_ranks=[list(last)], other=[sims[1][0]])
+    f = measured(*sims[0], stage_ranks=[list(range((layout.pp - 1) * per, layout.world))],
+                 other=[sims[1][0]])
+    # a middle stage holds what the first does or less (1F1B: fewer micro-batches in flight);
+    # the first stage's simulation counts its local slices as copies there, so take the first's
+    middle = slice(per, (layout.pp - 1) * per)
+    f.peak[middle] = f.peak[0]
+    for v in f.at_peak.values():
+        v[middle] = v[0]
+    return f
 
 
 def _one(job: _Job, layout: Layout, per_stage: int, rank: int):
@@ -307,10 +314,9 @@ def _tp_ok(model, plan, heads, links):
 
 
 def _links(costs):
-    from ..plan.cost import Costs
+    from ..plan import Costs, cost
 
     if costs is None:
-        from ..plan import cost
         c = cost.current()
         return Links(alpha=c.alpha, bandwidth=1 / c.beta), None
     if isinstance(costs, Links):

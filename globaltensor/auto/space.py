@@ -59,7 +59,8 @@ class Links:
     between nodes; ``node`` ``(alpha, bandwidth)`` for an axis whose groups stay inside one node
     of ``ranks_per_node`` ranks; ``axes`` ``{axis: (alpha, bandwidth)}`` overrides by axis name.
     ``overhead``: seconds per operator a rank dispatches (eager Python's own cost, which a
-    small model on a CPU feels)."""
+    small model on a CPU feels); ``memory``: seconds per byte its operators write (the work
+    that is not a matmul: norms, activations, the optimizer's update)."""
 
     alpha: float = 1e-5
     bandwidth: float = 25e9
@@ -67,6 +68,7 @@ class Links:
     ranks_per_node: int | None = None
     axes: dict = field(default_factory=dict)
     overhead: float = 0.0
+    memory: float = 0.0
 
     def of(self, axis, layout: Layout) -> tuple[float, float]:
         """(alpha, bandwidth) of a step_time axis key: a name, "a+b", "pipeline", None."""

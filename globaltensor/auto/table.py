@@ -62,11 +62,15 @@ class Row:
         device = grid or ("cuda" if torch.cuda.is_available() else "cpu")
         return apply(model, self.layout, device, Blocks(model))
 
-    def code(self, model_name: str = "model") -> str:
-        """The calls :meth:`apply` makes, as Python to paste."""
-        from .build import Blocks, code
+    def code(self, model_name: str = "model", device: str = "cuda") -> str:
+        """The calls :meth:`apply` makes, as Python to paste (``model_name`` the model's
+        variable, ``device`` the placements' device type)."""
+        from .build import code
 
-        return code(self.layout, self.blocks or Blocks(_need_model(model_name)), model_name)
+        if self.blocks is None:
+            raise GlobalTensorError("code(): this row does not know the model's blocks; call it "
+                                    "on a row of gt.auto_layout's table")
+        return code(self.layout, self.blocks, model_name, device)
 
     def __str__(self) -> str:
         if self.step is None:
@@ -77,11 +81,6 @@ class Row:
                 f"({', '.join(f'{k} {gib(v)}' for k, v in self.kinds.items())}), step "
                 f"{_secs(self.step.total)} (compute {_secs(self.step.compute)}), sends "
                 f"{comm or 'nothing'}; {self.status}")
-
-
-def _need_model(name):
-    raise GlobalTensorError(f"code(): this row does not know the model's blocks; call it on a "
-                            f"row of gt.auto_layout's table ({name})")
 
 
 class Table:

@@ -1,0 +1,215 @@
+"""gt.auto_layout in one process: the Megatron plan found from the model, the candidates and
+their bounds, the search's table against gt.simulate of the same layouts, the user's plan kept,
+and bad input. (Real runs of applied layouts: tests/ranks/test_auto_layout.py.)"""
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+import transformers
+
+import globaltensor as gt
+from globaltensor.auto.build import Blocks, apply, make_placement, stage_modules, train_step
+from globaltensor.auto.figures import measured, snapshot
+from globaltensor.auto.megatron import find_plan, patterns
+from globaltensor.auto.space import Batch, Layout, Links, enumerate_layouts, static_bound
+from globaltensor.errors import GlobalTensorError
+
+S, B = gt.sbp.split, gt.sbp.broadcast
+
+
+def llama(layers=4):
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, attn_implementation="sdpa",
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class Attention(nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, h // self.heads).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, h))
+
+
+class GPTBlock(nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
+        self.attn = Attention(h, heads)
+        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.down(F.gelu(self.up(self.ln2(x))))
+
+
+def gpt(vocab=64, h=32, heads=4, layers=4):
+    return nn.Sequential(nn.Embedding(vocab, h), *[GPTBlock(h, heads) for _ in range(layers)],
+                         nn.LayerNorm(h), nn.Linear(h, vocab, bias=False))
+
+
+def _run(batch):
+    def run(model):
+        from globaltensor.auto.build import loss_of
+        ids = torch.randint(0, 64, (2, 8), device="meta")
+        loss_of(model, batch, ids)
+    return run
+
+
+def test_megatron_pairs_are_found_in_hf_llama():
+    with torch.device("meta"):
+        model = llama(2)
+    plan = patterns(find_plan(model, _run(Batch((2, 8)))))
+    col = {f"model.layers.*.{n}" for n in ("self_attn.q_proj", "self_attn.k_proj",
+                                           "self_attn.v_proj", "mlp.gate_proj", "mlp.up_proj")}
+    row = {"model.layers.*.self_attn.o_proj", "model.layers.*.mlp.down_proj"}
+    assert plan == {**{n: "colwise" for n in col}, **{n: "rowwise" for n in row},
+                    "lm_head": "colwise", "model.embed_tokens": "vocab"}
+
+
+def test_megatron_pairs_are_found_in_a_sequential_gpt_and_not_across_a_norm():
+    with torch.device("meta"):
+        model = gpt()
+    plan = patterns(find_plan(model, _run(Batch((2, 8)))))
+    assert plan == {"*.attn.q": "colwise", "*.attn.k": "colwise", "*.attn.v": "colwise",
+                    "*.up": "colwise", "*.attn.o": "rowwise", "*.down": "rowwise",
+                    "6": "colwise", "0": "vocab"}
+    # a Linear whose output meets a norm before the next Linear: a split there would need
+    # communication, so neither is paired
+    with torch.device("meta"):
+        net = nn.Sequential(nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 8), nn.Linear(8, 8))
+        found = find_plan(net, lambda m: m(torch.randn(2, 3, 8, device="meta")).sum())
+    assert found == {"2": "colwise", "3": "rowwise"}
+
+
+def test_the_candidates_are_every_factorization_the_project_can_apply():
+    layouts = enumerate_layouts(8, blocks=4, sequences=8, tp_ok=lambda t: t in (1, 2),
+                                pipeline=True)
+    assert all(l.world == 8 and l.tp in (1, 2) and l.pp <= 4 for l in layouts)
+    assert all(l.dp * l.fsdp * l.microbatches <= 8 for l in layouts)
+    assert all(l.reshard_after_forward for l in layouts if l.fsdp == 1)
+    assert all(l.microbatches == 1 for l in layouts if l.pp == 1)
+    structures = {(l.pp, l.dp, l.fsdp, l.tp) for l in layouts}
+    assert (2, 2, 1, 2) in structures and (1, 2, 2, 2) in structures and (4, 1, 1, 2) in structures
+    assert (8, 1, 1, 1) not in structures  # more stages than blocks
+    assert len(structures) == 15  # pp 1: 4 + 3 (tp 2), pp 2: 3 + 2, pp 4: 2 + 1
+    assert Layout(pp=2, dp=2, tp=2, microbatches=4) in layouts
+    assert Layout(pp=2, dp=2, tp=2, microbatches=8) not in layouts  # 8 micro-batches x 2 > 8
+    only = enumerate_layouts(8, blocks=4, sequences=8, tp_ok=lambda t: True, pipeline=False,
+                             allowed={"tp": [2], "checkpoint": [False]})
+    assert only and all(l.tp == 2 and not l.checkpoint and l.pp == 1 for l in only)
+
+
+def test_bounds_and_links():
+    assert static_bound(Layout(fsdp=4, tp=2), 800) == 400  # 4 x 800 bytes over 8 shards
+    links = Links(alpha=1e-5, bandwidth=1e9, node=(1e-6, 1e11), ranks_per_node=8)
+    lay = Layout(dp=4, fsdp=4, tp=2)
+    assert links.of("tp", lay) == (1e-6, 1e11)      # ranks 0-1: one node
+    assert links.of("fsdp", lay) == (1e-6, 1e11)    # stride 2 x 4 = 8: one node
+    assert links.of("dp", lay) == (1e-5, 1e9)       # stride 8: across nodes
+    assert links.of("dp+tp", lay) == (1e-5, 1e9)
+    assert links.of(None, lay) == (1e-5, 1e9)
+
+
+def _simulated(model_fn, layout, batch, world):
+    """A layout simulated directly (as a user would): the peak and bytes of its second step."""
+    with torch.device("meta"):
+        model = model_fn()
+    with gt.simulate(world) as sim:
+        target = apply(model, layout, "cpu")
+        model.to_empty(device="cpu")
+        opt = torch.optim.AdamW(target.parameters(), lr=1e-4)
+        grid = make_placement(layout)
+        ids = gt.randint(0, 256, batch.shape, placement=grid,
+                         sbp=tuple(B if n == "tp" else S(0) for n in grid.axes))
+        train_step(target, layout, batch, ids, opt)
+        mark = snapshot(sim)
+        train_step(target, layout, batch, ids, opt)
+    return measured(sim, mark)
+
+
+def test_the_table_agrees_with_gt_simulate_and_fits_its_budget():
+    batch = Batch((8, 32))
+    table = gt.auto_layout(lambda: llama(6), 4, memory_per_rank="3MiB", batch=(8, 32),
+                           progress=False)
+    best = table[0]
+    assert best.fits and best.verified and best.peak <= 3 * 2**20
+    assert [r.step.total for r in table.fitting] == sorted(r.step.total for r in table.fitting)
+    assert any(not r.fits and r.step is not None for r in table)  # the budget rules some out
+    # the verified row is the layout simulated whole: its peak and traffic are gt.simulate's
+    direct = _simulated(lambda: llama(6), best.layout, batch, 4)
+    assert best.peak == int(direct.peak.max())
+    # an extrapolated row (one and two blocks) against the whole model simulated: the traffic
+    # of every axis exactly (it is linear in the blocks), the peak within 3%
+    row = next(r for r in table.fitting if not r.verified)
+    whole = _simulated(lambda: llama(6), row.layout, batch, 4)
+    sent = {}
+    for (_, axis), v in whole.sent.items():
+        if axis != "metadata" and v[row.step.rank]:
+            sent[axis] = sent.get(axis, 0) + int(v[row.step.rank])
+    assert row.sent == sent
+    assert abs(row.peak - whole.peak.max()) <= 0.03 * whole.peak.max()
+    text = str(table)
+    assert "verified: simulated whole" in text and str(best.layout) in text
+
+
+def test_a_user_plan_is_kept_and_the_code_spells_it():
+    plan = {"model.layers.*.mlp.up_proj": gt.nn.colwise("tp"),
+            "model.layers.*.mlp.down_proj": gt.nn.rowwise("tp")}
+    table = gt.auto_layout(lambda: llama(2), 4, memory_per_rank="1GiB", batch=(8, 16),
+                           progress=False, candidates={"tp": [2], "sbp_plan": plan,
+                                                       "checkpoint": [False]})
+    assert all(r.layout.tp == 2 and not r.layout.checkpoint for r in table)
+    assert dict(table[0].layout.plan) == plan
+    code = table[0].code()
+    assert '"model.layers.*.mlp.up_proj": gt.nn.colwise(\'tp\')' in code
+    assert "q_proj" not in code
+
+
+def test_pipelines_are_candidates_of_a_sequential_model():
+    table = gt.auto_layout(gpt, 4, memory_per_rank="1GiB", batch=(8, 16), progress=False,
+                           candidates={"pp": [2], "checkpoint": [False], "microbatches": [2],
+                                       "reshard_after_forward": [True], "dp": [1]})
+    assert table[0].layout.pp == 2 and all(r.layout.pp == 2 for r in table)
+    model = gpt()
+    stages, spans = stage_modules(model, 2)
+    assert [list(s._modules) for s in stages] == [["0", "1", "2"], ["3", "4", "5", "6"]]
+    assert spans == [(1, 3), (0, 2)]
+    assert "gt.nn.Pipeline(stages, microbatches=" in table[0].code()
+
+
+def test_nothing_fits_names_the_closest_candidate():
+    with pytest.raises(GlobalTensorError, match=r"closest, .* needs .* per rank .* more"):
+        gt.auto_layout(lambda: llama(2), 4, memory_per_rank=2**16, batch=(8, 16),
+                       progress=False, candidates={"pp": [1], "checkpoint": [True]})
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(world_size=0), "world_size"),
+    (dict(memory_per_rank="lots"), "memory_per_rank"),
+    (dict(batch="8x16"), "batch="),
+    (dict(costs=3.0), "costs="),
+])
+def test_bad_input_is_a_clear_error(kwargs, match):
+    args = dict(world_size=4, memory_per_rank="1GiB", batch=(8, 16), progress=False)
+    args.update(kwargs)
+    with pytest.raises(GlobalTensorError, match=match):
+        gt.auto_layout(lambda: llama(2), args.pop("world_size"), **args)
+
+
+def test_blocks_are_the_largest_run_of_one_class():
+    model = llama(3)
+    blocks = Blocks(model)
+    assert blocks.prefix == "model.layers" and blocks.names == ["0", "1", "2"]
+    twin = blocks.truncated(model, 1)
+    assert len(twin.model.layers) == 1 and len(model.model.layers) == 3
+    with pytest.raises(GlobalTensorError, match="blocks"):
+        Blocks(nn.Linear(2, 2))
