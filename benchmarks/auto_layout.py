@@ -17,8 +17,9 @@ figures are measured in 4 real ranks (gt.costs() for the links, a matmul's flop 
 operator's overhead per rank while all 4 ranks run); ``gt.auto_layout`` then searches with them
 and a budget of ``--budget`` times the peak of plain data parallelism (so some layouts do not
 fit). Then **every** candidate layout runs for real: 4 gloo processes, the layout applied as
-``row.apply`` does, ``--steps`` timed AdamW steps after two warm-up steps (their median), the
-allocator's peak per rank (torch.profiler memory events, the max over ranks). Printed: the
+``row.apply`` does, built and stepped twice inside the allocator's profile (torch.profiler
+memory events with the allocator's own total: the peak of everything the rank holds, the max over
+ranks), then ``--steps`` AdamW steps timed outside the profiler (their median, the slowest rank). Printed: the
 whole table, predicted against measured time and peak, and whether the auto choice fits and is
 within 10% of the fastest measured layout that fits.
 """
@@ -119,7 +120,7 @@ VOCAB, SEQS, TOKENS = 8192, 8, 128
 def _calibrate(rank):
     """This machine's figures, in 4 real ranks at once (each measurement starts together on
     every rank, so each sees its share of the cores): the links, a matmul's flop rate, the
-    seconds per byte an element-wise operator writes, a global operator's overhead."""
+    a global operator's overhead."""
     import globaltensor as gt
 
     gt.init()
@@ -135,39 +136,40 @@ def _calibrate(rank):
 
     a, b = torch.randn(256, 512), torch.randn(512, 2048)
     rate = 2 * 256 * 512 * 2048 / timed(lambda: a @ b, 20)
-    x = torch.randn(1 << 22)
-    memory = timed(lambda: x * 1.0001, 20) / x.nbytes
     g = gt.randn(4, 8, placement=gt.placement("cpu", list(range(4))), sbp=gt.sbp.broadcast)
     overhead = timed(lambda: g * 1.0, 400)
-    return {"alpha": costs.alpha, "beta": costs.beta, "rate": rate, "overhead": overhead,
-            "memory": memory}
+    return {"alpha": costs.alpha, "beta": costs.beta, "rate": rate, "overhead": overhead}
 
 
 def _run_layout(rank, fields, plan, steps):
-    """One candidate for real: the layout applied, warm-up, timed steps, the allocator's peak."""
+    """One candidate for real, in fresh processes: the model built, laid out as ``row.apply``
+    does and stepped twice inside the allocator's profile (its peak: everything the rank
+    holds, the optimizer's state included); then ``steps`` steps timed outside it."""
     sys.path.insert(0, os.path.dirname(__file__))
     import globaltensor as gt
     from _common import allocation_peak, allocator_profile
 
     gt.init()
     layout = gt.auto.Layout(**fields, plan=tuple(tuple(p) for p in plan))
-    torch.manual_seed(0)
-    model = gpt()
-    target = gt.auto.build.apply(model, layout, "cpu")
-    opt = torch.optim.AdamW(target.parameters(), lr=1e-4)
-    grid = gt.auto.build.make_placement(layout, "cpu", 0)
-    sbp = tuple(gt.sbp.broadcast if n == "tp" else gt.sbp.split(0) for n in grid.axes)
     batch = gt.auto.Batch((SEQS, TOKENS))
-    ids = gt.randint(0, VOCAB, (SEQS, TOKENS), placement=grid, sbp=sbp)
-    times = []
-    with allocator_profile() as prof:  # noqa: SIM117
-        for i in range(2 + steps):
-            gt.comm.barrier()
-            t0 = time.perf_counter()
+    with allocator_profile() as prof:
+        torch.manual_seed(0)
+        model = gpt()
+        target = gt.auto.build.apply(model, layout, "cpu")
+        opt = torch.optim.AdamW(target.parameters(), lr=1e-4)
+        grid = gt.auto.build.make_placement(layout, "cpu", 0)
+        sbp = tuple(gt.sbp.broadcast if n == "tp" else gt.sbp.split(0) for n in grid.axes)
+        ids = gt.randint(0, VOCAB, (SEQS, TOKENS), placement=grid, sbp=sbp)
+        for _ in range(2):
             gt.auto.build.train_step(target, layout, batch, ids, opt)
-            gt.comm.barrier()
-            times.append(time.perf_counter() - t0)
-    return {"time": statistics.median(times[2:]), "peak": allocation_peak(prof)}
+    times = []
+    for _ in range(steps):
+        gt.comm.barrier()
+        t0 = time.perf_counter()
+        gt.auto.build.train_step(target, layout, batch, ids, opt)
+        gt.comm.barrier()
+        times.append(time.perf_counter() - t0)
+    return {"time": statistics.median(times), "peak": allocation_peak(prof)}
 
 
 def quality(budget_ratio: float, steps: int, rows: list | None = None):
@@ -176,11 +178,10 @@ def quality(budget_ratio: float, steps: int, rows: list | None = None):
     fig = gt.spawn(_calibrate, nproc_per_node=4, timeout=600)
     rate = statistics.median(f["rate"] for f in fig)
     over = statistics.median(f["overhead"] for f in fig)
-    memory = statistics.median(f["memory"] for f in fig)
     links = gt.auto.Links(alpha=fig[0]["alpha"], bandwidth=1 / fig[0]["beta"], overhead=over,
-                          memory=memory)
+                          ranks_per_processor=4 / len(os.sched_getaffinity(0)))
     print(f"machine: alpha {links.alpha * 1e6:.0f} us, {links.bandwidth / 1e9:.2f} GB/s, "
-          f"{rate / 1e9:.1f} GFLOP/s per rank, {1 / memory / 1e9:.2f} GB/s written per rank, "
+          f"{rate / 1e9:.1f} GFLOP/s per rank, "
           f"{over * 1e6:.0f} us per global operator (4 ranks at once)")
     probe = gt.auto_layout(gpt, 4, memory_per_rank=2**40, batch=(SEQS, TOKENS), costs=links,
                            flops=rate, progress=False, candidates={"pp": [1], "fsdp": [1],

@@ -26,7 +26,6 @@ class Figures:
     sent: dict
     flops: float
     ops: float
-    written: float = 0.0
 
     def worst(self) -> int:
         return int(np.argmax(self.peak))
@@ -36,14 +35,14 @@ def snapshot(sim) -> tuple:
     """The simulation's running sums now, to subtract from the block's end (the mark)."""
     rec = sim.recorder
     return ({k: v.copy() for k, v in rec.counts.items()}, {k: v.copy() for k, v in rec.sent.items()},
-            sim.flops(), sim.operators(), sim.bytes_written())
+            sim.flops(), sim.operators())
 
 
 def measured(sim, mark, stage_ranks=None, other=None) -> Figures:
     """The figures of ``sim`` since ``mark``; with ``other`` (a second simulation of the same
     job played from another stage's rank) the ranks in ``stage_ranks`` take their memory from
     it (a pipeline's peak is exact for the simulated rank's stage)."""
-    counts0, sent0, flops0, ops0, written0 = mark
+    counts0, sent0, flops0, ops0 = mark
     rec = sim.recorder
     zero = np.zeros(sim.world_size, dtype=np.int64)
     counts = {k: v - counts0.get(k, zero) for k, v in rec.counts.items()}
@@ -56,7 +55,7 @@ def measured(sim, mark, stage_ranks=None, other=None) -> Figures:
             for k in KINDS:
                 at_peak[k][ranks] = source.memory.at_peak[k][ranks]
     return Figures(peak, at_peak, counts, sent, float(sim.flops() - flops0),
-                   float(sim.operators() - ops0), float(sim.bytes_written() - written0))
+                   float(sim.operators() - ops0))
 
 
 def extrapolated(one: Figures, two: Figures, blocks: int) -> Figures:
@@ -75,21 +74,21 @@ def extrapolated(one: Figures, two: Figures, blocks: int) -> Figures:
         {k: line(one.counts.get(k, zero), two.counts.get(k, zero)) for k in keys},
         {k: line(one.sent.get(k, zero), two.sent.get(k, zero)) for k in keys},
         max(one.flops + n * (two.flops - one.flops), 0.0),
-        max(one.ops + n * (two.ops - one.ops), 0.0),
-        max(one.written + n * (two.written - one.written), 0.0))
+        max(one.ops + n * (two.ops - one.ops), 0.0))
 
 
 @dataclass(frozen=True)
 class StepEstimate:
-    """One step's seconds on the slowest rank: ``compute`` (flops over the rate, plus the
-    operators' overhead), ``communication`` {axis: seconds}, ``bubble`` (a pipeline's factor
-    (M + S - 1) / M on its stage's work), ``total``."""
+    """One step's seconds on the slowest rank: ``compute`` (its stage's flops over the rate,
+    plus the operators' overhead, times what is left of a pipeline's bubble), ``communication``
+    {axis: seconds}, ``bubble`` (a pipeline's factor (M + S - 1) / M), ``total``."""
 
     total: float
     compute: float
     communication: dict = field(default_factory=dict)
     bubble: float = 1.0
     rank: int = 0
+    matmul: float = 0.0  # the flops' part of compute: the same for layouts of one local batch
 
     def __float__(self) -> float:
         return self.total
@@ -110,9 +109,11 @@ def priced(f: Figures, layout, links, rate: float) -> tuple[StepEstimate, dict]:
     for key, v in f.sent.items():
         if key[1] != "metadata" and v[slowest]:
             sent[key[1]] = sent.get(key[1], 0) + int(v[slowest])
-    # a pipeline's simulation plays every stage: its rank's share is 1 / pp of the work
-    stage_work = (f.flops / rate + f.ops * links.overhead + f.written * links.memory) / layout.pp
     bubble = (layout.microbatches + layout.pp - 1) / layout.microbatches if layout.pp > 1 else 1.0
-    compute = stage_work * bubble
+    # where ranks share a processor, an idle stage's share goes to the busy ones: the step
+    # takes the longer of the work at the shared rate and the bubbled path at the whole rate
+    path = max(1.0, bubble / max(links.ranks_per_processor, 1.0))
+    matmul = f.flops / rate * path
+    compute = matmul + f.ops * links.overhead * path
     return StepEstimate(math.fsum([compute, *comm.values()]), compute, comm, bubble,
-                        slowest), sent
+                        slowest, matmul), sent

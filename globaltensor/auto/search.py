@@ -157,7 +157,7 @@ def _simulate_all(job: _Job, todo: list[Layout], progress: bool) -> list[Row]:
                              f"does not fit", skipped=True) for l in members[1:]]
                 bar.update(len(members) - 1)
                 continue
-            known[_family(members[0])] = first.step.compute + sum(
+            known[_family(members[0])] = first.step.matmul + sum(
                 v for a, v in first.step.communication.items() if a in ("tp", "pipeline"))
             rest += members[1:]
         best = min((r.step.total for r in rows if r.fits), default=math.inf)
@@ -201,6 +201,11 @@ def _simulated(job: _Job, layout: Layout, per_stage: int) -> Figures:
                  other=[sims[1][0]])
     # a middle stage holds what the first does or less (1F1B: fewer micro-batches in flight);
     # the first stage's simulation counts its local slices as copies there, so take the first's
+    # the work: a rank's flops count its own pieces, its stage's (the fuller of the first and
+    # the last, which holds the head and the loss); it dispatches every stage's operators
+    # (on empty pieces for the others'), so its own are 1 / pp of them
+    f.flops = max(f.flops, measured(*sims[1]).flops)
+    f.ops = f.ops / layout.pp
     middle = slice(per, (layout.pp - 1) * per)
     f.peak[middle] = f.peak[0]
     for v in f.at_peak.values():
@@ -243,20 +248,16 @@ def _row(job: _Job, layout: Layout, f: Figures, status: str | None = None) -> Ro
 
 
 def _verify(job: _Job, rows: list[Row]) -> list[Row]:
-    """The fastest rows that fit by the estimate, simulated whole until one fits whole."""
-    order = sorted(rows, key=Row.order)
-    for row in order:
-        if not row.fits:
-            break
-        if row.verified:
+    """Until the fastest row that fits is one simulated whole: simulate it whole (its figures
+    replace the estimate's; it may then not fit, or be slower than the next)."""
+    while True:
+        first = min(rows, key=Row.order, default=None)
+        if first is None or not first.fits or first.verified:
             return rows
-        whole = _row(job, row.layout, _estimate(job, row.layout, whole=True),
+        whole = _row(job, first.layout, _estimate(job, first.layout, whole=True),
                      "verified: simulated whole")
         whole.verified = True
-        rows[rows.index(row)] = whole
-        if whole.fits:
-            return rows
-    return rows
+        rows[rows.index(first)] = whole
 
 
 def _nothing_fits(table: Table) -> str:

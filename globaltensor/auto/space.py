@@ -59,8 +59,10 @@ class Links:
     between nodes; ``node`` ``(alpha, bandwidth)`` for an axis whose groups stay inside one node
     of ``ranks_per_node`` ranks; ``axes`` ``{axis: (alpha, bandwidth)}`` overrides by axis name.
     ``overhead``: seconds per operator a rank dispatches (eager Python's own cost, which a
-    small model on a CPU feels); ``memory``: seconds per byte its operators write (the work
-    that is not a matmul: norms, activations, the optimizer's update)."""
+    small model on a CPU feels); ``ranks_per_processor``:
+    how many ranks share one processor (1 with a GPU per rank; 2 for 4 ranks on 2 CPU cores),
+    which is how much of a pipeline's bubble the busy stages fill: ``flops`` and ``overhead``
+    are a rank's while every rank computes."""
 
     alpha: float = 1e-5
     bandwidth: float = 25e9
@@ -68,7 +70,7 @@ class Links:
     ranks_per_node: int | None = None
     axes: dict = field(default_factory=dict)
     overhead: float = 0.0
-    memory: float = 0.0
+    ranks_per_processor: float = 1.0
 
     def of(self, axis, layout: Layout) -> tuple[float, float]:
         """(alpha, bandwidth) of a step_time axis key: a name, "a+b", "pipeline", None."""
@@ -160,8 +162,9 @@ def static_bound(layout: Layout, param_bytes: int, state_per_param: float = 2.0)
 
 def time_bound(layout: Layout, param_bytes: int, links: "Links", known: float = 0.0) -> float:
     """A lower bound on a layout's estimated step (``figures.priced``), 10% below what it must
-    take: ``known`` seconds (a sibling's compute and tensor-parallel and pipeline traffic: the
-    layouts of one family share their local shapes, so these are the same), plus fully_shard's
+    take: ``known`` seconds (a sibling's flops' seconds and tensor-parallel and pipeline
+    traffic: the layouts of one family share their local shapes, so these are the same; their
+    operators differ, fully_shard's add some, so they count 0), plus fully_shard's
     gathers (one per forward, one more per backward when resharding) and reduce-scatter of
     the unit's bytes, ``(n - 1) / n`` of them per rank, plus a data axis's all-reduce of the
     gradients' share (at least ``(n - 1) / n`` of it)."""

@@ -94,7 +94,6 @@ class Simulation:
         self.recorder = Recorder(world_size)
         self._flops = 0
         self._ops = 0
-        self._written = 0
 
     # ---- the block -------------------------------------------------------------------------
     def __enter__(self) -> "Simulation":
@@ -130,10 +129,6 @@ class Simulation:
         from torch.utils.flop_counter import flop_registry
 
         self._ops += 1
-        for t in torch.utils._pytree.tree_leaves(out):
-            if isinstance(t, torch.Tensor) and not t._is_view():
-                t = getattr(t, "_local", t)
-                self._written += t.numel() * t.element_size()
         formula = flop_registry.get(func._overloadpacket)
         if formula is None:
             return
@@ -178,11 +173,6 @@ class Simulation:
         """The floating-point operations this simulation's rank computes (torch's flop
         formulas on its pieces, for the ops that have one: matmuls, convolutions, attention)."""
         return self._flops
-
-    def bytes_written(self) -> int:
-        """The bytes this simulation's rank's operators wrote (their outputs that are not
-        views): the memory traffic of the work that is not a matmul."""
-        return self._written
 
     def operators(self) -> int:
         """How many operators this simulation's rank dispatched (each one a rank's eager

@@ -213,3 +213,24 @@ def test_blocks_are_the_largest_run_of_one_class():
     assert len(twin.model.layers) == 1 and len(model.model.layers) == 3
     with pytest.raises(GlobalTensorError, match="blocks"):
         Blocks(nn.Linear(2, 2))
+
+
+def test_the_estimate_prices_work_traffic_and_a_pipelines_bubble():
+    import numpy as np
+
+    from globaltensor.auto.figures import Figures, priced
+    world = 8
+    f = Figures(np.zeros(world), {}, {("all_gather", "fsdp"): np.full(world, 3)},
+                {("all_gather", "fsdp"): np.full(world, 2 * 10**9)}, flops=4e12, ops=1000)
+    links = Links(alpha=1e-3, bandwidth=1e9, overhead=1e-5)
+    step, sent = priced(f, Layout(pp=2, fsdp=4, microbatches=2), links, rate=1e12)
+    work = 4.0 + 1000 * 1e-5  # the stage's flops over the rate, its operators' overhead
+    assert step.compute == pytest.approx(work * 1.5)  # 1F1B's (2 + 2 - 1) / 2
+    assert step.matmul == pytest.approx(4.0 * 1.5)
+    assert step.communication == {"fsdp": pytest.approx(3e-3 + 2.0)}
+    assert sent == {"fsdp": 2 * 10**9}
+    assert step.total == pytest.approx(work * 1.5 + 2.003)
+    # two ranks to a processor: an idle stage's share goes to the busy one
+    shared = Links(alpha=1e-3, bandwidth=1e9, overhead=1e-5, ranks_per_processor=2)
+    step, _ = priced(f, Layout(pp=2, fsdp=4, microbatches=2), shared, rate=1e12)
+    assert step.compute == pytest.approx(work)
