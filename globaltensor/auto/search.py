@@ -16,6 +16,8 @@
 from __future__ import annotations
 
 import math
+import os
+import pickle
 from dataclasses import dataclass, field, replace
 
 import torch
@@ -147,9 +149,12 @@ def _simulate_all(job: _Job, todo: list[Layout], progress: bool) -> list[Row]:
     bar, rows, known = _bar(len(todo), progress), [], {}
     try:
         rest = []
-        for members in families.values():
+        groups = list(families.values())
+        for members in groups:
             members.sort(key=lambda l: -l.fsdp)
-            first = _row(job, members[0], _estimate(job, members[0]))
+        firsts = _estimates(job, [m[0] for m in groups])
+        for members, figures in zip(groups, firsts):
+            first = _row(job, members[0], figures)
             rows.append(first)
             bar.update(1)
             if not first.fits:
@@ -183,13 +188,85 @@ def _bound(job: _Job, layout: Layout, known: dict) -> float:
 
 
 def _estimate(job: _Job, layout: Layout, whole: bool = False) -> Figures:
-    per_stage = math.ceil(len(job.blocks) / layout.pp)
-    if whole or per_stage <= 2:
-        return _simulated(job, layout, per_stage)
-    return extrapolated(_simulated(job, layout, 1), _simulated(job, layout, 2), per_stage)
+    return _estimates(job, [layout], whole)[0]
 
 
-def _simulated(job: _Job, layout: Layout, per_stage: int) -> Figures:
+def _estimates(job: _Job, layouts: list[Layout], whole: bool = False) -> list[Figures]:
+    """Each layout's figures: simulated whole where a stage holds at most two blocks (or
+    ``whole``), else extrapolated from one and two blocks per stage."""
+    tasks, plans = [], []
+    for layout in layouts:
+        per_stage = math.ceil(len(job.blocks) / layout.pp)
+        counts = [per_stage] if whole or per_stage <= 2 else [1, 2]
+        plans.append((len(tasks), counts, per_stage))
+        tasks += [(layout, k) for k in counts]
+    done = _simulations(job, tasks)
+    return [done[at] if len(counts) == 1 else extrapolated(done[at], done[at + 1], per_stage)
+            for at, counts, per_stage in plans]
+
+
+def _simulations(job: _Job, tasks: list) -> list[Figures]:
+    """:func:`_simulated_here` of each ``(layout, per_stage)``, each in a fork of this process
+    (where there is one), as many at once as this process may use cores: what one simulation
+    leaves behind in the process (a cache, a registry) cannot reach the next, so a layout's
+    figures do not depend on the order the layouts are simulated in."""
+    for layout, per_stage in tasks:
+        job.template(per_stage * layout.pp)  # made here, so every fork starts from it
+    if not hasattr(os, "fork"):
+        return [_simulated_here(job, *t) for t in tasks]
+    workers = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
+    results, running = [None] * len(tasks), []
+    for i, task in enumerate(tasks):
+        if len(running) >= workers:
+            _collect(running.pop(0), results)
+        running.append((i, task, *_fork(job, *task)))
+    for item in running:
+        _collect(item, results)
+    return results
+
+
+def _fork(job: _Job, layout: Layout, per_stage: int):
+    read, write = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: simulate, send the figures (or the error), leave at once
+        code = 0
+        try:
+            os.close(read)
+            try:
+                out = ("ok", _simulated_here(job, layout, per_stage))
+            except BaseException as e:  # noqa: BLE001 - raised again in the parent
+                out, code = ("error", e if _picklable(e) else GlobalTensorError(repr(e))), 1
+            with os.fdopen(write, "wb") as f:
+                pickle.dump(out, f)
+        finally:
+            os._exit(code)
+    os.close(write)
+    return pid, read
+
+
+def _collect(item, results) -> None:
+    i, (layout, _), pid, read = item
+    with os.fdopen(read, "rb") as f:
+        data = f.read()
+    os.waitpid(pid, 0)
+    if not data:
+        raise GlobalTensorError(f"gt.auto_layout: the simulation of {layout} ended without "
+                                f"an answer (its process was killed: out of memory?)")
+    kind, value = pickle.loads(data)
+    if kind == "error":
+        raise value
+    results[i] = value
+
+
+def _picklable(e) -> bool:
+    try:
+        pickle.loads(pickle.dumps(e))
+        return True
+    except Exception:  # noqa: BLE001 - any failure to round-trip
+        return False
+
+
+def _simulated_here(job: _Job, layout: Layout, per_stage: int) -> Figures:
     """Two training steps of ``layout`` with ``per_stage`` blocks per stage, simulated; for a
     pipeline once from its first stage's first rank and once from its last's."""
     per = layout.world // layout.pp
