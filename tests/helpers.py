@@ -546,3 +546,50 @@ def assert_matches(expected, got, loss_tol=1e-5, tol=1e-4):
     assert es.keys() == gs.keys()
     for k in es:
         torch.testing.assert_close(gs[k], es[k], atol=tol, rtol=tol, msg=k)
+
+
+# ----------------------------------------------------------------------------- gt.auto_layout
+# (tests/core/test_auto_layout.py, tests/ranks/test_auto_layout_applied.py)
+
+
+def llama(layers=4):
+    import transformers
+
+    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
+                                   num_hidden_layers=layers, num_attention_heads=4,
+                                   num_key_value_heads=2, attn_implementation="sdpa",
+                                   tie_word_embeddings=False)
+    return transformers.LlamaForCausalLM(cfg)
+
+
+class Attention(torch.nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.heads = heads
+        self.q, self.k, self.v, self.o = (torch.nn.Linear(h, h) for _ in range(4))
+
+    def forward(self, x):
+        b, t, h = x.shape
+        q, k, v = (p(x).view(b, t, self.heads, h // self.heads).transpose(1, 2)
+                   for p in (self.q, self.k, self.v))
+        y = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.o(y.transpose(1, 2).reshape(b, t, h))
+
+
+class GPTBlock(torch.nn.Module):
+    def __init__(self, h, heads):
+        super().__init__()
+        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
+        self.attn = Attention(h, heads)
+        self.up, self.down = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln1(x))
+        return x + self.down(torch.nn.functional.gelu(self.up(self.ln2(x))))
+
+
+def gpt(vocab=64, h=32, heads=4, layers=4):
+    """An nn.Sequential GPT: embedding, pre-norm blocks of causal attention and an MLP, norm, head."""
+    return torch.nn.Sequential(torch.nn.Embedding(vocab, h),
+                               *[GPTBlock(h, heads) for _ in range(layers)],
+                               torch.nn.LayerNorm(h), torch.nn.Linear(h, vocab, bias=False))

@@ -1,11 +1,10 @@
 """gt.auto_layout in one process: the Megatron plan found from the model, the candidates and
 their bounds, the search's table against gt.simulate of the same layouts, the user's plan kept,
-and bad input. (Real runs of applied layouts: tests/ranks/test_auto_layout.py.)"""
+and bad input. (Real runs of applied layouts: tests/ranks/test_auto_layout_applied.py.)"""
 import pytest
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-import transformers
 
 import globaltensor as gt
 from globaltensor.auto.build import Blocks, apply, make_placement, stage_modules, train_step
@@ -13,47 +12,9 @@ from globaltensor.auto.figures import measured, snapshot
 from globaltensor.auto.megatron import find_plan, patterns
 from globaltensor.auto.space import Batch, Layout, Links, enumerate_layouts, static_bound
 from globaltensor.errors import GlobalTensorError
+from helpers import gpt, llama
 
 S, B = gt.sbp.split, gt.sbp.broadcast
-
-
-def llama(layers=4):
-    cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
-                                   num_hidden_layers=layers, num_attention_heads=4,
-                                   num_key_value_heads=2, attn_implementation="sdpa",
-                                   tie_word_embeddings=False)
-    return transformers.LlamaForCausalLM(cfg)
-
-
-class Attention(nn.Module):
-    def __init__(self, h, heads):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (nn.Linear(h, h) for _ in range(4))
-
-    def forward(self, x):
-        b, t, h = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, h // self.heads).transpose(1, 2)
-                   for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, h))
-
-
-class GPTBlock(nn.Module):
-    def __init__(self, h, heads):
-        super().__init__()
-        self.ln1, self.ln2 = nn.LayerNorm(h), nn.LayerNorm(h)
-        self.attn = Attention(h, heads)
-        self.up, self.down = nn.Linear(h, 4 * h), nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
-def gpt(vocab=64, h=32, heads=4, layers=4):
-    return nn.Sequential(nn.Embedding(vocab, h), *[GPTBlock(h, heads) for _ in range(layers)],
-                         nn.LayerNorm(h), nn.Linear(h, vocab, bias=False))
 
 
 def _run(batch):

@@ -12,7 +12,7 @@ from globaltensor.auto.build import Blocks, apply, make_placement, train_step
 from globaltensor.auto.megatron import find_plan, patterns
 from globaltensor.auto.space import Batch, Layout
 from globaltensor.testing import run_ranks
-from tests.core.test_auto_layout import gpt
+from helpers import gpt
 
 TIMEOUT = 120
 S, B = gt.sbp.split, gt.sbp.broadcast
