@@ -338,16 +338,20 @@ def _verify(job: _Job, rows: list[Row]) -> list[Row]:
 
 
 def _nothing_fits(table: Table) -> str:
-    near = min((r for r in table.rows if not r.skipped and r.peak), key=lambda r: r.peak,
-               default=None)
+    """The error's text: the closest simulated layout (else the closest by the bound, whose
+    figure is then a lower bound), its peak, what it lacks, what its peak holds."""
+    simulated = [r for r in table.rows if r.step is not None]
+    bounded = [r for r in table.rows if r.step is None and not r.skipped and r.peak]
+    near = min(simulated or bounded, key=lambda r: r.peak, default=None)
     if near is None:
         return f"gt.auto_layout: no layout of {table.world} ranks was found for this model"
     lack = near.peak - table.budget
-    what = (", ".join(f"{k} {gib(v)}" for k, v in near.kinds.items() if v)
-            or "parameters, gradients and optimizer state")
+    what = (", ".join(f"{k} {gib(v)}" for k, v in near.kinds.items() if v) if near.kinds
+            else "parameters, gradients and optimizer state alone")
+    needs = "needs" if simulated else "needs at least"
     return (f"gt.auto_layout: expected a layout whose peak fits memory_per_rank={gib(table.budget)}"
             f"; found none among {len(table.rows)} on {table.world} ranks. The closest, {near.layout}, "
-            f"needs {gib(near.peak)} per rank ({gib(lack)} more; at its peak: {what}). Give more "
+            f"{needs} {gib(near.peak)} per rank ({gib(lack)} more; at its peak: {what}). Give more "
             f"ranks or memory, a smaller batch, or a lower precision (build the model in bf16)")
 
 

@@ -148,8 +148,15 @@ def test_pipelines_are_candidates_of_a_sequential_model():
 
 
 def test_nothing_fits_names_the_closest_candidate():
-    with pytest.raises(GlobalTensorError, match=r"closest, .* needs .* per rank .* more"):
+    # all pruned by the bound: its figure is a lower bound
+    with pytest.raises(GlobalTensorError, match=r"closest, .* needs at least .* per rank .* "
+                                                r"more; at its peak: parameters, gradients"):
         gt.auto_layout(lambda: llama(2), 4, memory_per_rank=2**16, batch=(8, 16),
+                       progress=False, candidates={"pp": [1], "checkpoint": [True]})
+    # simulated, none fits: the closest simulated one, and what its peak holds
+    with pytest.raises(GlobalTensorError, match=r"The closest, .*checkpoint, needs [\d.]+ MiB "
+                                                r"per rank .* activations"):
+        gt.auto_layout(lambda: llama(2), 4, memory_per_rank=2**20, batch=(8, 32),
                        progress=False, candidates={"pp": [1], "checkpoint": [True]})
 
 
