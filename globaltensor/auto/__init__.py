@@ -6,6 +6,7 @@
     build.py     a layout applied to a model: blocks, to_global / fully_shard / checkpointing /
                  Pipeline, the code that spells it, one training step
     figures.py   a simulation's per-rank figures, extrapolated over blocks and priced
+    forks.py     each simulation in a fork of the searching process, a few at once
     search.py    the search: bounds, simulations, verification
     table.py     the answer: rows, best first, printable and appliable
 """

@@ -16,13 +16,12 @@
 from __future__ import annotations
 
 import math
-import os
-import pickle
 from dataclasses import dataclass, field, replace
 
 import torch
 
 from ..errors import GlobalTensorError
+from . import forks
 from .build import Blocks, apply, code, loss_of, make_placement, train_step
 from .figures import Figures, extrapolated, measured, priced, snapshot
 from .megatron import find_plan, patterns
@@ -207,63 +206,13 @@ def _estimates(job: _Job, layouts: list[Layout], whole: bool = False) -> list[Fi
 
 def _simulations(job: _Job, tasks: list) -> list[Figures]:
     """:func:`_simulated_here` of each ``(layout, per_stage)``, each in a fork of this process
-    (where there is one), as many at once as this process may use cores: what one simulation
-    leaves behind in the process (a cache, a registry) cannot reach the next, so a layout's
-    figures do not depend on the order the layouts are simulated in."""
+    (``forks.py``): what one simulation leaves behind in the process (a cache, a registry)
+    cannot reach the next, so a layout's figures do not depend on the order the layouts are
+    simulated in."""
     for layout, per_stage in tasks:
         job.template(per_stage * layout.pp)  # made here, so every fork starts from it
-    if not hasattr(os, "fork"):
-        return [_simulated_here(job, *t) for t in tasks]
-    workers = max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else 1)
-    results, running = [None] * len(tasks), []
-    for i, task in enumerate(tasks):
-        if len(running) >= workers:
-            _collect(running.pop(0), results)
-        running.append((i, task, *_fork(job, *task)))
-    for item in running:
-        _collect(item, results)
-    return results
-
-
-def _fork(job: _Job, layout: Layout, per_stage: int):
-    read, write = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the child: simulate, send the figures (or the error), leave at once
-        code = 0
-        try:
-            os.close(read)
-            try:
-                out = ("ok", _simulated_here(job, layout, per_stage))
-            except BaseException as e:  # noqa: BLE001 - raised again in the parent
-                out, code = ("error", e if _picklable(e) else GlobalTensorError(repr(e))), 1
-            with os.fdopen(write, "wb") as f:
-                pickle.dump(out, f)
-        finally:
-            os._exit(code)
-    os.close(write)
-    return pid, read
-
-
-def _collect(item, results) -> None:
-    i, (layout, _), pid, read = item
-    with os.fdopen(read, "rb") as f:
-        data = f.read()
-    os.waitpid(pid, 0)
-    if not data:
-        raise GlobalTensorError(f"gt.auto_layout: the simulation of {layout} ended without "
-                                f"an answer (its process was killed: out of memory?)")
-    kind, value = pickle.loads(data)
-    if kind == "error":
-        raise value
-    results[i] = value
-
-
-def _picklable(e) -> bool:
-    try:
-        pickle.loads(pickle.dumps(e))
-        return True
-    except Exception:  # noqa: BLE001 - any failure to round-trip
-        return False
+    return forks.run_all(lambda layout, per_stage: _simulated_here(job, layout, per_stage),
+                         tasks, describe=lambda task: str(task[0]))
 
 
 def _simulated_here(job: _Job, layout: Layout, per_stage: int) -> Figures:

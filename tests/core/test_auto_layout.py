@@ -202,3 +202,25 @@ def test_the_estimate_prices_work_traffic_and_a_pipelines_bubble():
     shared = Links(alpha=1e-3, bandwidth=1e9, overhead=1e-5, ranks_per_processor=2)
     step, _ = priced(f, Layout(pp=2, fsdp=4, microbatches=2), shared, rate=1e12)
     assert step.compute == pytest.approx(work)
+
+
+def test_simulations_run_in_forks_that_answer_fail_or_are_stopped(monkeypatch):
+    import time
+
+    from globaltensor.auto import forks
+    seen = []
+
+    def double(x):
+        seen.append(x)  # in the child: the parent's list stays empty
+        return 2 * x
+    assert forks.run_all(double, [(1,), (2,), (3,)]) == [2, 4, 6] and seen == []
+
+    def bad(x):
+        raise ValueError(f"bad {x}")
+    with pytest.raises(ValueError, match="bad 1"):
+        forks.run_all(bad, [(1,), (2,)])
+    monkeypatch.setattr(forks, "TIMEOUT_S", 0.5)
+    start = time.monotonic()
+    with pytest.raises(GlobalTensorError, match=r"to finish within 0.5 s"):
+        forks.run_all(lambda: time.sleep(30), [()], describe=lambda t: "a slow layout")
+    assert time.monotonic() - start < 10
