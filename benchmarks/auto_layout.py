@@ -34,7 +34,9 @@ import sys
 import time
 
 import torch
-import torch.nn.functional as F
+
+# the tests' models (tests/helpers.py): the quality benchmark trains their nn.Sequential GPT
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
 
 SHAPE_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
                 num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
@@ -45,36 +47,11 @@ SHAPE_8B = dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, nu
 TITAN_8B = "fsdp over all ranks, tp 1, pp 1, selective checkpointing"
 
 
-class Attention(torch.nn.Module):
-    def __init__(self, h, heads):
-        super().__init__()
-        self.heads = heads
-        self.q, self.k, self.v, self.o = (torch.nn.Linear(h, h) for _ in range(4))
-
-    def forward(self, x):
-        b, t, h = x.shape
-        q, k, v = (p(x).view(b, t, self.heads, h // self.heads).transpose(1, 2)
-                   for p in (self.q, self.k, self.v))
-        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.o(y.transpose(1, 2).reshape(b, t, h))
-
-
-class Block(torch.nn.Module):
-    def __init__(self, h, heads):
-        super().__init__()
-        self.ln1, self.ln2 = torch.nn.LayerNorm(h), torch.nn.LayerNorm(h)
-        self.attn = Attention(h, heads)
-        self.up, self.down = torch.nn.Linear(h, 4 * h), torch.nn.Linear(4 * h, h)
-
-    def forward(self, x):
-        x = x + self.attn(self.ln1(x))
-        return x + self.down(F.gelu(self.up(self.ln2(x))))
-
-
 def gpt(vocab=8192, h=512, heads=8, layers=8) -> torch.nn.Sequential:
-    return torch.nn.Sequential(torch.nn.Embedding(vocab, h),
-                               *[Block(h, heads) for _ in range(layers)],
-                               torch.nn.LayerNorm(h), torch.nn.Linear(h, vocab, bias=False))
+    """The quality benchmark's model: the tests' nn.Sequential GPT (tests/helpers.py), larger."""
+    from helpers import gpt as sequential_gpt
+
+    return sequential_gpt(vocab=vocab, h=h, heads=heads, layers=layers)
 
 
 # ------------------------------------------------------------------------------------ --scale
