@@ -5,13 +5,14 @@
 2. The tensor-parallel plan: the user's ``sbp_plan`` (``candidates={"sbp_plan": ...}``) or the
    Megatron pairs found from one forward on meta (``megatron.py``).
 3. Every layout of the world (``space.py``) whose parameters, gradients and optimizer state
-   alone fit (the bound) is simulated: the model with one block per stage, then two, each for
-   two training steps (the optimizer's state lives in the second), played from one rank of
-   each rank class (a pipeline's first and last stage); each figure is extrapolated to the
-   model's blocks (``figures.py``). Of a layout's variants, slower ones (checkpointing,
-   resharding) are simulated only while the faster ones do not fit.
-4. The fastest that fit by the estimate are simulated whole, until one fits whole: that row is
-   "verified", and first in the table.
+   alone fit (the bound) is a candidate. Each is simulated (in a fork, ``forks.py``) with one
+   block per stage, then two, for two training steps (the optimizer's state lives in the
+   second), played from one rank (a pipeline's first and last stage's); each figure is
+   extrapolated to the model's blocks (``figures.py``). Each dp x fsdp family's most sharded
+   member goes first: where it does not fit, no member does. The rest follow in the order
+   of a lower bound on their step, until the bound cannot beat the fastest that fits.
+4. The fastest that fits by the estimate is simulated whole, until the fastest is one
+   simulated whole: that row is "verified", and first in the table.
 """
 from __future__ import annotations
 

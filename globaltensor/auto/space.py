@@ -16,7 +16,7 @@ from typing import Callable
 
 from ..errors import GlobalTensorError
 
-__all__ = ["Batch", "Links", "Layout", "enumerate_layouts", "static_bound"]
+__all__ = ["Batch", "Links", "Layout", "enumerate_layouts", "static_bound", "time_bound"]
 
 
 @dataclass(frozen=True)

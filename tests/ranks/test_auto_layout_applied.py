@@ -90,3 +90,40 @@ def test_the_pasted_code_lays_out_what_apply_does():
                 [(n, p.placement, p.sbp) for n, p in model.named_parameters()])
     for want, got in run_ranks(body, 4, timeout=TIMEOUT):
         assert got == want and any(s != (B, B) for _, _, s in got)
+
+
+def test_an_hf_model_laid_out_by_the_table_trains_as_one_process():
+    # the user's spelling: search, then table[0].apply(model) on HF Llama (its plan found from
+    # the model: q/k/v/gate/up column-wise, o/down row-wise, embedding and head on the
+    # vocabulary), fully_shard and checkpointing on a 2x2 grid
+    from helpers import llama
+    table = gt.auto_layout(lambda: llama(2), 4, memory_per_rank="1GiB", batch=(8, 16),
+                           progress=False, candidates={"fsdp": [2], "tp": [2], "checkpoint": [True],
+                                                       "reshard_after_forward": [True]})
+    row = table[0]
+    assert dict(row.layout.plan)["model.layers.*.self_attn.q_proj"] == "colwise"
+    torch.manual_seed(0)
+    reference = llama(2)
+    ids = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    model = copy.deepcopy(reference)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    expected = []
+    for _ in range(2):
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        expected.append(loss.item())
+
+    def body(rank):
+        m = row.apply(copy.deepcopy(reference), "cpu")
+        sgd = torch.optim.SGD(m.parameters(), lr=0.1)
+        grid = make_placement(row.layout, "cpu")
+        x = ids.to_global(grid, (B, B)).to_global(sbp=(S(0), B))
+        losses = [float(train_step(m, row.layout, Batch((8, 16)), x, sgd).detach())
+                  for _ in range(2)]
+        return losses, [p.full_tensor() for p in m.parameters()]
+    for losses, params in run_ranks(body, 4, timeout=TIMEOUT):
+        assert losses == pytest.approx(expected, rel=1e-5)
+        for got, want in zip(params, model.parameters()):
+            torch.testing.assert_close(got, want.detach(), rtol=1e-4, atol=1e-5)
