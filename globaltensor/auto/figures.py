@@ -1,5 +1,5 @@
 """What one simulated layout costs: every rank's peak by kind, the second step's traffic per
-axis, its flops and operators; extrapolated from one and two blocks per stage to the model's
+axis, its flops and operators; extrapolated from two and three blocks per stage to the model's
 blocks, and priced with the links' figures. Pure arithmetic on numpy vectors (one entry per
 rank)."""
 from __future__ import annotations
@@ -58,11 +58,12 @@ def measured(sim, mark, stage_ranks=None, other=None) -> Figures:
                    float(sim.operators() - ops0))
 
 
-def extrapolated(one: Figures, two: Figures, blocks: int) -> Figures:
-    """Figures for ``blocks`` blocks per stage from those of one and two: each figure grows by
-    its second block's increment per further block (a block's parameters, its gradients, its
-    optimizer state, its saved activations, its gathers and reductions, its flops)."""
-    n = blocks - 1
+def extrapolated(one: Figures, two: Figures, blocks: int, first: int = 1) -> Figures:
+    """Figures for ``blocks`` blocks per stage from those of ``first`` and ``first + 1``: each
+    figure grows by the last block's increment per further block (a block's parameters, its
+    gradients, its optimizer state, its saved activations, its gathers and reductions, its
+    flops)."""
+    n = blocks - first
 
     def line(a, b):
         return np.maximum(a + n * (b - a), 0)

@@ -5,8 +5,8 @@
 2. The tensor-parallel plan: the user's ``sbp_plan`` (``candidates={"sbp_plan": ...}``) or the
    Megatron pairs found from one forward on meta (``megatron.py``).
 3. Every layout of the world (``space.py``) whose parameters, gradients and optimizer state
-   alone fit (the bound) is a candidate. Each is simulated (in a fork, ``forks.py``) with one
-   block per stage, then two, for two training steps (the optimizer's state lives in the
+   alone fit (the bound) is a candidate. Each is simulated (in a fork, ``forks.py``) with two
+   blocks per stage, then three, for two training steps (the optimizer's state lives in the
    second), played from one rank (a pipeline's first and last stage's); each figure is
    extrapolated to the model's blocks (``figures.py``). Each dp x fsdp family's most sharded
    member goes first: where it does not fit, no member does. The rest follow in the order
@@ -192,16 +192,19 @@ def _estimate(job: _Job, layout: Layout, whole: bool = False) -> Figures:
 
 
 def _estimates(job: _Job, layouts: list[Layout], whole: bool = False) -> list[Figures]:
-    """Each layout's figures: simulated whole where a stage holds at most two blocks (or
-    ``whole``), else extrapolated from one and two blocks per stage."""
+    """Each layout's figures: simulated whole where a stage holds at most three blocks (or
+    ``whole``), else extrapolated from two and three blocks per stage."""
     tasks, plans = [], []
     for layout in layouts:
         per_stage = math.ceil(len(job.blocks) / layout.pp)
-        counts = [per_stage] if whole or per_stage <= 2 else [1, 2]
+        # two and three blocks: with one, fully_shard's prefetch and the loss's moment shift the
+        # peak, and its increment is not a middle block's
+        counts = [per_stage] if whole or per_stage <= 3 else [2, 3]
         plans.append((len(tasks), counts, per_stage))
         tasks += [(layout, k) for k in counts]
     done = _simulations(job, tasks)
-    return [done[at] if len(counts) == 1 else extrapolated(done[at], done[at + 1], per_stage)
+    return [done[at] if len(counts) == 1 else
+            extrapolated(done[at], done[at + 1], per_stage, first=counts[0])
             for at, counts, per_stage in plans]
 
 
@@ -268,10 +271,10 @@ def _row(job: _Job, layout: Layout, f: Figures, status: str | None = None) -> Ro
     peak = int(f.peak[worst])
     kinds = {k: int(v[worst]) for k, v in f.at_peak.items()}
     per_stage = math.ceil(len(job.blocks) / layout.pp)
-    status = status or (f"simulated with 1 and 2 blocks per stage, extrapolated to {per_stage}"
-                        if per_stage > 2 else "simulated whole")
+    status = status or (f"simulated with 2 and 3 blocks per stage, extrapolated to {per_stage}"
+                        if per_stage > 3 else "simulated whole")
     return Row(layout, peak <= job.budget, peak, kinds, sent, step, status,
-               verified=per_stage <= 2)
+               verified=per_stage <= 3)
 
 
 def _verify(job: _Job, rows: list[Row]) -> list[Row]:

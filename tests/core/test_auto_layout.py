@@ -108,7 +108,7 @@ def test_the_table_agrees_with_gt_simulate_and_fits_its_budget():
     # the verified row is the layout simulated whole: its peak and traffic are gt.simulate's
     direct = _simulated(lambda: llama(6), best.layout, batch, 4)
     assert best.peak == int(direct.peak.max())
-    # an extrapolated row (one and two blocks) against the whole model simulated: the traffic
+    # an extrapolated row (two and three blocks) against the whole model simulated: the traffic
     # of every axis exactly (it is linear in the blocks), the peak within 3%
     row = next(r for r in table.fitting if not r.verified)
     whole = _simulated(lambda: llama(6), row.layout, batch, 4)
