@@ -135,8 +135,8 @@ def _run_layout(rank, fields, plan, steps):
         target = gt.auto.build.apply(model, layout, "cpu")
         opt = torch.optim.AdamW(target.parameters(), lr=1e-4)
         grid = gt.auto.build.make_placement(layout, "cpu", 0)
-        sbp = tuple(gt.sbp.broadcast if n == "tp" else gt.sbp.split(0) for n in grid.axes)
-        ids = gt.randint(0, VOCAB, (SEQS, TOKENS), placement=grid, sbp=sbp)
+        ids = gt.randint(0, VOCAB, (SEQS, TOKENS), placement=grid,
+                         sbp=gt.auto.build.batch_sbp(grid))
         for _ in range(2):
             gt.auto.build.train_step(target, layout, batch, ids, opt)
     times = []

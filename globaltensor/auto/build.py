@@ -19,7 +19,7 @@ from ..errors import GlobalTensorError
 from .megatron import plan_fn
 from .space import Batch, Layout
 
-__all__ = ["Blocks", "apply", "code", "checkpoint", "make_placement", "train_step"]
+__all__ = ["Blocks", "apply", "batch_sbp", "code", "checkpoint", "make_placement", "train_step"]
 
 
 class Blocks:
@@ -94,6 +94,14 @@ def make_placement(layout: Layout, device: str = "cpu", stage: int = 0):
     per = layout.world // layout.pp
     ranks = torch.arange(stage * per, (stage + 1) * per).reshape([d for _, d in axes])
     return placement(device, ranks.tolist(), axes=tuple(n for n, _ in axes))
+
+
+def batch_sbp(grid) -> tuple:
+    """The batch's sbp on a stage's placement: split on dim 0 over the data axes ("dp",
+    "fsdp"), broadcast over "tp"."""
+    from ..sbp import broadcast, split
+
+    return tuple(broadcast if n == "tp" else split(0) for n in grid.axes)
 
 
 def checkpoint(module: torch.nn.Module) -> torch.nn.Module:

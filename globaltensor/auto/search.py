@@ -23,7 +23,7 @@ import torch
 
 from ..errors import GlobalTensorError
 from . import forks
-from .build import Blocks, apply, code, loss_of, make_placement, train_step
+from .build import Blocks, apply, batch_sbp, loss_of, make_placement, train_step
 from .figures import Figures, extrapolated, measured, priced, snapshot
 from .megatron import find_plan, patterns
 from .space import Batch, Layout, Links, enumerate_layouts, static_bound, time_bound
@@ -245,7 +245,6 @@ def _simulated_here(job: _Job, layout: Layout, per_stage: int) -> Figures:
 
 def _one(job: _Job, layout: Layout, per_stage: int, rank: int):
     from ..factories import randint
-    from ..sbp import broadcast, split
     from ..sim.simulate import simulate
 
     keep = per_stage * layout.pp
@@ -257,8 +256,7 @@ def _one(job: _Job, layout: Layout, per_stage: int, rank: int):
         params = target.parameters()
         opt = (job.batch.optimizer or (lambda p: torch.optim.AdamW(p, lr=1e-4)))(params)
         grid = make_placement(layout, "cpu", 0)
-        sbp = tuple(broadcast if n == "tp" else split(0) for n in grid.axes)
-        ids = randint(0, job.vocab, job.batch.shape, placement=grid, sbp=sbp)
+        ids = randint(0, job.vocab, job.batch.shape, placement=grid, sbp=batch_sbp(grid))
         train_step(target, layout, job.batch, ids, opt)
         mark = snapshot(sim)
         train_step(target, layout, job.batch, ids, opt)

@@ -4,7 +4,6 @@ and bad input. (Real runs of applied layouts: tests/ranks/test_auto_layout_appli
 import pytest
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import globaltensor as gt
 from globaltensor.auto.build import Blocks, apply, make_placement, stage_modules, train_step
